@@ -1,0 +1,36 @@
+# Two entry points a new user needs:
+#   make run   -> set up .venv, write the demo model, generate with it
+#   make test  -> set up .venv with dev tools, lint, check architecture, run the tests
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEMO := .demo-model
+PROMPT ?= The engine
+
+.PHONY: venv dev run test lint clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: the CPU build on this machine; anything else pulls CUDA.
+	$(BIN)/pip install -q torch==2.13.0
+
+venv: $(BIN)/python
+	$(BIN)/pip install -q -e '.[engine]'
+
+dev: $(BIN)/python
+	$(BIN)/pip install -q -e '.[engine,operator,dev]'
+
+run: venv
+	$(BIN)/tandem demo-model $(DEMO) --size tiny
+	$(BIN)/tandem generate --model $(DEMO) --max-tokens 32 "$(PROMPT)"
+
+lint: dev
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+test: lint
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) $(DEMO)

@@ -1,0 +1,17 @@
+"""Tandem engine: paged KV cache, continuous batching, chunked prefill."""
+
+from __future__ import annotations
+
+from tandem_engine.errors import CheckpointError, RequestRejected, TandemError
+from tandem_engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CheckpointError", "RequestRejected", "SamplingParams", "TandemError"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch; keep `import tandem_engine` light for tools that only need params.
+    if name == "LLM":
+        from tandem_engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'tandem_engine' has no attribute {name!r}")

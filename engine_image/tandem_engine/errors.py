@@ -1,0 +1,17 @@
+"""Errors a user of the engine can hit; each message names the input, the limit and the fix."""
+
+from __future__ import annotations
+
+
+class TandemError(Exception):
+    """Base class for every error Tandem raises on purpose."""
+
+
+class CheckpointError(TandemError):
+    """A checkpoint folder cannot be used: names the file, the tensor and what was expected."""
+
+
+class RequestRejected(TandemError, ValueError):
+    """A request cannot be accepted (prompt too long, bad sampling parameters...).
+
+    The engine keeps serving every other request."""

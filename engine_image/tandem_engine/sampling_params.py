@@ -1,0 +1,77 @@
+"""Per-request sampling and stopping parameters, in the shape vLLM users know."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem_engine.errors import RequestRejected
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's tokens and when to stop.
+
+    temperature 0 means greedy. `seed` makes sampling reproducible whatever else
+    shares the batch. `logprobs=n` returns the sampled token's logprob and the
+    top-n alternatives at each step (0 = only the sampled token's).
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Accept a single string / any iterable for stop like vLLM, store a tuple.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _validate(self) -> None:
+        def bad(name: str, value: object, limit: str) -> RequestRejected:
+            return RequestRejected(f"sampling parameter {name}={value!r} is invalid: {limit}")
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", self.min_tokens,
+                      f"must be an integer between 0 and max_tokens ({self.max_tokens})")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            raise bad("temperature", self.temperature, "must be between 0 and 100 (0 = greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "must be -1 or 0 (off) or a positive integer")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0
+                                      or self.seed >= 2**63):
+            raise bad("seed", self.seed, "must be an integer in [0, 2**63)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", self.logprobs, f"must be between 0 and {MAX_LOGPROBS}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"{len(self.stop)} strings", f"at most {MAX_STOP_STRINGS} allowed")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
+                raise bad("stop", s, f"each stop string must be 1..{MAX_STOP_STRING_CHARS} chars")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0:
+                raise bad("stop_token_ids", t, "token ids must be non-negative integers")
