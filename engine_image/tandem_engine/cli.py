@@ -1,0 +1,88 @@
+"""The `tandem` command: demo-model, generate."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from tandem_engine.errors import TandemError
+
+
+def _demo_model(args: argparse.Namespace) -> int:
+    from tandem_engine.demo_model import write_demo_model
+
+    path = write_demo_model(args.dir, arch=args.arch, seed=args.seed, size=args.size)
+    print(f"wrote {args.size} {args.arch} demo model (seed {args.seed}) to {path}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem_engine.llm import LLM
+    from tandem_engine.sampling_params import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+    start = time.perf_counter()
+    outputs = llm.generate(list(args.prompts), params)
+    elapsed = time.perf_counter() - start
+    total = 0
+    for prompt, out in zip(args.prompts, outputs, strict=True):
+        completion = out.outputs[0]
+        total += len(completion.token_ids)
+        print(f"--- prompt: {prompt!r}")
+        print(f"{prompt}{completion.text}")
+        print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]")
+    print(f"generated {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tok/s)",
+          file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo-model", help="write a deterministic demo checkpoint (offline)")
+    demo.add_argument("dir", help="folder to write the checkpoint into")
+    demo.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    demo.set_defaults(func=_demo_model)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("--model", required=True, help="checkpoint folder (HuggingFace format)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    gen.add_argument("--max-num-seqs", type=int, default=64)
+    gen.add_argument("--max-num-batched-tokens", type=int, default=512)
+    gen.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (TandemError, ValueError) as exc:
+        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

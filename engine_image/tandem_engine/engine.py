@@ -1,0 +1,245 @@
+"""The engine: `add_request`, `step`, `abort`, and what happens to a token once sampled.
+
+One `step()` = schedule → prepare inputs → forward → sample → post-process (append the
+token, detokenize, check stop conditions, release finished requests' blocks). Every
+phase is timed so benchmarks can show where a step's time goes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem_engine.checkpoint import load_checkpoint
+from tandem_engine.config import EngineConfig, ModelConfig
+from tandem_engine.errors import RequestRejected
+from tandem_engine.kv import KVCacheManager
+from tandem_engine.outputs import CompletionOutput, RequestOutput
+from tandem_engine.request import FinishReason, Logprob, Request
+from tandem_engine.runner import ModelRunner, num_kv_blocks, resolve_dtype
+from tandem_engine.sampler import Sampler, SampleResult
+from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.scheduler import Scheduler
+from tandem_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    num_running: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    schedule_s: float
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+    postprocess_s: float
+
+    @property
+    def total_s(self) -> float:
+        return (self.schedule_s + self.prepare_s + self.forward_s + self.sample_s
+                + self.postprocess_s)
+
+
+class LLMEngine:
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
+                 tensors: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
+        engine_config.validate()
+        self.model_config = model_config
+        self.config = engine_config
+        self.tokenizer = tokenizer
+        dtype = resolve_dtype(model_config, engine_config)
+        num_blocks = num_kv_blocks(model_config, engine_config, dtype)
+        self.kv = KVCacheManager(num_blocks, engine_config.block_size)
+
+        context = model_config.max_position_embeddings
+        if engine_config.max_model_len is not None and engine_config.max_model_len > context:
+            raise ValueError(
+                f"engine option max_model_len={engine_config.max_model_len} exceeds the "
+                f"model's context of {context} tokens (max_position_embeddings): lower it")
+        self.model_context = engine_config.max_model_len or context
+        # A request may never need more KV than the whole pool holds.
+        self.max_model_len = min(self.model_context, self.kv.capacity_tokens)
+
+        self.runner = ModelRunner(model_config, engine_config, tensors, num_blocks,
+                                  self.max_model_len)
+        self.scheduler = Scheduler(self.kv, engine_config.max_num_seqs,
+                                   engine_config.max_num_batched_tokens)
+        self.sampler = Sampler(engine_config.seed)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids or model_config.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+        self.step_timings: list[StepTiming] = []
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, engine_config: EngineConfig) -> LLMEngine:
+        model_config, tensors = load_checkpoint(path)
+        return cls(model_config, engine_config, tensors, Tokenizer.from_dir(path))
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    params: SamplingParams | None = None) -> Request:
+        """Queue a request. Raises RequestRejected (and changes nothing) if it cannot run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use; pick a new one")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
+        self._check_prompt(token_ids)
+        request = Request(request_id, token_ids, params, next(self._arrivals), prompt=text)
+        self.requests[request_id] = request
+        self._detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.scheduler.add(request)
+        return request
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestRejected("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(
+                f"prompt token id {bad!r} is outside the model's vocabulary [0, {vocab})")
+        if len(token_ids) > self.max_model_len:
+            raise RequestRejected(
+                f"prompt has {len(token_ids)} tokens, over this engine's limit of "
+                f"{self.max_model_len} (model context {self.model_context}, KV cache "
+                f"{self.kv.capacity_tokens} tokens): shorten the prompt or give the engine "
+                "a larger KV cache")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks are freed at once. False if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, FinishReason.ABORT)
+        self._pending_outputs.append(self._output(request))
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every request that got a token or finished."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        t0 = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if scheduled.empty:
+            return outputs
+        t1 = time.perf_counter()
+        prepared = self.runner.prepare(scheduled)
+        t2 = time.perf_counter()
+        batch = self.runner.forward(prepared)
+        t3 = time.perf_counter()
+        requests = batch.requests
+        result = self.sampler.sample(
+            batch.logits, [r.request_id for r in requests], [r.params for r in requests],
+            [self._banned_tokens(r) for r in requests])
+        t4 = time.perf_counter()
+        for chunk in scheduled.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        for row, request in enumerate(requests):
+            self._append_token(request, row, result)
+            outputs.append(self._output(request))
+        t5 = time.perf_counter()
+        self.step_timings.append(StepTiming(
+            num_running=len(scheduled.chunks),
+            num_prefill_tokens=scheduled.num_prefill_tokens,
+            num_decode_tokens=scheduled.num_decode_tokens,
+            schedule_s=t1 - t0, prepare_s=t2 - t1, forward_s=t3 - t2, sample_s=t4 - t3,
+            postprocess_s=t5 - t4))
+        return outputs
+
+    def _banned_tokens(self, request: Request) -> tuple[int, ...]:
+        p = request.params
+        if request.num_output_tokens >= p.min_tokens:
+            return ()
+        eos = () if p.ignore_eos else tuple(self.eos_token_ids)
+        return eos + p.stop_token_ids
+
+    def _append_token(self, request: Request, row: int, result: SampleResult) -> None:
+        token = result.token_ids[row]
+        request.token_ids.append(token)
+        p = request.params
+        if result.logprobs is not None and request.logprobs is not None:
+            lp = result.logprobs[row]
+            request.cumulative_logprob += lp
+            entry = {token: Logprob(lp, result.ranks[row])}
+            for rank, (tid, value) in enumerate(
+                    zip(result.top_ids[row], result.top_logprobs[row], strict=True), start=1):
+                entry.setdefault(tid, Logprob(value, rank))
+            request.logprobs.append(entry)
+
+        n_out = request.num_output_tokens
+        may_stop = n_out >= p.min_tokens
+        if may_stop and (token in p.stop_token_ids
+                         or (not p.ignore_eos and token in self.eos_token_ids)):
+            request.stop_reason = token if token in p.stop_token_ids else None
+            self._finish(request, FinishReason.STOP)
+            return
+        delta = self._detokenizers[request.request_id].push(token)
+        request.output_text += delta
+        if may_stop and p.stop and self._check_stop_strings(request, len(delta)):
+            self._finish(request, FinishReason.STOP)
+        elif n_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
+            self._finish(request, FinishReason.LENGTH)
+
+    @staticmethod
+    def _check_stop_strings(request: Request, delta_len: int) -> bool:
+        """Find a stop string that the newest text completed; trim the text at it."""
+        text = request.output_text
+        p = request.params
+        longest = max(len(s) for s in p.stop)
+        # Only a match that ends inside the new text is new.
+        search_from = max(0, len(text) - delta_len - longest + 1)
+        best: tuple[int, str] | None = None
+        for s in p.stop:
+            i = text.find(s, search_from)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return False
+        i, s = best
+        request.output_text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
+        request.stop_reason = s
+        return True
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.finish_reason = reason
+        self.scheduler.finish(request)
+        self.sampler.forget(request.request_id)
+        self._detokenizers.pop(request.request_id, None)
+        del self.requests[request.request_id]
+
+    def _output(self, request: Request) -> RequestOutput:
+        reason = request.finish_reason
+        completion = CompletionOutput(
+            index=0,
+            text=request.output_text,
+            token_ids=request.output_token_ids,
+            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None
+            else None,
+            logprobs=request.logprobs,
+            finish_reason=str(reason) if reason is not None else None,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             [completion], finished=reason is not None)

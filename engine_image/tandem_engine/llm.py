@@ -1,0 +1,71 @@
+"""`LLM`: the offline API in the shape vLLM users know.
+
+    llm = LLM(model="path/to/checkpoint", max_num_seqs=32)
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=16, temperature=0))
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+from tandem_engine.config import EngineConfig
+from tandem_engine.engine import LLMEngine
+from tandem_engine.outputs import RequestOutput
+from tandem_engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model: str | Path, **engine_options: object) -> None:
+        """`engine_options` are the fields of `EngineConfig` (block_size, num_blocks,
+        kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, max_model_len, dtype,
+        device, seed)."""
+        known = set(EngineConfig.__dataclass_fields__)
+        unknown = sorted(set(engine_options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        self.engine = LLMEngine.from_checkpoint(model, EngineConfig(**engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; one output per prompt, in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompt_list):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} "
+                                 "prompts: give one, or one per prompt")
+        ids = []
+        try:
+            for prompt, p in zip(prompt_list, params, strict=True):
+                request_id = f"llm-{next(self._ids)}"
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            self.engine.step()  # drain the abort outputs
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt given as token ids
+    return items

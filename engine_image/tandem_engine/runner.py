@@ -1,0 +1,116 @@
+"""The model runner: owns the device tensors (weights, KV pool, RoPE tables) and runs a step.
+
+It turns a `SchedulerOutput` into flat input tensors and attention metadata, runs the
+forward pass, and returns the logits of the rows that sample a token. It knows nothing
+of queues or stop conditions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem_engine.attention import AttentionMetadata, build_metadata
+from tandem_engine.config import EngineConfig, ModelConfig, normalize_dtype
+from tandem_engine.model import CausalLM, RotaryEmbedding, build_model
+from tandem_engine.request import Request
+from tandem_engine.scheduler import SchedulerOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(model_config: ModelConfig, engine_config: EngineConfig) -> str:
+    if engine_config.dtype == "auto":
+        return model_config.dtype
+    return normalize_dtype(engine_config.dtype, "engine option", "dtype")
+
+
+def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig, dtype: str) -> int:
+    """Blocks in the pool: the explicit count, or as many as the memory budget holds."""
+    if engine_config.num_blocks is not None:
+        return engine_config.num_blocks
+    per_block = engine_config.block_size * model_config.kv_bytes_per_token(
+        DTYPES[dtype].itemsize)
+    blocks = engine_config.kv_cache_memory_bytes // per_block
+    if blocks < 1:
+        raise ValueError(
+            f"engine option kv_cache_memory_bytes={engine_config.kv_cache_memory_bytes} holds "
+            f"no KV block; one block needs {per_block} bytes: raise the budget or set num_blocks"
+        )
+    return blocks
+
+
+@dataclass
+class PreparedStep:
+    """A step's inputs, laid out decodes first, ready for the forward pass."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [N] rows whose logits are sampled
+    requests: list[Request]  # the request of each sample row
+
+
+@dataclass
+class StepBatch:
+    """What a forward pass produced: the logits of the sampling rows and their requests."""
+
+    logits: torch.Tensor  # [N, vocab] float32
+    requests: list[Request]
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
+                 tensors: dict[str, torch.Tensor], num_blocks: int, max_model_len: int) -> None:
+        self.config = model_config
+        self.device = torch.device(engine_config.device)
+        self.dtype = DTYPES[resolve_dtype(model_config, engine_config)]
+        self.block_size = engine_config.block_size
+        self.model: CausalLM = build_model(
+            model_config, {k: v.to(self.dtype) for k, v in tensors.items()}, self.device)
+        self.rope = RotaryEmbedding(model_config.rope, model_config.head_dim, max_model_len,
+                                    self.device, self.dtype)
+        self.kv_cache = torch.zeros(
+            model_config.num_layers, 2, num_blocks * self.block_size,
+            model_config.num_kv_heads, model_config.head_dim,
+            dtype=self.dtype, device=self.device)
+
+    def prepare(self, scheduled: SchedulerOutput) -> PreparedStep:
+        bs = self.block_size
+        decodes = [c for c in scheduled.chunks if c.num_tokens == 1]
+        prefills = [c for c in scheduled.chunks if c.num_tokens > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        for chunk in decodes + prefills:
+            end = chunk.start + chunk.num_tokens
+            table = chunk.block_table
+            input_ids.extend(chunk.request.token_ids[chunk.start:end])
+            positions.extend(range(chunk.start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, end))
+            if chunk.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sample_requests.append(chunk.request)
+        meta = build_metadata(
+            decode_tables=[c.block_table for c in decodes],
+            decode_ctx_lens=[c.start + 1 for c in decodes],
+            prefill_specs=[(c.start, c.num_tokens, c.block_table) for c in prefills],
+            slot_mapping=slots, block_size=bs, device=self.device)
+        dev = self.device
+        return PreparedStep(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            requests=sample_requests,
+        )
+
+    @torch.inference_mode()
+    def forward(self, step: PreparedStep) -> StepBatch:
+        cos, sin = self.rope.lookup(step.positions)
+        hidden = self.model(step.input_ids, cos, sin, self.kv_cache, step.meta)
+        logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows))
+        return StepBatch(logits, step.requests)

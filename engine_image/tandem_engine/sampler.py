@@ -1,0 +1,106 @@
+"""Turning one step's logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+
+Logprobs are those of the model's raw distribution (before temperature and
+truncation), as vLLM and the OpenAI API report them. A request with a seed draws
+from its own generator, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem_engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None  # the sampled tokens' logprobs, when any row asked
+    ranks: list[int] | None  # the sampled tokens' ranks (1 = most likely)
+    top_ids: list[list[int]] | None  # per row: the top-n token ids (n = row's logprobs)
+    top_logprobs: list[list[float]] | None
+
+
+def top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) every token outside the top-k and outside the smallest set whose
+    probability reaches top_p. logits: [V] already divided by temperature."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Keep a token if the mass strictly before it is below top_p (the first always stays).
+        before = probs.cumsum(-1) - probs
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams,
+               generator: torch.Generator | None) -> int:
+    """Draw one token from one row of logits ([V], float32) under `params`."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    filtered = top_k_top_p_filter(logits / params.temperature, params.top_k, params.top_p)
+    probs = filtered.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self.generator
+        gen = self._request_generators.get(request_id)
+        if gen is None:
+            gen = self._request_generators[request_id] = torch.Generator().manual_seed(params.seed)
+        return gen
+
+    def forget(self, request_id: str) -> None:
+        self._request_generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str],
+               params: list[SamplingParams], banned: list[tuple[int, ...]]) -> SampleResult:
+        """logits: [N, V] float32, one row per request. `banned` token ids per row are
+        masked before sampling (stop tokens inside min_tokens)."""
+        raw = logits.cpu()
+        logits = raw
+        if any(banned):
+            logits = raw.clone()
+            for row, ids in enumerate(banned):
+                if ids:
+                    logits[row, list(ids)] = float("-inf")
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        tokens = [0] * len(params)
+        if greedy_rows:
+            picked = torch.argmax(logits[greedy_rows], dim=-1).tolist()
+            for row, tok in zip(greedy_rows, picked, strict=True):
+                tokens[row] = tok
+        for row, p in enumerate(params):
+            if not p.greedy:
+                tokens[row] = sample_row(logits[row], p, self.generator_for(request_ids[row], p))
+
+        want = [p.logprobs for p in params]
+        if all(n is None for n in want):
+            return SampleResult(tokens, None, None, None, None)
+        logprobs = torch.log_softmax(raw, dim=-1)
+        chosen_t = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1))
+        ranks = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
+        chosen = chosen_t.squeeze(1).tolist()
+        k = max(n or 0 for n in want)
+        top_ids: list[list[int]] = [[] for _ in params]
+        top_lps: list[list[float]] = [[] for _ in params]
+        if k:
+            values, indices = torch.topk(logprobs, k, dim=-1)
+            values, indices = values.tolist(), indices.tolist()
+            for row, n in enumerate(want):
+                if n:
+                    top_ids[row], top_lps[row] = indices[row][:n], values[row][:n]
+        return SampleResult(tokens, chosen, ranks, top_ids, top_lps)

@@ -1,0 +1,125 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+One rule covers prefill, chunked prefill, decode and recompute after preemption: a
+request has `num_tokens` tokens of which `num_computed_tokens` have KV; each step it
+may compute up to the rest. When its computed count reaches its token count, the
+runner samples a new token for it. Per step: decodes first, then chunks of prefills
+already running, then new admissions in arrival order (FCFS), all under a token
+budget (`max_num_batched_tokens`) and a request cap (`max_num_seqs`). When the KV
+cache runs out, the most recently arrived running request is preempted: its blocks
+are freed and it goes back to the front of the queue to be recomputed.
+
+The scheduler asks the KV cache manager every memory question and never sees a tensor.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem_engine.kv import KVCacheManager
+from tandem_engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # first token position computed this step
+    num_tokens: int
+    block_table: list[int]
+    samples: bool  # the chunk reaches the end of the request's tokens: a token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._grow_or_preempt(request, n, out):
+                budget -= self._take(request, n, out)
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget -= self._take(request, n, out)
+        return out
+
+    def _grow_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
+        """Find KV room for `n` more tokens of a running request, preempting the latest
+        arrivals if needed. False when the request preempted itself."""
+        scheduled = {id(c.request) for c in out.chunks}
+        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            victim = max((r for r in self.running if id(r) not in scheduled),
+                         key=lambda r: r.arrival_index)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _take(self, request: Request, n: int, out: SchedulerOutput) -> int:
+        samples = request.num_computed_tokens + n == request.num_tokens
+        chunk = ScheduledChunk(request, request.num_computed_tokens, n,
+                               self.kv.block_table(request.request_id), samples)
+        out.chunks.append(chunk)
+        if n == 1 and samples and request.num_output_tokens > 0:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += n
+        return n
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        """Remove a finished or aborted request wherever it is and free its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.FINISHED
