@@ -203,17 +203,17 @@ def short_outputs(tokens: list[list[int]], workload: Workload) -> list[int]:
 def run_tandem(ckpt: Checkpoint, workload: Workload, budget: KVBudget,
                args: argparse.Namespace) -> SystemResult:
     import torch
-    from tandem_engine import LLM, SamplingParams
+    from tandem_engine import LLM
 
     llm = LLM(model=str(ckpt.path), max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=None,
               kv_cache_memory_bytes=budget.bytes, dtype="float32")
     torch.set_num_threads(args.threads)
 
-    tandem_generate(llm, SamplingParams, warmup_workload(workload))
+    tandem_generate(llm, warmup_workload(workload))
     first_step = len(llm.engine.step_timings)
     start = time.perf_counter()
-    tokens = tandem_generate(llm, SamplingParams, workload)
+    tokens = tandem_generate(llm, workload)
     wall = time.perf_counter() - start
     timings = list(llm.engine.step_timings[first_step:])
 
@@ -232,8 +232,10 @@ def run_tandem(ckpt: Checkpoint, workload: Workload, budget: KVBudget,
     return result
 
 
-def tandem_generate(llm: Any, sampling_params: type, w: Workload) -> list[list[int]]:
-    params = [sampling_params(max_tokens=n, temperature=0.0, ignore_eos=True)
+def tandem_generate(llm: Any, w: Workload) -> list[list[int]]:
+    from tandem_engine import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
               for n in w.output_lens]
     outs = llm.generate(w.prompts, params)
     return [cut_to_request(o.outputs[0].token_ids, n)

@@ -86,7 +86,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim]; caches: [slots, kv_heads, head_dim]. Returns [T, heads, head_dim]."""
+    """q: [T, heads, head_dim]; caches: [slots, kv_heads, head_dim] -> [T, heads, head_dim]."""
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_cache.shape[1]
     b = meta.num_decodes

@@ -176,7 +176,8 @@ class ModelConfig:
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
         """Every tensor name a checkpoint of this config holds, with its shape."""
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         inter = self.intermediate_size
         out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
         for i in range(self.num_layers):
