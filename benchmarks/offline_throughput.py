@@ -132,7 +132,8 @@ def read_checkpoint(model_dir: Path) -> Checkpoint:
             sys.exit(f"error: {file} is missing; --model must be a HF checkpoint folder "
                      "(config.json, *.safetensors, tokenizer.json)")
     raw = json.loads(config_file.read_text())
-    raw = raw.get("text_config", raw) if "vocab_size" not in raw else raw
+    if "vocab_size" not in raw:  # multimodal configs nest the language model's fields
+        raw = raw.get("text_config", raw)
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     vocab = min(int(raw["vocab_size"]), tokenizer.get_vocab_size(with_added_tokens=True))
     special = {i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special}

@@ -3,7 +3,8 @@
 Tokens of a step are laid out decodes first (one query token each), then prefill
 chunks. The KV of every request lives in fixed-size blocks scattered through one
 preallocated pool; `AttentionMetadata` says where each request's keys live (slot
-indices = block_id * block_size + offset). On CPU we gather those slots and call
+indices = block_id * block_size + offset). On CPU we gather whole blocks (contiguous
+runs of memory, far faster than gathering slot by slot) and call
 `scaled_dot_product_attention`: decodes as one padded batch, each prefill chunk on
 its own with a causal mask offset by the context already cached.
 """
@@ -21,7 +22,7 @@ class PrefillSpan:
     q_start: int  # first row in the step's token layout
     q_len: int
     ctx_len: int  # tokens of KV the queries see, including their own
-    slots: torch.Tensor  # [ctx_len] slot indices of the request's KV, in position order
+    blocks: torch.Tensor  # [ceil(ctx_len / block_size)] the request's blocks, in order
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when plain causal (no cached prefix)
 
 
@@ -29,8 +30,8 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [B, L] slot indices, padded
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, True = attend
+    decode_blocks: torch.Tensor | None  # [B * W] block ids, each row padded to W blocks
+    decode_mask: torch.Tensor | None  # [B, 1, 1, W * block_size] bool, True = attend
     prefills: list[PrefillSpan]
 
 
@@ -46,32 +47,31 @@ def build_metadata(
 
     prefill_specs: (start position, q_len, block table) per prefill chunk."""
     num_decodes = len(decode_tables)
-    decode_slots = decode_mask = None
+    decode_blocks = decode_mask = None
     if num_decodes:
-        width = max(len(t) for t in decode_tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
-                             dtype=torch.long, device=device)
+        width = -(-max(decode_ctx_lens) // block_size)
+        decode_blocks = torch.tensor(
+            [b for t in decode_tables for b in (t[:width] + [0] * (width - len(t)))],
+            dtype=torch.long, device=device)
         lens = torch.tensor(decode_ctx_lens, dtype=torch.long, device=device)
-        pos = torch.arange(int(max(decode_ctx_lens)), device=device)
-        decode_slots = table[:, pos // block_size] * block_size + pos % block_size
+        pos = torch.arange(width * block_size, device=device)
         decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
     prefills = []
     q_start = num_decodes
     for start, q_len, blocks in prefill_specs:
         ctx_len = start + q_len
-        pos = torch.arange(ctx_len, device=device)
-        table = torch.tensor(blocks, dtype=torch.long, device=device)
-        slots = table[pos // block_size] * block_size + pos % block_size
+        table = torch.tensor(blocks[:-(-ctx_len // block_size)], dtype=torch.long, device=device)
         mask = None
         if start:
+            pos = torch.arange(ctx_len, device=device)
             q_pos = torch.arange(start, ctx_len, device=device)
             mask = pos[None, :] <= q_pos[:, None]
-        prefills.append(PrefillSpan(q_start, q_len, ctx_len, slots, mask))
+        prefills.append(PrefillSpan(q_start, q_len, ctx_len, table, mask))
         q_start += q_len
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         num_decodes=num_decodes,
-        decode_slots=decode_slots,
+        decode_blocks=decode_blocks,
         decode_mask=decode_mask,
         prefills=prefills,
     )
@@ -79,31 +79,38 @@ def build_metadata(
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys and values ([T, kv_heads, head_dim]) in their slots."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+    """Store this step's keys and values ([T, kv_heads, head_dim]) in their slots.
+    Caches are [num_blocks, block_size, kv_heads, head_dim]."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, H, D] -> the listed blocks' tokens, [len(blocks) * block_size, H, D]."""
+    return cache.index_select(0, blocks).flatten(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim]; caches: [slots, kv_heads, head_dim] -> [T, heads, head_dim]."""
+    """q: [T, heads, head_dim] -> [T, heads, head_dim], attending over the paged caches."""
     out = torch.empty_like(q)
-    gqa = q.shape[1] != k_cache.shape[1]
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // kv_heads
     b = meta.num_decodes
     if b:
-        slots = meta.decode_slots
-        k = k_cache[slots].transpose(1, 2)  # [B, kv_heads, L, D]
-        v = v_cache[slots].transpose(1, 2)
-        qd = q[:b].unsqueeze(2)  # [B, heads, 1, D]
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=gqa)
-        out[:b] = o.squeeze(2)
+        # One padded batch. The query heads sharing a KV head are laid out as that head's
+        # `group` query rows, which is exact for a single query token and avoids GQA copies.
+        k = _gather(k_cache, meta.decode_blocks).view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        v = _gather(v_cache, meta.decode_blocks).view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        qd = q[:b].view(b, kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
+        out[:b] = o.reshape(b, kv_heads * group, head_dim)
     for span in meta.prefills:
-        k = k_cache[span.slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, D]
-        v = v_cache[span.slots].transpose(0, 1).unsqueeze(0)
+        k = _gather(k_cache, span.blocks)[:span.ctx_len].transpose(0, 1).unsqueeze(0)
+        v = _gather(v_cache, span.blocks)[:span.ctx_len].transpose(0, 1).unsqueeze(0)
         qp = q[span.q_start:span.q_start + span.q_len].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=span.mask,
                                            is_causal=span.mask is None, scale=scale,
-                                           enable_gqa=gqa)
+                                           enable_gqa=group > 1)
         out[span.q_start:span.q_start + span.q_len] = o[0].transpose(0, 1)
     return out

@@ -134,7 +134,7 @@ class DecoderStack(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The whole model. `kv_cache` is [layers, 2, slots, kv_heads, head_dim]."""
+    """The whole model. `kv_cache` is [layers, 2, blocks, block_size, kv_heads, head_dim]."""
 
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()

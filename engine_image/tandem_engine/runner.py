@@ -72,7 +72,7 @@ class ModelRunner:
         self.rope = RotaryEmbedding(model_config.rope, model_config.head_dim, max_model_len,
                                     self.device, self.dtype)
         self.kv_cache = torch.zeros(
-            model_config.num_layers, 2, num_blocks * self.block_size,
+            model_config.num_layers, 2, num_blocks, self.block_size,
             model_config.num_kv_heads, model_config.head_dim,
             dtype=self.dtype, device=self.device)
 

@@ -1,0 +1,244 @@
+"""Validate and load HuggingFace-format checkpoint folders.
+
+A checkpoint folder holds config.json and either model.safetensors or a
+sharded model.safetensors.index.json with its shards. Loading at startup and
+an in-place refit later both go through `validate_checkpoint` first: it reads
+only the safetensors headers (names, shapes, dtypes; no tensor data) and
+compares them with what `ModelConfig.expected_tensors()` says the config
+needs, so a bad checkpoint is rejected before any parameter is touched.
+Every failure is a `CheckpointError` that names the file, the tensor and what
+was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tandem_engine.config import ModelConfig, normalize_dtype
+from tandem_engine.errors import CheckpointError
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+# safetensors dtype codes a checkpoint may store weights in; they are converted on load.
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MAX_PROBLEMS_SHOWN = 10
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """What a safetensors header says about one tensor."""
+
+    name: str
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors code: F32, BF16, ...
+
+
+@dataclass(frozen=True)
+class _Manifest:
+    folder: Path
+    config: ModelConfig
+    tensors: dict[str, TensorHeader]  # exactly config.expected_tensors(), validated
+
+
+def validate_checkpoint(path: str | Path, reference: ModelConfig | None = None) -> ModelConfig:
+    """Check a checkpoint folder without reading tensor data; return its config.
+
+    With `reference` (the running model's config), the checkpoint must also have
+    the same shape fields, as an in-place refit requires."""
+    return _inspect(Path(path), reference).config
+
+
+def load_checkpoint(
+    path: str | Path, dtype: str | None = None, *, reference: ModelConfig | None = None
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Validate, then load every tensor the config needs, converted to `dtype`
+    (float32, bfloat16 or float16; default: the checkpoint's dtype from config.json).
+
+    With tied embeddings no `lm_head.weight` is returned, even if the file holds one."""
+    manifest = _inspect(Path(path), reference)
+    target = _TORCH_DTYPES[
+        normalize_dtype(dtype, "load_checkpoint", "dtype") if dtype else manifest.config.dtype
+    ]
+    by_file: dict[Path, list[str]] = {}
+    for header in manifest.tensors.values():
+        by_file.setdefault(header.file, []).append(header.name)
+    out: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in names:
+                    out[name] = f.get_tensor(name).to(target)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{file}: cannot read tensor data ({exc})") from exc
+    return manifest.config, out
+
+
+def _inspect(folder: Path, reference: ModelConfig | None) -> _Manifest:
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise CheckpointError(
+            f"checkpoint folder {folder} {what}; expected a folder with config.json and "
+            f"{WEIGHTS_NAME} (or {INDEX_NAME} with its shards)"
+        )
+    config = ModelConfig.from_dir(folder)
+    if reference is not None:
+        _check_same_shape(folder / "config.json", config, reference)
+    found, index_map = _read_headers(folder)
+    _check_tensors(folder, config, found, index_map)
+    expected = config.expected_tensors()
+    return _Manifest(folder, config, {name: found[name] for name in expected})
+
+
+def _check_same_shape(config_file: Path, new: ModelConfig, running: ModelConfig) -> None:
+    new_fields, running_fields = new.shape_fields(), running.shape_fields()
+    diffs = [
+        f"{key}: running model has {running_fields[key]!r}, new checkpoint has {new_fields[key]!r}"
+        for key in running_fields
+        if new_fields.get(key) != running_fields[key]
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"{config_file}: the new checkpoint does not have the running model's shape, "
+            "so its weights cannot replace the running ones:\n  - " + "\n  - ".join(diffs)
+        )
+
+
+def _read_headers(folder: Path) -> tuple[dict[str, TensorHeader], dict[str, str] | None]:
+    """All tensor headers of the checkpoint, and the index's weight_map when sharded.
+
+    Like transformers, a single model.safetensors wins over an index next to it."""
+    single, index = folder / WEIGHTS_NAME, folder / INDEX_NAME
+    if single.exists():
+        return _file_headers(single), None
+    if not index.exists():
+        raise CheckpointError(_no_weights_message(folder))
+    weight_map = _read_index(index)
+    shards = sorted(set(weight_map.values()))
+    for shard in shards:
+        if not (folder / shard).is_file():
+            first = next(name for name, s in weight_map.items() if s == shard)
+            raise CheckpointError(
+                f"{index}: names shard {shard!r} (holding {first!r} and others), but "
+                f"{folder / shard} does not exist"
+            )
+    found: dict[str, TensorHeader] = {}
+    for shard in shards:
+        for name, header in _file_headers(folder / shard).items():
+            if name in found:
+                raise CheckpointError(
+                    f"{header.file}: tensor {name!r} is also in {found[name].file}; "
+                    "each tensor must be stored in exactly one shard"
+                )
+            found[name] = header
+    for name, shard in weight_map.items():
+        if name not in found:
+            raise CheckpointError(
+                f"{index}: weight_map says tensor {name!r} is in {shard!r}, but "
+                f"{folder / shard} does not contain it"
+            )
+    return found, weight_map
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        raw = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{index}: not valid JSON ({exc})") from exc
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"{index}: expected a JSON object with \"weight_map\": {{tensor name: shard file}}"
+        )
+    return weight_map
+
+
+def _file_headers(file: Path) -> dict[str, TensorHeader]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            out = {}
+            for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+                piece = f.get_slice(name)
+                out[name] = TensorHeader(name, file, tuple(piece.get_shape()), piece.get_dtype())
+            return out
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({exc}); the file may be truncated "
+            "or corrupt, copy it again"
+        ) from exc
+
+
+def _check_tensors(
+    folder: Path,
+    config: ModelConfig,
+    found: dict[str, TensorHeader],
+    index_map: dict[str, str] | None,
+) -> None:
+    expected = config.expected_tensors()
+    problems: list[str] = []
+    for name, shape in expected.items():
+        header = found.get(name)
+        if header is None:
+            where = folder / WEIGHTS_NAME if index_map is None else folder / INDEX_NAME
+            hint = "" if index_map is None else " (not in weight_map or any shard)"
+            problems.append(f"{where}: missing tensor {name!r}{hint}, expected shape {shape}")
+        elif header.shape != shape:
+            problems.append(
+                f"{header.file}: tensor {name!r} has shape {header.shape}, expected {shape}"
+            )
+        elif header.dtype not in FLOAT_DTYPES:
+            problems.append(
+                f"{header.file}: tensor {name!r} has dtype {header.dtype}, expected a "
+                f"floating-point dtype ({', '.join(FLOAT_DTYPES)})"
+            )
+    for name, header in found.items():
+        if name in expected or _ignored(name, config):
+            continue
+        hint = ""
+        match = _LAYER_INDEX.match(name)
+        if match and int(match.group(1)) >= config.num_layers:
+            hint = f"; config.json says num_hidden_layers={config.num_layers}"
+        problems.append(
+            f"{header.file}: unexpected tensor {name!r} with shape {header.shape}: not part of "
+            f"a {config.architecture} with this config.json{hint}"
+        )
+    if problems:
+        shown = problems[:_MAX_PROBLEMS_SHOWN]
+        more = len(problems) - len(shown)
+        raise CheckpointError(
+            f"checkpoint {folder} does not match its config.json ({config.architecture}, "
+            f"{config.num_layers} layers, hidden_size {config.hidden_size}):\n  - "
+            + "\n  - ".join(shown)
+            + (f"\n  ... and {more} more problems" if more else "")
+        )
+
+
+def _ignored(name: str, config: ModelConfig) -> bool:
+    # Old checkpoints save the RoPE frequency buffer; with tied embeddings
+    # transformers ignores a stored lm_head and so do we.
+    return name.endswith(".rotary_emb.inv_freq") or (
+        name == "lm_head.weight" and config.tie_word_embeddings
+    )
+
+
+def _no_weights_message(folder: Path) -> str:
+    msg = f"{folder}: no weights found; looked for {WEIGHTS_NAME} and {INDEX_NAME}"
+    others = sorted(
+        p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth")
+    )
+    if others:
+        msg += (
+            f"; found {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}: Tandem reads "
+            f"safetensors only, as {WEIGHTS_NAME} or as shards listed in {INDEX_NAME}"
+        )
+    return msg

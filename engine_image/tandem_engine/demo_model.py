@@ -1,0 +1,269 @@
+"""Deterministic demo checkpoints: a real HuggingFace-format folder with no hub access.
+
+Tests, the quickstart and the benchmarks need a Llama-family checkpoint that
+`transformers` can load as the correctness reference, but nothing can be
+downloaded here. `write_demo_model` builds one offline: a byte-level BPE
+tokenizer trained on the bundled corpus and random weights drawn from an
+explicitly seeded generator, so the same (arch, seed, size) always gives
+byte-identical files.
+
+Plain random init gives nearly flat logits, and greedy decoding then flips on
+rounding noise. The init below uses a larger scale (see `_INIT`): the top-two
+logit gap stays well above 1e-3 at almost every greedy step, while attention
+still mixes enough context that continuations differ between prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from tandem_engine.config import ModelConfig
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SIZES = ("tiny", "small")
+
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+BOS_TOKEN = "<|begin_of_text|>"  # only the llama demo prepends it, as Llama 3 does
+# Trained first, so their ids are 0..3 in every demo tokenizer.
+SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END, BOS_TOKEN)
+# The bundled corpus supports exactly this many tokens (merges down to frequency 1);
+# a multiple of 64, so the model's vocabulary has no ids the tokenizer cannot decode.
+TOKENIZER_VOCAB_SIZE = 2048
+
+# ChatML. The llama demo's template starts with the BOS token, so a rendered chat
+# prompt must be encoded with add_special_tokens=False (as transformers does).
+_CHATML = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    qwen3_head_dim: int  # explicit head_dim, deliberately != hidden/heads in tiny
+    llama3_original_context: int  # rope_scaling.original_max_position_embeddings
+
+
+_SHAPES = {
+    "tiny": _Shape(64, 2, 4, 2, 192, 1024, qwen3_head_dim=32, llama3_original_context=256),
+    "small": _Shape(768, 16, 12, 4, 2048, 2048, qwen3_head_dim=64, llama3_original_context=512),
+}
+
+
+@dataclass(frozen=True)
+class _InitScale:
+    """Standard deviations of the random weights (see the module docstring)."""
+
+    embed: float  # times 1/sqrt(hidden): tied logits then have std ~ embed
+    lm_head: float  # times 1/sqrt(hidden): untied logits have std ~ lm_head
+    proj: float  # q/k/v/gate/up: std = proj / sqrt(fan_in)
+    resid: float  # o_proj/down_proj, which write the residual stream: resid / sqrt(fan_in)
+    final_norm: float  # model.norm weights are final_norm * (1 + jitter): a logit temperature
+    norm_jitter: float  # RMSNorm weights: 1 + uniform(-jitter, jitter)
+    bias: float  # q/k/v biases (qwen2)
+
+
+_INIT = _InitScale(
+    embed=4.0, lm_head=4.0, proj=2.0, resid=4.0, final_norm=2.0, norm_jitter=0.25, bias=0.1
+)
+
+
+def demo_hf_config(arch: str = "llama", size: str = "tiny") -> dict[str, Any]:
+    """The config.json of a demo model, in the transformers 4.x spelling
+    (`rope_theta`, `rope_scaling`, `torch_dtype`) that 5.x also reads."""
+    _check_choice("arch", arch, ARCHITECTURES)
+    _check_choice("size", size, SIZES)
+    s = _SHAPES[size]
+    eos_id = SPECIAL_TOKENS.index(EOS_TOKEN)
+    common: dict[str, Any] = {
+        "vocab_size": TOKENIZER_VOCAB_SIZE,
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.intermediate_size,
+        "num_hidden_layers": s.num_layers,
+        "num_attention_heads": s.num_heads,
+        "num_key_value_heads": s.num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": s.max_position_embeddings,
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+    }
+    if arch == "llama":
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            **common,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "pretraining_tp": 1,
+            "rope_theta": 10000.0,
+            # Llama 3 scaling with a short "original" context, so that the tiny
+            # head_dim has frequencies on both sides of the smoothing band.
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": s.max_position_embeddings / s.llama3_original_context,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": s.llama3_original_context,
+            },
+            "bos_token_id": SPECIAL_TOKENS.index(BOS_TOKEN),
+        }
+    qwen: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "Qwen3ForCausalLM"],
+        "model_type": arch,
+        **common,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": s.num_layers,
+    }
+    if arch == "qwen2":
+        qwen["tie_word_embeddings"] = True
+    else:
+        qwen.update(tie_word_embeddings=False, head_dim=s.qwen3_head_dim, attention_bias=False)
+    return qwen
+
+
+def train_demo_tokenizer(arch: str = "llama") -> Tokenizer:
+    """Byte-level BPE trained on the bundled corpus; deterministic for a given
+    `tokenizers` version. The llama flavour prepends BOS on encode."""
+    _check_choice("arch", arch, ARCHITECTURES)
+    corpus = resources.files("tandem_engine").joinpath("data/corpus.txt").read_text("utf-8")
+    tok = Tokenizer(models.BPE())
+    # add_prefix_space=False keeps decode(encode(text)) == text.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus.splitlines(keepends=True), trainer)
+    if tok.get_vocab_size() != TOKENIZER_VOCAB_SIZE:
+        raise RuntimeError(
+            f"demo tokenizer: the corpus gave {tok.get_vocab_size()} tokens, expected "
+            f"{TOKENIZER_VOCAB_SIZE}; the corpus in tandem_engine/data is too small"
+        )
+    if arch == "llama":
+        bos_id = SPECIAL_TOKENS.index(BOS_TOKEN)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TOKEN} $A",
+            pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+            special_tokens=[(BOS_TOKEN, bos_id)],
+        )
+    return tok
+
+
+def demo_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random float32 weights for every tensor of `config`, drawn in a fixed order
+    from a generator seeded with `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    init = _INIT
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in config.expected_tensors().items():
+        if name.endswith("norm.weight"):
+            t = 1.0 + init.norm_jitter * (2.0 * torch.rand(shape, generator=gen) - 1.0)
+            if name == "model.norm.weight":
+                t = init.final_norm * t
+        elif name.endswith(".bias"):
+            t = init.bias * torch.randn(shape, generator=gen)
+        elif name == "model.embed_tokens.weight":
+            t = (init.embed / config.hidden_size**0.5) * torch.randn(shape, generator=gen)
+        elif name == "lm_head.weight":
+            t = (init.lm_head / config.hidden_size**0.5) * torch.randn(shape, generator=gen)
+        else:
+            gain = init.resid if name.endswith(("o_proj.weight", "down_proj.weight")) else init.proj
+            t = (gain / shape[1] ** 0.5) * torch.randn(shape, generator=gen)
+        out[name] = t.contiguous()
+    return out
+
+
+def write_demo_model(
+    path: str | Path, arch: str = "llama", seed: int = 0, size: str = "tiny"
+) -> Path:
+    """Write a demo checkpoint folder (config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json, generation_config.json) and return its path.
+
+    The same (arch, seed, size) always gives byte-identical files."""
+    _check_choice("arch", arch, ARCHITECTURES)
+    _check_choice("size", size, SIZES)
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    hf_config = demo_hf_config(arch, size)
+    config = ModelConfig.from_hf_dict(hf_config, source=f"demo {arch}/{size}")
+    tokenizer = train_demo_tokenizer(arch)
+
+    _write_json(folder / "config.json", hf_config)
+    save_file(demo_weights(config, seed), str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    tokenizer.save(str(folder / "tokenizer.json"), pretty=True)
+    _write_json(folder / "tokenizer_config.json", _tokenizer_config(arch, hf_config))
+    _write_json(folder / "generation_config.json", _generation_config(hf_config))
+    return folder
+
+
+def _tokenizer_config(arch: str, hf_config: dict[str, Any]) -> dict[str, Any]:
+    llama = arch == "llama"
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN if llama else None,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "unk_token": None,
+        "model_max_length": hf_config["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+        "added_tokens_decoder": {
+            str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                     "single_word": False, "special": True}
+            for i, t in enumerate(SPECIAL_TOKENS)
+        },
+        "chat_template": ("{{- bos_token }}" if llama else "") + _CHATML,
+    }
+
+
+def _generation_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    # A chat turn ends with <|im_end|>, plain text with <|endoftext|>: stop on both.
+    out: dict[str, Any] = {
+        "eos_token_id": [SPECIAL_TOKENS.index(EOS_TOKEN), SPECIAL_TOKENS.index(IM_END)],
+        "pad_token_id": SPECIAL_TOKENS.index(EOS_TOKEN),
+    }
+    if "bos_token_id" in hf_config:
+        out["bos_token_id"] = hf_config["bos_token_id"]
+    return out
+
+
+def _write_json(file: Path, data: dict[str, Any]) -> None:
+    file.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _check_choice(what: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"demo model {what} {value!r} is not supported; use one of "
+                         f"{', '.join(allowed)}")
