@@ -140,10 +140,12 @@ def _read_headers(folder: Path) -> tuple[dict[str, TensorHeader], dict[str, str]
                 )
             found[name] = header
     for name, shard in weight_map.items():
-        if name not in found:
+        header = found.get(name)
+        if header is None or header.file != folder / shard:
+            actual = "" if header is None else f" (it is in {header.file.name})"
             raise CheckpointError(
                 f"{index}: weight_map says tensor {name!r} is in {shard!r}, but "
-                f"{folder / shard} does not contain it"
+                f"{folder / shard} does not contain it{actual}"
             )
     return found, weight_map
 
@@ -167,7 +169,7 @@ def _file_headers(file: Path) -> dict[str, TensorHeader]:
     try:
         with safe_open(str(file), framework="pt") as f:
             out = {}
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 piece = f.get_slice(name)
                 out[name] = TensorHeader(name, file, tuple(piece.get_shape()), piece.get_dtype())
             return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem_engine.attention import AttentionMetadata, build_metadata
+from tandem_engine.attention import AttentionMetadata, GatherBuffers, build_metadata
 from tandem_engine.config import EngineConfig, ModelConfig, normalize_dtype
 from tandem_engine.model import CausalLM, RotaryEmbedding, build_model
 from tandem_engine.request import Request
@@ -75,6 +75,7 @@ class ModelRunner:
             model_config.num_layers, 2, num_blocks, self.block_size,
             model_config.num_kv_heads, model_config.head_dim,
             dtype=self.dtype, device=self.device)
+        self.gather_buffers = GatherBuffers()
 
     def prepare(self, scheduled: SchedulerOutput) -> PreparedStep:
         bs = self.block_size
@@ -98,7 +99,7 @@ class ModelRunner:
             decode_tables=[c.block_table for c in decodes],
             decode_ctx_lens=[c.start + 1 for c in decodes],
             prefill_specs=[(c.start, c.num_tokens, c.block_table) for c in prefills],
-            slot_mapping=slots, block_size=bs, device=self.device)
+            slot_mapping=slots, block_size=bs, device=self.device, buffers=self.gather_buffers)
         dev = self.device
         return PreparedStep(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
