@@ -452,10 +452,10 @@ def format_overhead(tandem: SystemResult) -> list[str]:
                  f"({ms_per_step:.1f} ms/step)   goal <= {OVERHEAD_GOAL:.0%}"
                  f"   {verdict(at_goal.share <= OVERHEAD_GOAL)}"]
     if overall is not None:
+        parts = ", ".join(f"{name} {1000 * getattr(overall, f'{name}_s'):.1f} ms" for name in (
+            "schedule", "prepare", "postprocess", "forward", "sample"))
         lines.append(f"  all {overall.steps} steps: {overall.share:.1%} outside forward + sample "
-                     f"(schedule {overall.schedule_s:.2f} s, prepare {overall.prepare_s:.2f} s, "
-                     f"postprocess {overall.postprocess_s:.2f} s, forward {overall.forward_s:.2f} s"
-                     f", sample {overall.sample_s:.2f} s)")
+                     f"({parts})")
     return lines
 
 

@@ -23,7 +23,16 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 from tandem_engine.config import ModelConfig
 
@@ -39,6 +48,14 @@ SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END, BOS_TOKEN)
 # The bundled corpus supports exactly this many tokens (merges down to frequency 1);
 # a multiple of 64, so the model's vocabulary has no ids the tokenizer cannot decode.
 TOKENIZER_VOCAB_SIZE = 2048
+
+# Interoperability constant: the pre-tokenization pattern of Qwen2-family tokenizers.
+# English contractions, letter runs (with one leading non-letter), single digits,
+# punctuation runs, newlines, and whitespace.
+_QWEN2_SPLIT_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # ChatML. The llama demo's template starts with the BOS token, so a rendered chat
 # prompt must be encoded with add_special_tokens=False (as transformers does).
@@ -154,8 +171,14 @@ def train_demo_tokenizer(arch: str = "llama") -> Tokenizer:
     _check_choice("arch", arch, ARCHITECTURES)
     corpus = resources.files("tandem_engine").joinpath("data/corpus.txt").read_text("utf-8")
     tok = Tokenizer(models.BPE())
-    # add_prefix_space=False keeps decode(encode(text)) == text.
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # The pipeline Qwen2 tokenizer.json files declare. transformers 5 rebuilds every
+    # model_type=qwen2 tokenizer with exactly this pipeline, ignoring tokenizer.json's,
+    # so any other choice would make the reference tokenize differently from the engine.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TOKENIZER_VOCAB_SIZE,

@@ -76,6 +76,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.step_timings: list[StepTiming] = []
+        self.num_preemptions = 0
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, engine_config: EngineConfig) -> LLMEngine:
@@ -142,6 +143,7 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        self.num_preemptions += len(scheduled.preempted)
         if scheduled.empty:
             return outputs
         t1 = time.perf_counter()
