@@ -98,8 +98,8 @@ def test_seeded_requests_repeat_whatever_shares_the_batch(tiny_qwen2: Path) -> N
               SamplingParams(max_tokens=25, temperature=0.7, seed=9, ignore_eos=True),
               SamplingParams(max_tokens=5, temperature=0.0),
               SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)]
-    crowded = llm.generate(prompts[1:3] + [prompts[0]] + prompts[3:],
-                           others[:2] + [seeded] + others[2:])
+    crowded = llm.generate([*prompts[1:3], prompts[0], *prompts[3:]],
+                           [*others[:2], seeded, *others[2:]])
     assert crowded[2].outputs[0].token_ids == alone
     # And the seed matters: another seed gives another sequence.
     other_seed = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=99,
