@@ -79,6 +79,16 @@ def test_chat_template_is_read(qwen_tok: Tokenizer, llama_tok: Tokenizer) -> Non
     assert llama_tok.chat_template is not None and "bos_token" in llama_tok.chat_template
 
 
+def test_chat_template_from_jinja_file(tiny_qwen2: Path, tmp_path: Path) -> None:
+    path = copy_tokenizer(tiny_qwen2, tmp_path / "tok")
+    tok_config = json.loads((path / "tokenizer_config.json").read_text())
+    del tok_config["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    assert Tokenizer.from_dir(path).chat_template is None
+    (path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    assert Tokenizer.from_dir(path).chat_template == "{{ messages[0]['content'] }}"
+
+
 def test_eos_ids_come_from_generation_config_then_config_then_tokenizer_config(
     tiny_qwen2: Path, tmp_path: Path
 ) -> None:

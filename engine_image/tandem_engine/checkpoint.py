@@ -64,10 +64,9 @@ def load_checkpoint(
     (float32, bfloat16 or float16; default: the checkpoint's dtype from config.json).
 
     With tied embeddings no `lm_head.weight` is returned, even if the file holds one."""
+    wanted = normalize_dtype(dtype, "load_checkpoint", "dtype") if dtype else None
     manifest = _inspect(Path(path), reference)
-    target = _TORCH_DTYPES[
-        normalize_dtype(dtype, "load_checkpoint", "dtype") if dtype else manifest.config.dtype
-    ]
+    target = _TORCH_DTYPES[wanted or manifest.config.dtype]
     by_file: dict[Path, list[str]] = {}
     for header in manifest.tensors.values():
         by_file.setdefault(header.file, []).append(header.name)

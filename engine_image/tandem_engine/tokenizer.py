@@ -21,6 +21,7 @@ from tokenizers import Tokenizer as _Backend
 from tandem_engine.errors import CheckpointError
 
 TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 _REPLACEMENT = "\ufffd"
 
 
@@ -86,6 +87,12 @@ class Tokenizer:
         if isinstance(template, list):  # some checkpoints ship named templates
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
+        jinja = folder / CHAT_TEMPLATE_FILE  # where recent transformers save it
+        if template is None and jinja.is_file():
+            try:
+                template = jinja.read_text(encoding="utf-8")
+            except (OSError, ValueError) as exc:
+                raise CheckpointError(f"{jinja}: cannot read the chat template ({exc})") from exc
         return cls(
             backend,
             eos_token_ids=eos_ids,
