@@ -6,12 +6,14 @@ preallocated pool; `AttentionMetadata` says where each request's keys live (slot
 indices = block_id * block_size + offset). On CPU we gather whole blocks (contiguous
 runs of memory, far faster than gathering slot by slot) and call
 `scaled_dot_product_attention`: decodes as one padded batch, each prefill chunk on
-its own with a causal mask offset by the context already cached.
+its own with a causal mask offset by the context already cached. With the native
+backend (`native.py`), decodes instead read their keys and values in place.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -50,10 +52,12 @@ class GatherBuffers:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V is written
     num_decodes: int
-    decode_blocks: torch.Tensor | None  # [B * W] block ids, each row padded to W blocks
-    decode_mask: torch.Tensor | None  # [B, 1, 1, W * block_size] bool, True = attend
+    decode_blocks: torch.Tensor | None  # [B, W] block ids, each row padded to W blocks
+    decode_lens: torch.Tensor | None  # [B] context length of each decode
+    decode_mask: torch.Tensor | None  # [B, 1, 1, W * block_size] bool (torch backend only)
     prefills: list[PrefillSpan]
     buffers: GatherBuffers
+    native: ModuleType | None = None  # the compiled decode kernel, when that backend is on
 
 
 def build_metadata(
@@ -64,20 +68,22 @@ def build_metadata(
     block_size: int,
     device: torch.device,
     buffers: GatherBuffers,
+    native: ModuleType | None = None,
 ) -> AttentionMetadata:
     """Turn block tables into slot indices with a handful of tensor ops.
 
     prefill_specs: (start position, q_len, block table) per prefill chunk."""
     num_decodes = len(decode_tables)
-    decode_blocks = decode_mask = None
+    decode_blocks = decode_lens = decode_mask = None
     if num_decodes:
         width = -(-max(decode_ctx_lens) // block_size)
         decode_blocks = torch.tensor(
-            [b for t in decode_tables for b in (t[:width] + [0] * (width - len(t)))],
+            [t[:width] + [0] * (width - len(t)) for t in decode_tables],
             dtype=torch.long, device=device)
-        lens = torch.tensor(decode_ctx_lens, dtype=torch.long, device=device)
-        pos = torch.arange(width * block_size, device=device)
-        decode_mask = (pos[None, :] < lens[:, None])[:, None, None, :]
+        decode_lens = torch.tensor(decode_ctx_lens, dtype=torch.long, device=device)
+        if native is None:
+            pos = torch.arange(width * block_size, device=device)
+            decode_mask = (pos[None, :] < decode_lens[:, None])[:, None, None, :]
     prefills = []
     q_start = num_decodes
     for start, q_len, blocks in prefill_specs:
@@ -94,9 +100,11 @@ def build_metadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
         num_decodes=num_decodes,
         decode_blocks=decode_blocks,
+        decode_lens=decode_lens,
         decode_mask=decode_mask,
         prefills=prefills,
         buffers=buffers,
+        native=native,
     )
 
 
@@ -124,12 +132,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // kv_heads
     b = meta.num_decodes
-    if b:
+    if b and meta.native is not None:
+        out[:b] = meta.native.paged_decode_attention(
+            q[:b], k_cache, v_cache, meta.decode_blocks, meta.decode_lens, scale)
+    elif b:
         # One padded batch. The query heads sharing a KV head are laid out as that head's
         # `group` query rows, which is exact for a single query token and avoids GQA copies.
-        kb, vb = meta.buffers.get(meta.decode_blocks.shape[0], k_cache)
-        k = _gather(k_cache, meta.decode_blocks, kb).view(b, -1, kv_heads, head_dim).transpose(1, 2)
-        v = _gather(v_cache, meta.decode_blocks, vb).view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        blocks = meta.decode_blocks.view(-1)
+        kb, vb = meta.buffers.get(blocks.shape[0], k_cache)
+        k = _gather(k_cache, blocks, kb).view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        v = _gather(v_cache, blocks, vb).view(b, -1, kv_heads, head_dim).transpose(1, 2)
         qd = q[:b].view(b, kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
         out[:b] = o.reshape(b, kv_heads * group, head_dim)

@@ -80,7 +80,8 @@ class LLMEngine:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, engine_config: EngineConfig) -> LLMEngine:
-        model_config, tensors = load_checkpoint(path)
+        dtype = None if engine_config.dtype == "auto" else engine_config.dtype
+        model_config, tensors = load_checkpoint(path, dtype)
         return cls(model_config, engine_config, tensors, Tokenizer.from_dir(path))
 
     # ---- requests -------------------------------------------------------------------------

@@ -7,15 +7,20 @@ of queues or stop conditions.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from tandem_engine.attention import AttentionMetadata, GatherBuffers, build_metadata
 from tandem_engine.config import EngineConfig, ModelConfig, normalize_dtype
 from tandem_engine.model import CausalLM, RotaryEmbedding, build_model
+from tandem_engine.native import NativeKernelUnavailable, paged_decode_kernel
 from tandem_engine.request import Request
 from tandem_engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,6 +44,22 @@ def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig, dtype:
             f"no KV block; one block needs {per_block} bytes: raise the budget or set num_blocks"
         )
     return blocks
+
+
+def _decode_backend(choice: str, device: torch.device) -> ModuleType | None:
+    """The native decode kernel when chosen (or when `auto` on CPU and it builds)."""
+    if choice == "torch" or (choice == "auto" and device.type != "cpu"):
+        return None
+    if device.type != "cpu":
+        raise ValueError(f"engine option attention_backend='native' runs on CPU only, not "
+                         f"{device.type}: use 'auto' or 'torch'")
+    try:
+        return paged_decode_kernel()
+    except NativeKernelUnavailable as exc:
+        if choice == "native":
+            raise
+        log.warning("%s; using the torch attention backend", exc)
+        return None
 
 
 @dataclass
@@ -76,6 +97,8 @@ class ModelRunner:
             model_config.num_kv_heads, model_config.head_dim,
             dtype=self.dtype, device=self.device)
         self.gather_buffers = GatherBuffers()
+        self.native = _decode_backend(engine_config.attention_backend, self.device)
+        self.attention_backend = "torch" if self.native is None else "native"
 
     def prepare(self, scheduled: SchedulerOutput) -> PreparedStep:
         bs = self.block_size
@@ -99,7 +122,8 @@ class ModelRunner:
             decode_tables=[c.block_table for c in decodes],
             decode_ctx_lens=[c.start + 1 for c in decodes],
             prefill_specs=[(c.start, c.num_tokens, c.block_table) for c in prefills],
-            slot_mapping=slots, block_size=bs, device=self.device, buffers=self.gather_buffers)
+            slot_mapping=slots, block_size=bs, device=self.device, buffers=self.gather_buffers,
+            native=self.native)
         dev = self.device
         return PreparedStep(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),

@@ -1,0 +1,48 @@
+"""Native CPU kernels, compiled on first use with torch's C++ extension tooling.
+
+Decode attention on CPU is bound by reading the KV cache. The pure-torch path reads
+it twice (a gather into a padded batch, then attention over the copy) and pays a
+fixed cost per tiny matmul; `csrc/paged_decode_attention.cpp` reads each key and
+value once, in place. The build (about half a minute, once per machine: torch caches
+it under ~/.cache/torch_extensions) needs a C++ compiler and ninja.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_error: str | None = None
+
+
+class NativeKernelUnavailable(RuntimeError):
+    """The native kernel could not be built or loaded on this machine."""
+
+
+def paged_decode_kernel() -> ModuleType:
+    """The compiled module (built once per process, cached on disk across processes)."""
+    global _module, _error
+    with _lock:
+        if _module is not None:
+            return _module
+        if _error is not None:
+            raise NativeKernelUnavailable(_error)
+        try:
+            from torch.utils.cpp_extension import load
+
+            _module = load(name="tandem_paged_decode", sources=[str(_SOURCE)],
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as exc:  # a compiler or ninja problem: report it, keep the cause
+            _error = (f"building the native decode-attention kernel from {_SOURCE} failed "
+                      f"({type(exc).__name__}: {exc}); install a C++ compiler and ninja, or "
+                      "run with attention_backend='torch'")
+            raise NativeKernelUnavailable(_error) from exc
+        return _module
