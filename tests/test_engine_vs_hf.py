@@ -36,15 +36,17 @@ def _check_all(model_dir: Path, prompts: list[list[int]], outputs) -> None:
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
-def test_mixed_batch_matches_transformers(tiny_model: Path) -> None:
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_mixed_batch_matches_transformers(tiny_model: Path, kernels: str) -> None:
     prompts = _prompts(tiny_model)
-    llm = LLM(tiny_model, max_num_batched_tokens=512)
+    llm = LLM(tiny_model, max_num_batched_tokens=512, kernels=kernels)
+    assert llm.engine.runner.kernels == kernels
     _check_all(tiny_model, prompts, llm.generate(prompts, GREEDY))
 
 
 def test_small_prefill_chunks_match_transformers(tiny_model: Path) -> None:
     prompts = _prompts(tiny_model)
-    llm = LLM(tiny_model, max_num_batched_tokens=8)
+    llm = LLM(tiny_model, max_num_batched_tokens=8, kernels="torch")
     outputs = llm.generate(prompts, GREEDY)
     _check_all(tiny_model, prompts, outputs)
     # Every step respected the budget, and long prompts really were split up.

@@ -26,7 +26,7 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                   "fp16": "float16"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-ATTENTION_BACKENDS = ("auto", "native", "torch")
+KERNEL_CHOICES = ("auto", "native", "torch")
 
 
 @dataclass(frozen=True)
@@ -277,9 +277,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto = the checkpoint's dtype
     device: str = "cpu"
     seed: int = 0
-    # Decode attention: "native" = the compiled CPU kernel, "torch" = gather + SDPA,
-    # "auto" = native on CPU when it builds (a warning says when it does not), else torch.
-    attention_backend: str = "auto"
+    # CPU kernels: "native" = the compiled decode-attention kernel and oneDNN-packed
+    # projections; "torch" = plain torch ops (gather + SDPA, default matmul);
+    # "auto" = native on CPU when the kernel builds (a warning says when not), else torch.
+    kernels: str = "auto"
 
     def validate(self) -> None:
         def check(ok: bool, name: str, value: Any, limit: str) -> None:
@@ -297,8 +298,8 @@ class EngineConfig:
               self.max_num_batched_tokens, "must be at least 1")
         check(self.max_model_len is None or self.max_model_len > 0, "max_model_len",
               self.max_model_len, "must be positive")
-        check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
-              self.attention_backend, f"use one of {', '.join(ATTENTION_BACKENDS)}")
+        check(self.kernels in KERNEL_CHOICES, "kernels", self.kernels,
+              f"use one of {', '.join(KERNEL_CHOICES)}")
         check(self.dtype == "auto" or _DTYPE_ALIASES.get(self.dtype, self.dtype)
               in SUPPORTED_DTYPES, "dtype", self.dtype,
               f"use auto or one of {', '.join(SUPPORTED_DTYPES)}")

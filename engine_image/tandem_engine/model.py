@@ -157,6 +157,39 @@ class CausalLM(nn.Module):
         return F.linear(hidden, weight).to(torch.float32)
 
 
+class PackedLinear(nn.Module):
+    """A Linear whose weight is prepacked for oneDNN on CPU.
+
+    oneDNN's packed-weight matmul ran 1.5-1.7x faster than the default CPU matmul at
+    every batch size a step produces (1 to 512 rows) on the development machine."""
+
+    BATCH_HINT = 64
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(
+            linear.weight.detach(), self.BATCH_HINT)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    return (device.type == "cpu" and dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack_linears(model: CausalLM) -> None:
+    """Swap every projection inside the decoder layers for its packed form, in place."""
+    for layer in model.model.layers:
+        for owner in (layer.self_attn, layer.mlp):
+            for name, child in list(owner.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(owner, name, PackedLinear(child))
+
+
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor],
                 device: torch.device) -> CausalLM:
     """Instantiate without allocating, then adopt the checkpoint's tensors as parameters."""

@@ -43,6 +43,6 @@ def paged_decode_kernel() -> ModuleType:
         except Exception as exc:  # a compiler or ninja problem: report it, keep the cause
             _error = (f"building the native decode-attention kernel from {_SOURCE} failed "
                       f"({type(exc).__name__}: {exc}); install a C++ compiler and ninja, or "
-                      "run with attention_backend='torch'")
+                      "run with kernels='torch'")
             raise NativeKernelUnavailable(_error) from exc
         return _module

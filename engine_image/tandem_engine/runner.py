@@ -15,7 +15,14 @@ import torch
 
 from tandem_engine.attention import AttentionMetadata, GatherBuffers, build_metadata
 from tandem_engine.config import EngineConfig, ModelConfig, normalize_dtype
-from tandem_engine.model import CausalLM, RotaryEmbedding, build_model
+from tandem_engine.host_memory import keep_freed_memory
+from tandem_engine.model import (
+    CausalLM,
+    RotaryEmbedding,
+    build_model,
+    pack_linears,
+    packing_supported,
+)
 from tandem_engine.native import NativeKernelUnavailable, paged_decode_kernel
 from tandem_engine.request import Request
 from tandem_engine.scheduler import SchedulerOutput
@@ -47,18 +54,19 @@ def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig, dtype:
 
 
 def _decode_backend(choice: str, device: torch.device) -> ModuleType | None:
-    """The native decode kernel when chosen (or when `auto` on CPU and it builds)."""
+    """The native decode kernel when chosen (or when `auto` on CPU and it builds).
+    With it, float32 projections also use oneDNN's prepacked matmul."""
     if choice == "torch" or (choice == "auto" and device.type != "cpu"):
         return None
     if device.type != "cpu":
-        raise ValueError(f"engine option attention_backend='native' runs on CPU only, not "
+        raise ValueError(f"engine option kernels='native' runs on CPU only, not "
                          f"{device.type}: use 'auto' or 'torch'")
     try:
         return paged_decode_kernel()
     except NativeKernelUnavailable as exc:
         if choice == "native":
             raise
-        log.warning("%s; using the torch attention backend", exc)
+        log.warning("%s; using plain torch kernels", exc)
         return None
 
 
@@ -86,6 +94,8 @@ class ModelRunner:
                  tensors: dict[str, torch.Tensor], num_blocks: int, max_model_len: int) -> None:
         self.config = model_config
         self.device = torch.device(engine_config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.dtype = DTYPES[resolve_dtype(model_config, engine_config)]
         self.block_size = engine_config.block_size
         self.model: CausalLM = build_model(
@@ -97,8 +107,10 @@ class ModelRunner:
             model_config.num_kv_heads, model_config.head_dim,
             dtype=self.dtype, device=self.device)
         self.gather_buffers = GatherBuffers()
-        self.native = _decode_backend(engine_config.attention_backend, self.device)
-        self.attention_backend = "torch" if self.native is None else "native"
+        self.native = _decode_backend(engine_config.kernels, self.device)
+        self.kernels = "torch" if self.native is None else "native"
+        if self.native is not None and packing_supported(self.dtype, self.device):
+            pack_linears(self.model)
 
     def prepare(self, scheduled: SchedulerOutput) -> PreparedStep:
         bs = self.block_size

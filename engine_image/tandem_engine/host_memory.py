@@ -1,0 +1,46 @@
+"""Keep the C allocator from handing activation buffers back to the kernel every step.
+
+A step allocates and frees tensors of a few MB (activations of a 512-token chunk).
+glibc serves those from fresh mmap'd pages or trims the heap after each free, so
+every step page-faults its buffers in again: measured, elementwise ops on a prefill
+step ran 3-7x slower than with the buffers kept (prefill step 740-840 ms -> 650-690 ms
+on the ~100M demo model). Raising the mmap and trim thresholds keeps freed memory
+in the process for reuse. glibc only; elsewhere this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+log = logging.getLogger(__name__)
+
+# mallopt parameter numbers from glibc's malloc.h.
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD_MAX = 32 * 1024 * 1024  # glibc's ceiling on 64-bit
+_tuned = False
+
+
+def keep_freed_memory() -> bool:
+    """Tune glibc malloc once per process; True when it took effect."""
+    global _tuned
+    if _tuned:
+        return True
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False  # not glibc
+    ok = (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
+          and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+          and mallopt(_M_TOP_PAD, 64 * 1024 * 1024) == 1)
+    if not ok:
+        log.warning("mallopt refused the allocator settings; steps may run slower")
+    _tuned = ok
+    return ok
