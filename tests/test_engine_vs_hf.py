@@ -4,6 +4,7 @@ whatever the batching: mixed lengths, tiny prefill chunks, preemption, late arri
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,18 @@ def test_half_precision_runs_close_to_float32(tiny_llama: Path, dtype: str) -> N
     for a, b in zip(ref, half, strict=True):
         assert len(b.outputs[0].token_ids) == MAX_NEW
         assert a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0]
+
+
+def test_mistral_checkpoint_matches_transformers(tiny_llama: Path, tmp_path: Path) -> None:
+    # Mistral is the Llama decoder under another name (plus a sliding window, off here).
+    folder = tmp_path / "mistral"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral",
+                  sliding_window=None)
+    config.pop("rope_scaling", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    prompts = _prompts(folder)[:3]
+    outputs = LLM(folder).generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert_matches(hf_greedy(folder, tuple(prompt), MAX_NEW), out.outputs[0].token_ids)

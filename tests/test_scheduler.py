@@ -18,8 +18,12 @@ from tandem_engine.scheduler import Scheduler
 BLOCK = 4
 
 
-def _request(i: int, prompt_len: int, max_tokens: int) -> Request:
-    return Request(f"r{i}", list(range(prompt_len)), SamplingParams(max_tokens=max_tokens), i)
+def _request(i: int, prompt_len: int, max_tokens: int, shared: bool = False) -> Request:
+    """Shared prompts (0, 1, 2, ...) share prefixes, so prefix caching shares their blocks;
+    the others start at 1000 * i and never match each other."""
+    first = 0 if shared else 1000 * i
+    return Request(f"r{i}", list(range(first, first + prompt_len)),
+                   SamplingParams(max_tokens=max_tokens), i)
 
 
 def _run_step(sched: Scheduler) -> list[Request]:
@@ -28,7 +32,8 @@ def _run_step(sched: Scheduler) -> list[Request]:
     done = []
     for chunk in out.chunks:
         assert chunk.start == chunk.request.num_computed_tokens
-        chunk.request.num_computed_tokens += chunk.num_tokens
+    sched.advance(out)
+    for chunk in out.chunks:
         if chunk.samples:
             chunk.request.token_ids.append(7)
             if chunk.request.num_output_tokens >= chunk.request.params.max_tokens:
@@ -42,10 +47,12 @@ def _check_invariants(sched: Scheduler) -> None:
     kv = sched.kv
     tables = [kv.block_table(r.request_id) for r in sched.running + list(sched.waiting)]
     owned = [b for t in tables for b in t]
-    assert len(owned) == len(set(owned)), "a block is in two block tables"
-    assert len(owned) == kv.pool.num_used
+    # Prefix caching shares blocks: each block is referenced once per table holding it.
+    assert len(set(owned)) == kv.pool.num_used
     for b in range(kv.num_blocks):
-        assert kv.pool.ref_count(b) == (1 if b in set(owned) else 0)
+        assert kv.pool.ref_count(b) == owned.count(b)
+    for t in tables:
+        assert len(t) == len(set(t)), "a block twice in one table"
     for r in sched.running:
         assert r.status is RequestStatus.RUNNING
         assert len(kv.block_table(r.request_id)) * BLOCK >= r.num_computed_tokens
@@ -75,7 +82,7 @@ def test_every_block_is_free_after_any_mix_of_finish_abort_and_preempt(
         if op == "add":
             # Like the engine: a request must fit in the cache on its own.
             prompt_len = min(a, kv.capacity_tokens - b)
-            live[n] = _request(n, prompt_len, b)
+            live[n] = _request(n, prompt_len, b, shared=True)
             sched.add(live[n])
             n += 1
         elif op == "step":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from tandem_engine.engine_state import EngineState, EngineStateError, KVMode
 from tandem_engine.errors import CheckpointError, RequestRejected, TandemError
 from tandem_engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CheckpointError", "RequestRejected", "SamplingParams", "TandemError"]
+__all__ = ["LLM", "CheckpointError", "EngineState", "EngineStateError", "KVMode",
+           "RequestRejected", "SamplingParams", "TandemError"]
 
 
 def __getattr__(name: str):

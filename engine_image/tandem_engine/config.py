@@ -277,6 +277,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto = the checkpoint's dtype
     device: str = "cpu"
     seed: int = 0
+    enable_prefix_caching: bool = True
     # CPU kernels: "native" = the compiled decode-attention kernel and oneDNN-packed
     # projections; "torch" = plain torch ops (gather + SDPA, default matmul);
     # "auto" = native on CPU when the kernel builds (a warning says when not), else torch.

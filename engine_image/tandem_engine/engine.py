@@ -1,13 +1,20 @@
-"""The engine: `add_request`, `step`, `abort`, and what happens to a token once sampled.
+"""The engine: `add_request`, `step`, `abort`, its lifecycle, and what happens to a token.
 
 One `step()` = schedule → prepare inputs → forward → sample → post-process (append the
 token, detokenize, check stop conditions, release finished requests' blocks). Every
 phase is timed so benchmarks can show where a step's time goes.
+
+Lifecycle (engine_state.py holds the table): pause stops stepping with every request
+kept; suspend also releases KV memory under a mode; refit swaps weights while paused or
+suspended and bumps the weight epoch, which salts prefix-cache hashes so KV computed by
+old weights is never matched again. All public methods hold one lock, so a server
+thread may signal while another thread steps: a signal waits for the current step.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,8 +24,18 @@ import torch
 
 from tandem_engine.checkpoint import load_checkpoint
 from tandem_engine.config import EngineConfig, ModelConfig
+from tandem_engine.engine_state import (
+    REFIT_STATES,
+    STABLE_STATES,
+    EngineState,
+    EngineStateError,
+    KVMode,
+    Signal,
+    transition_for,
+)
 from tandem_engine.errors import RequestRejected
 from tandem_engine.kv import KVCacheManager
+from tandem_engine.kv.hashing import block_salt
 from tandem_engine.outputs import CompletionOutput, RequestOutput
 from tandem_engine.request import FinishReason, Logprob, Request
 from tandem_engine.runner import ModelRunner, num_kv_blocks, resolve_dtype
@@ -54,7 +71,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         dtype = resolve_dtype(model_config, engine_config)
         num_blocks = num_kv_blocks(model_config, engine_config, dtype)
-        self.kv = KVCacheManager(num_blocks, engine_config.block_size)
+        self.kv = KVCacheManager(num_blocks, engine_config.block_size,
+                                 engine_config.enable_prefix_caching)
 
         context = model_config.max_position_embeddings
         if engine_config.max_model_len is not None and engine_config.max_model_len > context:
@@ -77,6 +95,12 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self.step_timings: list[StepTiming] = []
         self.num_preemptions = 0
+        self.weight_epoch = 0
+        self.weight_version = "initial"
+        self._state = EngineState.RUNNING
+        self._suspend_mode: KVMode | None = None
+        self._lock = threading.RLock()
+        self._state_changed = threading.Condition(self._lock)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, engine_config: EngineConfig) -> LLMEngine:
@@ -87,15 +111,26 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
-                    params: SamplingParams | None = None) -> Request:
-        """Queue a request. Raises RequestRejected (and changes nothing) if it cannot run."""
-        params = params or SamplingParams()
+                    params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """Queue a request (also while paused or suspended). Raises RequestRejected (and
+        changes nothing) if it cannot run. `cache_salt` isolates its prefix cache."""
+        with self._lock:
+            return self._add_request(request_id, prompt, params or SamplingParams(),
+                                     cache_salt)
+
+    def _add_request(self, request_id: str, prompt: str | Sequence[int],
+                     params: SamplingParams, cache_salt: str | None) -> Request:
+        if self._state in (EngineState.STOPPING, EngineState.STOPPED):
+            raise EngineStateError(f"the engine is {self._state}: it accepts no requests")
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use; pick a new one")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         self._check_prompt(token_ids)
-        request = Request(request_id, token_ids, params, next(self._arrivals), prompt=text)
+        request = Request(request_id, token_ids, params, next(self._arrivals), prompt=text,
+                          cache_salt=cache_salt,
+                          salt=block_salt(self.weight_epoch, cache_salt))
         self.requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=params.skip_special_tokens)
@@ -119,12 +154,13 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks are freed at once. False if unknown."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return False
-        self._finish(request, FinishReason.ABORT)
-        self._pending_outputs.append(self._output(request))
-        return True
+        with self._lock:
+            request = self.requests.get(request_id)
+            if request is None:
+                return False
+            self._finish(request, FinishReason.ABORT)
+            self._pending_outputs.append(self._output(request))
+            return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -140,8 +176,16 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every request that got a token or finished."""
-        outputs, self._pending_outputs = self._pending_outputs, []
+        """Run one batch; return an output for every request that got a token or finished.
+        Unless RUNNING, only returns outputs already due (aborts, a stop's aborts)."""
+        with self._lock:
+            outputs, self._pending_outputs = self._pending_outputs, []
+            if self._state is EngineState.RUNNING:
+                outputs += self._step()
+            return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)
@@ -157,8 +201,7 @@ class LLMEngine:
             batch.logits, [r.request_id for r in requests], [r.params for r in requests],
             [self._banned_tokens(r) for r in requests])
         t4 = time.perf_counter()
-        for chunk in scheduled.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+        self.scheduler.advance(scheduled)
         for row, request in enumerate(requests):
             self._append_token(request, row, result)
             outputs.append(self._output(request))
@@ -180,6 +223,8 @@ class LLMEngine:
 
     def _append_token(self, request: Request, row: int, result: SampleResult) -> None:
         token = result.token_ids[row]
+        if not request.epoch_segments or request.epoch_segments[-1][0] != self.weight_epoch:
+            request.epoch_segments.append((self.weight_epoch, request.num_output_tokens))
         request.token_ids.append(token)
         p = request.params
         if result.logprobs is not None and request.logprobs is not None:
@@ -245,4 +290,119 @@ class LLMEngine:
             stop_reason=request.stop_reason,
         )
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             [completion], finished=reason is not None)
+                             [completion], finished=reason is not None,
+                             epoch_segments=list(request.epoch_segments))
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    def pause(self) -> None:
+        """Stop stepping. In-flight requests keep their KV; new requests queue."""
+        self._signal(Signal.PAUSE)
+
+    def unpause(self) -> None:
+        self._signal(Signal.UNPAUSE)
+
+    def suspend(self, mode: KVMode | str = KVMode.PERSIST) -> int:
+        """Release KV memory (from PAUSED); returns the bytes of KV storage released."""
+        try:
+            kv_mode = KVMode(mode)
+        except ValueError:
+            raise EngineStateError(
+                f"KV management mode {mode!r} is unknown; use one of "
+                f"{', '.join(m.value for m in KVMode)}") from None
+        released = 0
+
+        def release() -> None:
+            nonlocal released
+            if kv_mode is KVMode.OFFLOAD:
+                released = self.runner.offload_kv()
+            elif kv_mode is KVMode.RECOMPUTE:
+                # Checkpoint every in-flight request as prompt + generated tokens; the
+                # cache's contents are gone, so nothing may match them any more.
+                self.scheduler.preempt_all()
+                self.kv.reset_prefix_cache()
+                released = self.runner.free_kv()
+            self._suspend_mode = kv_mode
+
+        self._signal(Signal.SUSPEND, release)
+        return released
+
+    def resume(self) -> None:
+        """Bring KV memory back (to RESUMED, a paused state: unpause to run)."""
+
+        def restore() -> None:
+            if self._suspend_mode is KVMode.OFFLOAD:
+                self.runner.restore_kv()
+            elif self._suspend_mode is KVMode.RECOMPUTE:
+                self.runner.allocate_kv()
+            self._suspend_mode = None
+
+        self._signal(Signal.RESUME, restore)
+
+    def stop(self) -> None:
+        """End the engine: every unfinished request finishes with reason `abort`."""
+
+        def abort_all() -> None:
+            for request in list(self.requests.values()):
+                self._finish(request, FinishReason.ABORT)
+                self._pending_outputs.append(self._output(request))
+
+        self._signal(Signal.STOP, abort_all)
+
+    def wait_until(self, state: EngineState | str, timeout: float | None = None) -> None:
+        """Block until the engine is in `state` (a stable state only)."""
+        target = EngineState(state)
+        if target not in STABLE_STATES:
+            raise ValueError(f"wait_until({target}): only stable states can be waited for "
+                             f"({', '.join(sorted(str(s) for s in STABLE_STATES))})")
+        with self._state_changed:
+            if not self._state_changed.wait_for(lambda: self._state is target, timeout):
+                raise TimeoutError(f"engine still {self._state} after {timeout} s, "
+                                   f"not {target}")
+
+    def refit(self, source: str | Path, version: str | None = None) -> int:
+        """Swap in the weights of checkpoint folder `source` (PAUSED, SUSPENDED or
+        RESUMED only). Everything is validated before any parameter changes; on error the
+        old weights keep serving. Returns the new weight epoch."""
+        with self._lock:
+            if self._state not in REFIT_STATES:
+                raise EngineStateError(
+                    f"refit is not allowed in state {self._state}; allowed in "
+                    f"{', '.join(sorted(str(s) for s in REFIT_STATES))}: pause first")
+            dtype = str(self.runner.dtype).removeprefix("torch.")
+            config, tensors = load_checkpoint(source, dtype, reference=self.model_config)
+            self.runner.load_weights(tensors)
+            self.model_config = config
+            self.weight_epoch += 1
+            self.weight_version = version or str(source)
+            # Requests holding no KV yet compute everything under the new weights; the
+            # ones with KV keep their salt (their leading blocks are old-weight KV).
+            for request in self.scheduler.waiting:
+                request.resalt(block_salt(self.weight_epoch, request.cache_salt))
+            return self.weight_epoch
+
+    def reset_prefix_cache(self) -> None:
+        with self._lock:
+            self.kv.reset_prefix_cache()
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        return {"queried_tokens": self.kv.queried_tokens, "hit_tokens": self.kv.hit_tokens,
+                "evictions": self.kv.pool.evictions, "cached_blocks": self.kv.pool.num_cached}
+
+    def _signal(self, signal: Signal, action=None) -> None:
+        with self._state_changed:
+            transition = transition_for(self._state, signal)
+            before = self._state
+            self._state = transition.transient
+            try:
+                if action is not None:
+                    action()
+            except BaseException:
+                self._state = before
+                raise
+            self._state = transition.target
+            self._state_changed.notify_all()

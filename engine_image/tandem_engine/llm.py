@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tandem_engine.config import EngineConfig
 from tandem_engine.engine import LLMEngine
+from tandem_engine.engine_state import EngineState, EngineStateError, KVMode
 from tandem_engine.outputs import RequestOutput
 from tandem_engine.sampling_params import SamplingParams
 
@@ -35,6 +36,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; one output per prompt, in prompt order."""
+        if self.engine.state is not EngineState.RUNNING:
+            raise EngineStateError(f"generate() needs a RUNNING engine; it is "
+                                   f"{self.engine.state} (unpause() or resume() first)")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -60,6 +64,36 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = out
         return [finished[i] for i in ids]
+
+
+    # ---- lifecycle: thin calls into the engine's state machine ----------------------------
+
+    @property
+    def state(self) -> EngineState:
+        return self.engine.state
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def unpause(self) -> None:
+        self.engine.unpause()
+
+    def suspend(self, mode: KVMode | str = KVMode.PERSIST) -> int:
+        """Release KV memory (persist, offload or recompute); returns bytes released."""
+        return self.engine.suspend(mode)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def refit(self, path: str | Path, version: str | None = None) -> int:
+        """Load new weights in place (while paused or suspended); returns the new epoch."""
+        return self.engine.refit(path, version)
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

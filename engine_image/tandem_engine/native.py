@@ -37,6 +37,9 @@ def paged_decode_kernel() -> ModuleType:
         try:
             from torch.utils.cpp_extension import load
 
+            log.info("loading the native decode-attention kernel (the first build on a "
+                     "machine takes about 30 s)")
+
             _module = load(name="tandem_paged_decode", sources=[str(_SOURCE)],
                            extra_cflags=["-O3", "-march=native", "-fopenmp"],
                            extra_ldflags=["-fopenmp"], verbose=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem_engine.request import Logprob
 
@@ -29,3 +29,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # (weight epoch, first output token index generated under it), one per epoch.
+    epoch_segments: list[tuple[int, int]] = field(default_factory=list)

@@ -51,12 +51,29 @@ class Request:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     output_text: str = ""
+    # Prefix caching: the chain salt (weight epoch + cache_salt), the full-block hashes
+    # under it, and how many leading blocks are registered in the cache.
+    cache_salt: str | None = None
+    salt: bytes = b""
+    block_hashes: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    # (weight epoch, index of the first output token generated under it), one entry
+    # per epoch the request generated tokens in.
+    epoch_segments: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+
+    def resalt(self, salt: bytes) -> None:
+        """Give a request that holds no KV a new chain salt (after a weight refit)."""
+        assert self.num_computed_tokens == 0, "a request with KV keeps its salt"
+        if salt != self.salt:
+            self.salt = salt
+            self.block_hashes = []
+            self.num_cached_blocks = 0
 
     @property
     def num_prompt_tokens(self) -> int:

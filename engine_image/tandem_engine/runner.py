@@ -98,19 +98,66 @@ class ModelRunner:
             keep_freed_memory()
         self.dtype = DTYPES[resolve_dtype(model_config, engine_config)]
         self.block_size = engine_config.block_size
-        self.model: CausalLM = build_model(
-            model_config, {k: v.to(self.dtype) for k, v in tensors.items()}, self.device)
         self.rope = RotaryEmbedding(model_config.rope, model_config.head_dim, max_model_len,
                                     self.device, self.dtype)
-        self.kv_cache = torch.zeros(
-            model_config.num_layers, 2, num_blocks, self.block_size,
-            model_config.num_kv_heads, model_config.head_dim,
-            dtype=self.dtype, device=self.device)
+        self.kv_shape = (model_config.num_layers, 2, num_blocks, self.block_size,
+                         model_config.num_kv_heads, model_config.head_dim)
+        self.kv_cache: torch.Tensor | None = None
+        self._host_kv: torch.Tensor | None = None
+        self.allocate_kv()
         self.gather_buffers = GatherBuffers()
         self.native = _decode_backend(engine_config.kernels, self.device)
         self.kernels = "torch" if self.native is None else "native"
+        self.model: CausalLM
+        self.load_weights(tensors)
+
+    # ---- weights and KV memory (the engine's lifecycle calls these) ------------------------
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Swap in new, already validated weights. Takes ownership of `tensors` (emptied).
+
+        The new model is built beside the old one and swapped in one assignment, so a
+        failure leaves the old weights serving. Peak memory: old + new model until the
+        swap (packing converts the new projections one at a time); then one model."""
+        state = {k: v.to(self.dtype) for k, v in tensors.items()}
+        tensors.clear()
+        model = build_model(self.config, state, self.device)
+        state.clear()
         if self.native is not None and packing_supported(self.dtype, self.device):
-            pack_linears(self.model)
+            pack_linears(model)
+        self.model = model
+
+    @property
+    def kv_bytes(self) -> int:
+        n = 1
+        for d in self.kv_shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+    def allocate_kv(self) -> None:
+        self.kv_cache = torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device)
+
+    def free_kv(self) -> int:
+        """Release the KV pool's storage (contents lost); return the bytes released."""
+        released = self.kv_bytes if self.kv_cache is not None else 0
+        self.kv_cache = None
+        self.gather_buffers = GatherBuffers()
+        return released
+
+    def offload_kv(self) -> int:
+        """Copy the KV pool to host memory and release its storage."""
+        assert self.kv_cache is not None
+        host = torch.empty(self.kv_shape, dtype=self.dtype, device="cpu",
+                           pin_memory=self.device.type == "cuda")
+        host.copy_(self.kv_cache)
+        self._host_kv = host
+        return self.free_kv()
+
+    def restore_kv(self) -> None:
+        """Bring an offloaded KV pool back, contents intact."""
+        assert self._host_kv is not None, "restore_kv without offload_kv"
+        self.kv_cache = self._host_kv.to(self.device, copy=self.device.type != "cpu")
+        self._host_kv = None
 
     def prepare(self, scheduled: SchedulerOutput) -> PreparedStep:
         bs = self.block_size
@@ -147,6 +194,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: PreparedStep) -> StepBatch:
+        assert self.kv_cache is not None, "forward while the KV pool is released"
         cos, sin = self.rope.lookup(step.positions)
         hidden = self.model(step.input_ids, cos, sin, self.kv_cache, step.meta)
         logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows))

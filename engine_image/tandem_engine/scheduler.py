@@ -74,8 +74,10 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            request.num_computed_tokens = self.kv.acquire_cached_prefix(request)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
+                self._release(request)
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -107,13 +109,33 @@ class Scheduler:
             out.num_prefill_tokens += n
         return n
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
+    def _release(self, request: Request) -> None:
+        """Drop a request's KV: it will be recomputed (or re-matched) on admission."""
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
+        request.num_cached_blocks = 0
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
+
+    def preempt_all(self) -> list[Request]:
+        """Checkpoint every running request (prompt + generated tokens) back to the queue,
+        in arrival order ahead of the requests that never ran. Frees all their blocks."""
+        victims = sorted(self.running, key=lambda r: r.arrival_index, reverse=True)
+        for request in victims:
+            self._preempt(request)
+        return victims[::-1]
+
+    def advance(self, scheduled: SchedulerOutput) -> None:
+        """After a forward pass: the chunks' tokens now have KV; full blocks become
+        matchable by later requests."""
+        for chunk in scheduled.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_computed_blocks(chunk.request)
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request wherever it is and free its blocks."""
@@ -121,5 +143,5 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request.request_id)
+        self._release(request)
         request.status = RequestStatus.FINISHED

@@ -1,8 +1,12 @@
-"""The block pool: the single owner of KV block ids, their reference counts and the free queue.
+"""The block pool: the single owner of KV block ids, reference counts, the free queue
+and the prefix cache's hash -> block map.
 
-A block is a fixed-size run of token slots in the preallocated KV tensor. The pool
-never touches that tensor; it only decides which block ids are in use. Invariant:
-every block id is either referenced (ref_count > 0) or in the free queue, never both.
+A block is a fixed-size run of token slots in the preallocated KV tensor; the pool
+never touches that tensor. Invariants: a block is either referenced (ref_count > 0)
+or in the free queue, never both; a free block that still holds a cached hash stays
+matchable until allocation takes it from the front of the queue (LRU eviction).
+Callers free a request's blocks tail first, so a chain's children are always evicted
+before their parents.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ class BlockPool:
             raise ValueError(f"num_blocks={num_blocks} must be positive")
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
-        # Oldest-freed first: allocation takes from the front, frees append at the back.
+        # Least recently freed first: allocation takes from the front, frees append.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -31,28 +38,43 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
     def allocate(self, n: int) -> list[int]:
-        """Take n free blocks (ref_count becomes 1). All or nothing."""
+        """Take n free blocks (ref_count becomes 1), evicting their cached hashes.
+        All or nothing."""
         if n > len(self._free):
             raise OutOfBlocks(f"asked for {n} KV blocks, only {len(self._free)} free")
         out = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
+            old = self._hash_of[block_id]
+            if old is not None:
+                del self._cached[old]
+                self._hash_of[block_id] = None
+                self.evictions += 1
             self._ref_counts[block_id] = 1
             out.append(block_id)
         return out
 
-    def incref(self, block_ids: list[int]) -> None:
+    def lookup(self, block_hash: int) -> int | None:
+        return self._cached.get(block_hash)
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take one more reference to each block (a prefix-cache hit)."""
         for b in block_ids:
             if self._ref_counts[b] == 0:
                 del self._free[b]
             self._ref_counts[b] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; a block with no references is free again."""
+        """Drop one reference to each block; a block with no references is free again
+        (still matchable if it holds a cached hash)."""
         for b in block_ids:
             count = self._ref_counts[b]
             if count <= 0:
@@ -60,3 +82,15 @@ class BlockPool:
             self._ref_counts[b] = count - 1
             if count == 1:
                 self._free[b] = None
+
+    def cache_block(self, block_id: int, block_hash: int) -> None:
+        """Make a fully computed block matchable by its hash (first writer wins)."""
+        if self._hash_of[block_id] is None and block_hash not in self._cached:
+            self._cached[block_hash] = block_id
+            self._hash_of[block_id] = block_hash
+
+    def reset_cache(self) -> None:
+        """Forget every cached hash; blocks in use keep their contents and owners."""
+        for b in self._cached.values():
+            self._hash_of[b] = None
+        self._cached.clear()

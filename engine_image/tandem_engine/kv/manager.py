@@ -1,19 +1,38 @@
-"""Per-request block tables on top of the block pool.
+"""Per-request block tables and the prefix cache, on top of the block pool.
 
-The scheduler asks this manager every memory question ("can this request grow to
-N tokens?") and gets yes/no answers; it never sees block ids it does not own.
+The scheduler asks this manager every memory question ("which leading tokens of this
+request are already cached?", "can it grow to N tokens?") and gets plain answers; it
+never sees block ids it does not own.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from tandem_engine.kv.block_pool import BlockPool
+from tandem_engine.kv.hashing import block_hashes
+
+
+class CacheableRequest(Protocol):
+    """What the manager needs of a request (tandem_engine.request.Request has it)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    salt: bytes
+    block_hashes: list[int]
+    num_cached_blocks: int
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
+        self.queried_tokens = 0
+        self.hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -33,6 +52,35 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
+    def hashes(self, request: CacheableRequest) -> list[int]:
+        """The request's full-block hashes, extended as its tokens grow."""
+        if len(request.block_hashes) < len(request.token_ids) // self.block_size:
+            request.block_hashes = block_hashes(request.token_ids, self.block_size,
+                                                request.salt, start=request.block_hashes)
+        return request.block_hashes
+
+    def acquire_cached_prefix(self, request: CacheableRequest) -> int:
+        """Give a request with no blocks the longest chain of cached blocks matching its
+        tokens; return how many tokens that covers. At least one token is always left
+        to compute, since the next token is sampled from its logits."""
+        assert request.request_id not in self._tables, "request already holds blocks"
+        if not self.enable_prefix_caching:
+            return 0
+        self.queried_tokens += len(request.token_ids)
+        usable = (len(request.token_ids) - 1) // self.block_size
+        hit: list[int] = []
+        for h in self.hashes(request)[:usable]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hit.append(block)
+        if hit:
+            self.pool.touch(hit)
+            self._tables[request.request_id] = hit
+        request.num_cached_blocks = len(hit)
+        self.hit_tokens += len(hit) * self.block_size
+        return len(hit) * self.block_size
+
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
         """Make the request's table cover `num_tokens` slots. False (and no change) if the
         pool has too few free blocks."""
@@ -47,8 +95,24 @@ class KVCacheManager:
         table.extend(self.pool.allocate(missing))
         return True
 
+    def cache_computed_blocks(self, request: CacheableRequest) -> None:
+        """Register the request's newly completed blocks (prompt or generated tokens)."""
+        if not self.enable_prefix_caching:
+            return
+        full = request.num_computed_tokens // self.block_size
+        if full <= request.num_cached_blocks:
+            return
+        table = self._tables[request.request_id]
+        hashes = self.hashes(request)
+        for i in range(request.num_cached_blocks, full):
+            self.pool.cache_block(table[i], hashes[i])
+        request.num_cached_blocks = full
+
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
         if table:
-            # Free the tail first so a later LRU eviction drops leaves before parents.
+            # Tail first: LRU eviction then drops a chain's children before its parents.
             self.pool.free(list(reversed(table)))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_cache()
