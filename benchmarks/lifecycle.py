@@ -56,19 +56,32 @@ def bench_prefix_ttft(llm, prompt_len: int, cached_share: float, repeats: int,
             "hit_tokens": hit}
 
 
-def read_bytes_s(folder: Path) -> tuple[float, int]:
-    """Time to read every safetensors file of `folder` (warm page cache)."""
+def read_bytes_s(folder: Path) -> tuple[float, float, int]:
+    """Time to read every safetensors file of `folder` from a warm page cache, two ways
+    (best of 3): a plain read() into new memory, and readinto() a reused, pre-touched
+    buffer (the memcpy floor: no page faults)."""
     files = sorted(folder.glob("*.safetensors"))
+    sizes = [f.stat().st_size for f in files]
+    buf = bytearray(max(sizes))
     for f in files:
         f.read_bytes()  # warm the page cache
-    start = time.perf_counter()
-    total = sum(len(f.read_bytes()) for f in files)
-    return time.perf_counter() - start, total
+    plain = floor = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for f in files:
+            f.read_bytes()
+        plain = min(plain, time.perf_counter() - start)
+        start = time.perf_counter()
+        for f in files:
+            with f.open("rb", buffering=0) as fh:
+                fh.readinto(buf)
+        floor = min(floor, time.perf_counter() - start)
+    return plain, floor, sum(sizes)
 
 
 def bench_refit(llm, targets: list[Path]) -> dict[str, float]:
     engine = llm.engine
-    read_s, nbytes = read_bytes_s(targets[0])
+    read_s, floor_s, nbytes = read_bytes_s(targets[0])
     for t in targets:
         read_bytes_s(t)
     times = []
@@ -78,7 +91,8 @@ def bench_refit(llm, targets: list[Path]) -> dict[str, float]:
         engine.refit(target, version=f"v{i}")
         times.append(time.perf_counter() - start)
         engine.unpause()
-    return {"read_s": read_s, "bytes": nbytes, "refit_s": statistics.median(times)}
+    return {"read_s": read_s, "floor_s": floor_s, "bytes": nbytes,
+            "refit_s": statistics.median(times)}
 
 
 def bench_suspend(llm, vocab: int) -> list[dict[str, float]]:
@@ -138,9 +152,11 @@ def main(argv: list[str] | None = None) -> int:
 
     f = bench_refit(llm, [args.refit_to, args.model])
     ratio = f["refit_s"] / f["read_s"]
-    print(f"refit: {f['refit_s'] * 1e3:.0f} ms; reading the same {f['bytes'] / 2**20:.0f} MiB "
-          f"from page cache: {f['read_s'] * 1e3:.0f} ms -> {ratio:.2f}x  goal <= 1.2x  "
+    print(f"refit: {f['refit_s'] * 1e3:.0f} ms; read() of the same {f['bytes'] / 2**20:.0f} "
+          f"MiB from page cache: {f['read_s'] * 1e3:.0f} ms -> {ratio:.2f}x  goal <= 1.2x  "
           f"{'PASS' if ratio <= 1.2 else 'MISS'}")
+    print(f"  (memcpy floor, readinto a pre-touched buffer: {f['floor_s'] * 1e3:.0f} ms -> "
+          f"refit is {f['refit_s'] / f['floor_s']:.2f}x of it)")
 
     for row in bench_suspend(llm, vocab):
         print(f"suspend {row['mode']:<9}: suspend {row['suspend_s'] * 1e3:7.1f} ms, "
