@@ -1,0 +1,181 @@
+"""Every message between the router and the engines, in one module.
+
+A frame is `[version: u8][kind: u8]` followed by the msgpack body of the struct that
+`kind` names. Kinds are IntEnums grouped in disjoint numeric ranges (connection,
+request, control, transport) and checked for collisions at import. `decode` never
+trusts a frame: a short, unknown, wrong-version or malformed one raises
+`ProtocolError`, which receivers log and drop — a bad frame never takes a process down.
+The protocol version is also exchanged in HELLO/WELCOME when a router connects.
+
+Torch-free: the router imports it without the model stack.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A frame that cannot be accepted; the message says why."""
+
+
+class Kind(enum.IntEnum):
+    # connection: 1..19
+    HELLO = 1  # router -> engine
+    WELCOME = 2  # engine -> router
+    HEARTBEAT = 3  # engine -> router, every heartbeat interval
+    # request: 20..49
+    SUBMIT = 20  # router -> engine
+    OUTPUT = 21  # engine -> router: new tokens / text, final when finished
+    ABORT = 22  # router -> engine
+    REJECT = 23  # engine -> router: the request could not be accepted
+    # control: 50..69
+    STATE = 50  # engine -> router: a lifecycle state change, sent at once
+    # transport: 70..99 (KV handoff between prefill and decode engines)
+
+
+RANGES = {
+    "connection": range(1, 20),
+    "request": range(20, 50),
+    "control": range(50, 70),
+    "transport": range(70, 100),
+}
+
+
+def _check_kinds() -> None:
+    seen: dict[int, str] = {}
+    for kind in Kind:
+        owners = [name for name, r in RANGES.items() if kind.value in r]
+        if len(owners) != 1:
+            raise AssertionError(f"message kind {kind.name}={kind.value} is in {owners}")
+        if kind.value in seen:
+            raise AssertionError(f"{kind.name} collides with {seen[kind.value]}")
+        seen[kind.value] = kind.name
+
+
+_check_kinds()
+
+
+class Hello(msgspec.Struct, frozen=True):
+    protocol_version: int
+    router_id: str
+
+
+class Load(msgspec.Struct, frozen=True):
+    """What routing needs to know of an engine right now."""
+
+    state: str  # an EngineState name
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # 0..1 of the KV pool in use
+    weight_version: str
+    weight_epoch: int
+
+
+class Welcome(msgspec.Struct, frozen=True):
+    protocol_version: int
+    engine_id: str
+    incarnation: str  # new on every process start: a restart is a new engine
+    role: str  # mixed | prefill | decode
+    model: str  # the served model name
+    block_size: int
+    max_model_len: int
+    load: Load
+
+
+class Heartbeat(msgspec.Struct, frozen=True):
+    engine_id: str
+    incarnation: str
+    load: Load
+
+
+class StateChange(msgspec.Struct, frozen=True):
+    engine_id: str
+    incarnation: str
+    load: Load
+
+
+class Submit(msgspec.Struct, frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    # SamplingParams fields by name (max_tokens, temperature, stop, logprobs, ...).
+    sampling: dict[str, Any]
+    cache_salt: str | None = None
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True):
+    """One generated token's logprob and the top alternatives (token id -> logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class Output(msgspec.Struct, frozen=True):
+    request_id: str
+    token_ids: list[int]  # new since the previous Output of this request
+    text: str  # new text since the previous Output (stop strings are never half-sent)
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class Abort(msgspec.Struct, frozen=True):
+    request_id: str
+
+
+class Reject(msgspec.Struct, frozen=True):
+    request_id: str
+    status: int  # HTTP status the router should answer with (400, 503, ...)
+    message: str
+
+
+BODIES: dict[Kind, type[msgspec.Struct]] = {
+    Kind.HELLO: Hello,
+    Kind.WELCOME: Welcome,
+    Kind.HEARTBEAT: Heartbeat,
+    Kind.SUBMIT: Submit,
+    Kind.OUTPUT: Output,
+    Kind.ABORT: Abort,
+    Kind.REJECT: Reject,
+    Kind.STATE: StateChange,
+}
+KIND_OF: dict[type[msgspec.Struct], Kind] = {body: kind for kind, body in BODIES.items()}
+assert set(BODIES) == set(Kind), "every kind needs a body struct"
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {kind: msgspec.msgpack.Decoder(body) for kind, body in BODIES.items()}
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    kind = KIND_OF[type(message)]
+    return bytes((PROTOCOL_VERSION, kind)) + _encoder.encode(message)
+
+
+def decode(frame: bytes) -> msgspec.Struct:
+    """Parse one frame; ProtocolError (never anything else) for a frame to drop."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"frame must be bytes, got {type(frame).__name__}")
+    if len(frame) < 2:
+        raise ProtocolError(f"frame of {len(frame)} bytes is shorter than its 2-byte header")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    version, kind_value = frame[0], frame[1]
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} is not {PROTOCOL_VERSION}")
+    try:
+        kind = Kind(kind_value)
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {kind_value}") from None
+    try:
+        return _decoders[kind].decode(bytes(frame[2:]))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed {kind.name} body: {exc}") from None
