@@ -9,8 +9,11 @@ it under ~/.cache/torch_extensions) needs a C++ compiler and ninja.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -35,17 +38,32 @@ def paged_decode_kernel() -> ModuleType:
         if _error is not None:
             raise NativeKernelUnavailable(_error)
         try:
-            from torch.utils.cpp_extension import load
+            from torch.utils.cpp_extension import _get_build_directory, load_inline
 
+            source = _SOURCE.read_text()
+            # Named by content: every checkout of the same source shares one build.
+            name = "tandem_paged_decode_" + hashlib.sha256(source.encode()).hexdigest()[:12]
+            _clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
             log.info("loading the native decode-attention kernel (the first build on a "
                      "machine takes about 30 s)")
-
-            _module = load(name="tandem_paged_decode", sources=[str(_SOURCE)],
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+            _module = load_inline(name=name, cpp_sources=[source],
+                                  extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                  extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # a compiler or ninja problem: report it, keep the cause
             _error = (f"building the native decode-attention kernel from {_SOURCE} failed "
                       f"({type(exc).__name__}: {exc}); install a C++ compiler and ninja, or "
                       "run with kernels='torch'")
             raise NativeKernelUnavailable(_error) from exc
         return _module
+
+
+def _clear_stale_lock(build_dir: Path, max_age_s: float = 600.0) -> None:
+    """A build killed midway leaves torch's lock file behind, and every later load would
+    wait on it forever; a lock older than any real build is removed."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > max_age_s:
+            log.warning("removing a stale kernel build lock %s", lock)
+            os.unlink(lock)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,198 @@
+"""The engine's admin HTTP API: what the operator (and `tandem serve`) calls.
+
+State, lifecycle signals, refit, health, readiness and Prometheus metrics. Lifecycle
+calls block on the engine lock, so they are plain (threadpool) handlers; each one
+announces the new state to the routers at once. With an admin token configured, every
+mutating call needs `Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from pydantic import BaseModel, Field
+
+from tandem_engine.engine_state import EngineState, EngineStateError, KVMode
+from tandem_engine.errors import CheckpointError
+from tandem_engine.worker import EngineWorker
+
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class SuspendBody(BaseModel):
+    mode: KVMode = KVMode.PERSIST
+
+
+class RefitBody(BaseModel):
+    uri: str = Field(min_length=1, max_length=4096)
+    version: str | None = Field(default=None, max_length=253)
+
+
+def checkpoint_path(uri: str) -> Path:
+    """`file:///abs/path` (or a bare absolute path) -> Path; other schemes are refused."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        path = unquote(parsed.path if parsed.scheme else uri)
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"refit uri {uri!r}: file URIs must not name a host")
+        return Path(path)
+    raise ValueError(f"refit uri {uri!r}: scheme {parsed.scheme!r} is not supported yet; "
+                     "use file:///path/to/checkpoint")
+
+
+def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> FastAPI:
+    app = FastAPI(title="tandem-engine admin", docs_url=None, redoc_url=None)
+    engine = worker.engine
+
+    def authorize(authorization: str | None) -> None:
+        if admin_token is None:
+            return
+        expected = f"Bearer {admin_token}"
+        if authorization is None or not hmac.compare_digest(authorization, expected):
+            raise HTTPException(401, "this admin call needs 'Authorization: Bearer <token>' "
+                                     "with the engine's admin token")
+
+    def signal(fn, *args) -> dict[str, Any]:
+        try:
+            fn(*args)
+        except EngineStateError as exc:
+            raise HTTPException(409, str(exc)) from exc
+        worker.announce_state()
+        return state()
+
+    @app.exception_handler(HTTPException)
+    async def _error(_: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse({"error": {"message": exc.detail, "code": exc.status_code}},
+                            status_code=exc.status_code)
+
+    @app.get("/v1/state")
+    def state() -> dict[str, Any]:
+        load = worker.load()
+        return {"engine_id": worker.engine_id, "incarnation": worker.incarnation,
+                "role": worker.role, "model": worker.model_name, "state": load.state,
+                "weight_version": load.weight_version, "weight_epoch": load.weight_epoch,
+                "num_running": load.num_running, "num_waiting": load.num_waiting,
+                "kv_usage": load.kv_usage, "draining": worker.draining}
+
+    @app.post("/v1/pause")
+    def pause(authorization: str | None = Header(None)) -> dict[str, Any]:
+        authorize(authorization)
+        return signal(engine.pause)
+
+    @app.post("/v1/unpause")
+    def unpause(authorization: str | None = Header(None)) -> dict[str, Any]:
+        authorize(authorization)
+        return signal(engine.unpause)
+
+    @app.post("/v1/suspend")
+    def suspend(body: SuspendBody | None = None,
+                authorization: str | None = Header(None)) -> dict[str, Any]:
+        authorize(authorization)
+        return signal(engine.suspend, (body or SuspendBody()).mode)
+
+    @app.post("/v1/resume")
+    def resume(authorization: str | None = Header(None)) -> dict[str, Any]:
+        authorize(authorization)
+        return signal(engine.resume)
+
+    @app.post("/v1/refit")
+    def refit(body: RefitBody, authorization: str | None = Header(None)) -> dict[str, Any]:
+        authorize(authorization)
+        try:
+            path = checkpoint_path(body.uri)
+            engine.refit(path, body.version or body.uri)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from exc
+        except CheckpointError as exc:
+            raise HTTPException(422, f"refit to {body.uri} refused, old weights still "
+                                     f"serving: {exc}") from exc
+        except EngineStateError as exc:
+            raise HTTPException(409, str(exc)) from exc
+        worker.announce_state()
+        return state()
+
+    @app.get("/healthz")
+    def healthz() -> JSONResponse:
+        ok = worker.alive
+        return JSONResponse({"status": "ok" if ok else "engine thread stopped"},
+                            status_code=200 if ok else 503)
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        ready = worker.alive and engine.state is EngineState.RUNNING and not worker.draining
+        return JSONResponse({"ready": ready, "state": str(engine.state)},
+                            status_code=200 if ready else 503)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(worker))
+
+    @app.get("/metrics")
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry).decode(),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+class _EngineCollector:
+    """Reads the engine's numbers at scrape time (no bookkeeping in the step path)."""
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+        self._bucket_counts = [0] * (len(STEP_BUCKETS) + 1)
+        self._step_sum = 0.0
+
+    def collect(self):
+        w, e = self.worker, self.worker.engine
+        labels = ["engine_id"]
+        v = [w.engine_id]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(v, value)
+            return g
+
+        yield gauge("tandem_requests_running", "Requests running", e.num_running)
+        yield gauge("tandem_requests_waiting", "Requests waiting", e.num_waiting)
+        yield gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks in use", e.kv.usage)
+        yield gauge("tandem_weight_epoch", "Weight epoch (bumped by each refit)",
+                    e.weight_epoch)
+        stats = e.prefix_cache_stats()
+        queried = stats["queried_tokens"]
+        yield gauge("tandem_prefix_cache_hit_ratio", "Prefix-cache hit tokens / queried",
+                    stats["hit_tokens"] / queried if queried else 0.0)
+        c = CounterMetricFamily("tandem_prefix_cache_evictions", "Cached blocks evicted",
+                                labels=labels)
+        c.add_metric(v, stats["evictions"])
+        yield c
+        tokens = CounterMetricFamily("tandem_tokens", "Tokens processed",
+                                     labels=[*labels, "kind"])
+        tokens.add_metric([*v, "prompt"], w.stats.prompt_tokens)
+        tokens.add_metric([*v, "generation"], w.stats.generation_tokens)
+        yield tokens
+        done = CounterMetricFamily("tandem_requests_finished", "Finished requests by reason",
+                                   labels=[*labels, "reason"])
+        for reason, n in sorted(w.stats.requests_finished.items()):
+            done.add_metric([*v, reason], n)
+        yield done
+        # Fold the step times recorded since the last scrape into the histogram.
+        seconds, w.stats.step_seconds = w.stats.step_seconds, []
+        for s in seconds:
+            self._step_sum += s
+            i = next((k for k, b in enumerate(STEP_BUCKETS) if s <= b), len(STEP_BUCKETS))
+            self._bucket_counts[i] += 1
+        h = HistogramMetricFamily("tandem_step_seconds", "Engine step time", labels=labels)
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, STEP_BUCKETS), "+Inf"], self._bucket_counts,
+                                strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        h.add_metric(v, buckets, self._step_sum)
+        yield h

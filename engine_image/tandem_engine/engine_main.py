@@ -1,0 +1,132 @@
+"""`tandem-engine`: one engine process — the model, a ZMQ socket for routers, the admin API.
+
+SIGTERM (or SIGINT) stops admitting requests, lets in-flight ones finish within
+`--shutdown-grace` seconds, aborts the rest (their routers get final outputs), and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger("tandem_engine.engine_main")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem-engine", description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="checkpoint folder (HuggingFace format)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the folder name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True, help="ZMQ port routers connect to")
+    p.add_argument("--admin-port", type=int, required=True, help="admin HTTP port")
+    p.add_argument("--engine-id", default=None, help="default: host:port")
+    p.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--shutdown-grace", type=float, default=30.0)
+    p.add_argument("--admin-token-file", type=Path, default=None)
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=512 * 1024 * 1024)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kernels", choices=["auto", "native", "torch"], default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def _read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    token = path.read_text().strip()
+    if not token:
+        raise SystemExit(f"tandem-engine: --admin-token-file {path} is empty")
+    return token
+
+
+async def _run(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from tandem_engine.admin import build_admin_app
+    from tandem_engine.config import EngineConfig
+    from tandem_engine.engine import LLMEngine
+    from tandem_engine.worker import EngineWorker
+
+    torch.set_num_threads(args.threads)
+    token = _read_token(args.admin_token_file)
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        num_blocks=args.num_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_model_len=args.max_model_len, dtype=args.dtype, kernels=args.kernels,
+        seed=args.seed)
+    log.info("loading %s", args.model)
+    engine = await asyncio.to_thread(LLMEngine.from_checkpoint, args.model, config)
+    engine_id = args.engine_id or f"{socket.gethostname()}:{args.port}"
+    worker = EngineWorker(engine, engine_id=engine_id,
+                          model_name=args.served_model_name or Path(args.model).name,
+                          role=args.role, heartbeat_interval=args.heartbeat_interval)
+
+    shutdown = asyncio.Event()
+    admin = uvicorn.Server(uvicorn.Config(
+        build_admin_app(worker, token), host=args.host, port=args.admin_port,
+        log_level="warning", lifespan="off"))
+    admin.install_signal_handlers = lambda: None  # we own SIGTERM/SIGINT
+
+    loop = asyncio.get_running_loop()
+    stopping = False
+
+    def on_signal(signum: int) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        log.info("signal %d: draining (grace %.0f s)", signum, args.shutdown_grace)
+
+        async def drain_then_stop() -> None:
+            await asyncio.to_thread(worker.drain, args.shutdown_grace)
+            admin.should_exit = True
+            shutdown.set()
+
+        loop.create_task(drain_then_stop())
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    serving = asyncio.create_task(worker.serve(f"tcp://{args.host}:{args.port}", shutdown))
+    admin_task = asyncio.create_task(admin.serve())
+    log.info("engine %s ready: zmq tcp://%s:%d, admin http://%s:%d", engine_id, args.host,
+             args.port, args.host, args.admin_port)
+    await asyncio.wait({serving, admin_task}, return_when=asyncio.FIRST_COMPLETED)
+    shutdown.set()
+    admin.should_exit = True
+    await asyncio.gather(serving, admin_task, return_exceptions=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
+                        "%(message)s")
+    try:
+        return asyncio.run(_run(args))
+    except Exception as exc:  # report a startup failure in one line, not a traceback
+        from tandem_engine.errors import TandemError
+
+        if isinstance(exc, TandemError | ValueError | OSError):
+            print(f"tandem-engine: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""The router's connections to its engines: one ZMQ DEALER per engine address.
+
+An `EngineClient` owns everything the router knows about one engine: the handshake
+(HELLO until a WELCOME arrives, retried every `handshake_timeout`), liveness (an engine
+whose last message is older than `heartbeat_deadline`, or whose TCP connection the
+socket monitor reports closed, is dead at once), its latest `Load`, and one asyncio
+queue per in-flight request. When an engine dies, or comes back as a new incarnation
+(a restarted process knows none of our requests), every in-flight queue receives an
+`EngineLost`, which is how `dispatch` knows to resubmit elsewhere.
+
+Sends never block: the socket only queues to a live connection (ZMQ_IMMEDIATE), and a
+send that cannot be queued fails at once (`EngineUnavailable`), never waits. An
+`Output` for a request this router no longer tracks (it failed over, or the client
+left) is answered with an `Abort`, so an engine never computes for nobody for long.
+
+`EnginePool` is the static list of engines (Kubernetes discovery replaces the list
+later, not this interface).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from tandem_engine import protocol as p
+from tandem_engine.router.routing import EngineView
+
+log = logging.getLogger(__name__)
+
+
+class EngineUnavailable(Exception):
+    """A message could not be handed to an engine (not connected, or its queue is full)."""
+
+
+@dataclass(frozen=True)
+class EngineLost:
+    """Put in a request's queue when its engine died or restarted: the request is gone
+    there and must be resubmitted."""
+
+    reason: str
+
+
+QueueItem = p.Output | p.Reject | EngineLost
+
+
+def parse_address(address: str) -> str:
+    """'HOST:PORT' or 'tcp://HOST:PORT' -> 'tcp://HOST:PORT' (ValueError if malformed)."""
+    raw = address.removeprefix("tcp://")
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"engine address {address!r} must be HOST:PORT with a port in "
+                         "1..65535, e.g. 127.0.0.1:5555")
+    return f"tcp://{host}:{int(port)}"
+
+
+class EngineClient:
+    def __init__(self, address: str, *, router_id: str, context: zmq.asyncio.Context,
+                 heartbeat_deadline: float = 2.0, handshake_timeout: float = 1.0) -> None:
+        self.address = parse_address(address)
+        self.key = self.address.removeprefix("tcp://")
+        self.router_id = router_id
+        self.heartbeat_deadline = heartbeat_deadline
+        self.handshake_timeout = handshake_timeout
+        self.welcome: p.Welcome | None = None
+        self.load: p.Load | None = None
+        self.connected = False  # WELCOME received and messages arriving on time
+        self.last_seen = 0.0  # monotonic time of the last message from the engine
+        self.epoch_changes = 0  # bumped whenever its prefix cache is known to be invalid
+        self._context = context
+        self._socket: zmq.asyncio.Socket | None = None
+        self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
+        self._hello_sent_at = float("-inf")
+        self._tasks: list[asyncio.Task[Any]] = []
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        sock = self._context.socket(zmq.DEALER)
+        # A fixed identity per (router, engine): after a reconnect the engine still maps
+        # our request ids to the same requests, so aborts keep working.
+        sock.setsockopt(zmq.ROUTING_ID, f"{self.router_id}/{self.key}".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sock.connect(self.address)
+        self._socket = sock
+        self._tasks = [asyncio.create_task(self._receive(), name=f"recv {self.key}"),
+                       asyncio.create_task(self._watch(), name=f"watch {self.key}"),
+                       asyncio.create_task(self._monitor(monitor), name=f"mon {self.key}")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._fail_all("the router is shutting down")
+        if self._socket is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.disable_monitor()
+            self._socket.close(linger=0)
+            self._socket = None
+
+    # ---- requests -------------------------------------------------------------------------
+
+    @property
+    def inflight(self) -> int:
+        return len(self._queues)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: dict[str, Any],
+               cache_salt: str | None = None) -> asyncio.Queue[QueueItem]:
+        """Hand a request to the engine; its outputs arrive on the returned queue."""
+        if not self.connected:
+            raise EngineUnavailable(f"engine {self.key} is not connected")
+        queue: asyncio.Queue[QueueItem] = asyncio.Queue()
+        self._queues[request_id] = queue
+        try:
+            self._send(p.Submit(request_id, prompt_token_ids, sampling, cache_salt))
+        except EngineUnavailable:
+            del self._queues[request_id]
+            raise
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (best effort, never blocks) and forget its queue."""
+        if self._queues.pop(request_id, None) is not None:
+            with contextlib.suppress(EngineUnavailable):
+                self._send(p.Abort(request_id))
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's queue."""
+        self._queues.pop(request_id, None)
+
+    def view(self) -> EngineView:
+        load, welcome = self.load, self.welcome
+        return EngineView(
+            key=self.key, alive=self.connected,
+            state=load.state if load else "UNKNOWN",
+            weight_version=load.weight_version if load else "",
+            weight_epoch=load.weight_epoch if load else 0,
+            num_running=load.num_running if load else 0,
+            num_waiting=load.num_waiting if load else 0,
+            kv_usage=load.kv_usage if load else 0.0,
+            inflight=self.inflight,
+            block_size=welcome.block_size if welcome else 16,
+            max_model_len=welcome.max_model_len if welcome else 0)
+
+    def describe(self) -> dict[str, Any]:
+        """What `GET /v1/engines` shows of this engine."""
+        v = self.view()
+        w = self.welcome
+        return {"address": self.key, "engine_id": w.engine_id if w else None,
+                "incarnation": w.incarnation if w else None, "role": w.role if w else None,
+                "model": w.model if w else None, "alive": v.alive, "state": v.state,
+                "weight_version": v.weight_version, "weight_epoch": v.weight_epoch,
+                "num_running": v.num_running, "num_waiting": v.num_waiting,
+                "kv_usage": v.kv_usage, "inflight": v.inflight,
+                "block_size": v.block_size, "max_model_len": v.max_model_len,
+                "seconds_since_seen": round(time.monotonic() - self.last_seen, 3)
+                if self.last_seen else None}
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _send(self, message: Any) -> None:
+        if self._socket is None:
+            raise EngineUnavailable(f"engine {self.key}: the router's socket is closed")
+        # With DONTWAIT (and no pending sends) pyzmq tries the send at once and hands back
+        # a finished future: this call is synchronous and never waits.
+        sent = self._socket.send(p.encode(message), zmq.DONTWAIT)
+        exc = sent.exception() if sent.done() else None
+        if exc is not None:
+            raise EngineUnavailable(f"engine {self.key}: cannot queue a message ({exc})")
+
+    def _say_hello(self) -> None:
+        self._hello_sent_at = time.monotonic()
+        with contextlib.suppress(EngineUnavailable):
+            self._send(p.Hello(p.PROTOCOL_VERSION, self.router_id))
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.connected:
+            log.warning("engine %s lost: %s", self.key, reason)
+        self.connected = False
+        self._hello_sent_at = float("-inf")  # say hello again at once
+        self._fail_all(f"engine {self.key} lost: {reason}")
+
+    def _fail_all(self, reason: str) -> None:
+        queues, self._queues = self._queues, {}
+        for queue in queues.values():
+            queue.put_nowait(EngineLost(reason))
+
+    async def _watch(self) -> None:
+        """Handshake retries and the heartbeat deadline."""
+        tick = min(0.1, self.heartbeat_deadline / 4)
+        while True:
+            now = time.monotonic()
+            if self.connected and now - self.last_seen > self.heartbeat_deadline:
+                self._mark_dead(f"no message for {now - self.last_seen:.1f} s "
+                                f"(deadline {self.heartbeat_deadline} s)")
+            if not self.connected and now - self._hello_sent_at > self.handshake_timeout:
+                self._say_hello()
+            await asyncio.sleep(tick)
+
+    async def _monitor(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._mark_dead("connection closed")
+                elif event["event"] == zmq.EVENT_CONNECTED:
+                    self._say_hello()
+        finally:
+            monitor.close(linger=0)
+
+    async def _receive(self) -> None:
+        assert self._socket is not None
+        while True:
+            frame = await self._socket.recv()
+            try:
+                message = p.decode(frame)
+            except p.ProtocolError as exc:
+                log.warning("engine %s: dropped a bad frame: %s", self.key, exc)
+                continue
+            try:
+                self._handle(message)
+            except Exception:  # a bug here must not stop the receive loop
+                log.exception("engine %s: failed to handle %s", self.key,
+                              type(message).__name__)
+
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, p.Welcome):
+            self._on_welcome(message)
+            return
+        if isinstance(message, p.Heartbeat | p.StateChange):
+            if self.welcome is None or message.incarnation != self.welcome.incarnation:
+                if self.connected:  # a restarted engine knows none of our requests
+                    self._mark_dead(f"restarted as incarnation {message.incarnation}")
+                return
+            self.last_seen = time.monotonic()
+            self._set_load(message.load)
+            return
+        if self.connected:
+            self.last_seen = time.monotonic()
+        if isinstance(message, p.Output | p.Reject):
+            queue = self._queues.get(message.request_id)
+            if queue is None:
+                if isinstance(message, p.Output) and not message.finished:
+                    with contextlib.suppress(EngineUnavailable):
+                        self._send(p.Abort(message.request_id))
+                return
+            if isinstance(message, p.Reject) or message.finished:
+                del self._queues[message.request_id]
+            queue.put_nowait(message)
+        else:
+            log.warning("engine %s: unexpected %s dropped", self.key, type(message).__name__)
+
+    def _on_welcome(self, welcome: p.Welcome) -> None:
+        if welcome.protocol_version != p.PROTOCOL_VERSION:
+            log.error("engine %s speaks protocol %d, this router %d: not using it", self.key,
+                      welcome.protocol_version, p.PROTOCOL_VERSION)
+            return
+        previous = self.welcome
+        if previous is not None and previous.incarnation != welcome.incarnation:
+            self._fail_all(f"engine {self.key} restarted")
+            self.epoch_changes += 1
+        if not self.connected:
+            log.info("engine %s connected: id %s, %s, model %s, version %s (epoch %d), %s",
+                     self.key, welcome.engine_id, welcome.role, welcome.model,
+                     welcome.load.weight_version, welcome.load.weight_epoch,
+                     welcome.load.state)
+        self.welcome = welcome
+        self.connected = True
+        self.last_seen = time.monotonic()
+        self._set_load(welcome.load)
+
+    def _set_load(self, load: p.Load) -> None:
+        if self.load is not None and (load.weight_epoch != self.load.weight_epoch
+                                      or load.weight_version != self.load.weight_version):
+            self.epoch_changes += 1
+        if self.load is not None and load.state != self.load.state:
+            log.info("engine %s: %s -> %s", self.key, self.load.state, load.state)
+        self.load = load
+
+
+class EnginePool:
+    """The router's engines, from a static list of addresses."""
+
+    def __init__(self, addresses: Sequence[str], *, router_id: str | None = None,
+                 heartbeat_deadline: float = 2.0, handshake_timeout: float = 1.0) -> None:
+        if not addresses:
+            raise ValueError("the router needs at least one engine address (--engine)")
+        keys = [parse_address(a) for a in addresses]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"engine addresses must be distinct, got {list(addresses)}")
+        if heartbeat_deadline <= 0:
+            raise ValueError(f"heartbeat deadline {heartbeat_deadline} must be > 0 s")
+        self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
+        self._context = zmq.asyncio.Context()
+        self.clients = [EngineClient(a, router_id=self.router_id, context=self._context,
+                                     heartbeat_deadline=heartbeat_deadline,
+                                     handshake_timeout=handshake_timeout) for a in addresses]
+        self.by_key = {c.key: c for c in self.clients}
+
+    async def start(self) -> None:
+        for client in self.clients:
+            await client.start()
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.close()
+        self._context.term()
+
+    def views(self) -> list[EngineView]:
+        return [c.view() for c in self.clients]

@@ -1,0 +1,141 @@
+"""Which engine serves a request: weight version first, then load and prefix affinity.
+
+Pure functions over `EngineView` snapshots, so every rule is tested without sockets.
+
+* Version: an engine serves only while it runs the pool's *serving version*, the
+  newest weight version that has at least one alive RUNNING engine. During a refit
+  some engines run the old version and some the new; new requests go to the newest
+  version as soon as one of its engines runs, and a request that already has tokens is
+  only ever continued on its own version (`eligible(..., version=...)`).
+* Load: what an engine has queued (the larger of what it last reported and what this
+  router has in flight there, since reports arrive only every heartbeat), waiting
+  requests counted again (they have not started), and KV usage.
+* Affinity: this router remembers, per engine, the block hashes of the prompts it
+  sent there (`PrefixIndex`, bounded LRU). The engine with the longest cached prefix
+  wins unless it is much more loaded: a fully cached prompt is worth
+  `affinity_weight` queued requests.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+RUNNING = "RUNNING"
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """A snapshot of one engine as routing sees it."""
+
+    key: str  # the engine's address, unique in the pool
+    alive: bool  # handshake done and heartbeats on time
+    state: str  # an EngineState name
+    weight_version: str
+    weight_epoch: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    inflight: int  # requests this router has in flight there
+    block_size: int
+    max_model_len: int
+
+    @property
+    def serving(self) -> bool:
+        return self.alive and self.state == RUNNING
+
+
+@dataclass(frozen=True)
+class RoutingWeights:
+    affinity_weight: float = 4.0  # a fully cached prompt is worth this many queued requests
+    waiting_weight: float = 1.0  # a waiting request counts this much on top of queued
+    kv_weight: float = 4.0  # a full KV pool counts as this many queued requests
+
+
+def serving_version(engines: Iterable[EngineView]) -> str | None:
+    """The newest weight version with at least one alive RUNNING engine, or None.
+
+    Newest = the highest weight epoch among the version's serving engines (every refit
+    bumps an engine's epoch); ties go to the version with more serving engines, then to
+    the larger version string, so every router picks the same one."""
+    epochs: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    for e in engines:
+        if e.serving:
+            epochs[e.weight_version] = max(epochs.get(e.weight_version, -1), e.weight_epoch)
+            counts[e.weight_version] = counts.get(e.weight_version, 0) + 1
+    if not epochs:
+        return None
+    return max(epochs, key=lambda v: (epochs[v], counts[v], v))
+
+
+def eligible(engines: Iterable[EngineView], version: str | None = None,
+             exclude: Iterable[str] = ()) -> list[EngineView]:
+    """Alive RUNNING engines of `version` (default: the serving version), minus `exclude`."""
+    engines = list(engines)
+    version = version if version is not None else serving_version(engines)
+    skip = set(exclude)
+    return [e for e in engines
+            if e.serving and e.weight_version == version and e.key not in skip]
+
+
+def load_cost(e: EngineView, w: RoutingWeights = RoutingWeights()) -> float:
+    queued = max(e.num_running + e.num_waiting, e.inflight)
+    return queued + w.waiting_weight * e.num_waiting + w.kv_weight * e.kv_usage
+
+
+def choose(candidates: Sequence[EngineView], cached_blocks: dict[str, int],
+           prompt_blocks: int, w: RoutingWeights = RoutingWeights(),
+           tie_break: int = 0) -> EngineView | None:
+    """The best candidate: affinity bonus minus load cost, highest wins.
+
+    `cached_blocks[key]` is how many leading blocks of the prompt the engine is believed
+    to hold; `prompt_blocks` how many full blocks the prompt has. Equal scores rotate
+    with `tie_break` (a counter the caller advances), so idle engines share work."""
+    if not candidates:
+        return None
+
+    def score(e: EngineView) -> float:
+        hit = cached_blocks.get(e.key, 0) / prompt_blocks if prompt_blocks else 0.0
+        return w.affinity_weight * hit - load_cost(e, w)
+
+    best = max(score(e) for e in candidates)
+    top = [e for e in candidates if score(e) >= best - 1e-9]
+    return top[tie_break % len(top)]
+
+
+class PrefixIndex:
+    """The block hashes this router sent to one engine, least recently used first.
+
+    Chained hashes mean a block's hash stands for its whole prefix, so a prompt's cached
+    prefix is its leading run of hashes present here. Bounded: the engine evicts too,
+    so an old entry is a guess either way."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        if capacity < 1:
+            raise ValueError(f"prefix index capacity {capacity} must be >= 1")
+        self.capacity = capacity
+        self._hashes: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading `hashes` are present."""
+        n = 0
+        for h in hashes:
+            if h not in self._hashes:
+                break
+            n += 1
+        return n
+
+    def add(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            self._hashes[h] = None
+            self._hashes.move_to_end(h)
+        while len(self._hashes) > self.capacity:
+            self._hashes.popitem(last=False)
+
+    def clear(self) -> None:
+        self._hashes.clear()

@@ -1,0 +1,295 @@
+"""The engine process's event loop: ZMQ to routers, a stepping thread, streamed outputs.
+
+The engine steps in its own thread so socket I/O never waits for a forward pass and a
+forward pass never waits for I/O. The asyncio side owns the ZMQ ROUTER socket (zmq
+sockets are not thread-safe): it decodes frames (a bad frame is logged and dropped),
+hands requests to the engine (thread-safe: the engine has its own lock), and sends
+whatever the stepping thread queues. Every router that said HELLO gets heartbeats and
+immediate state announcements.
+
+Streaming holds back text that could be the start of a stop string, so a stop string
+is never half-sent: the engine trims it at the end, and what was held back is either
+sent with the final output or dropped with the stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from tandem_engine import protocol as p
+from tandem_engine.engine import LLMEngine
+from tandem_engine.engine_state import EngineState, EngineStateError
+from tandem_engine.errors import RequestRejected
+from tandem_engine.outputs import RequestOutput
+from tandem_engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    """What one request has sent so far, and to whom."""
+
+    router: bytes
+    client_id: str
+    hold_back: int  # characters that may be the start of a stop string
+    logprobs: int | None
+    sent_tokens: int = 0
+    sent_chars: int = 0
+
+
+@dataclass
+class WorkerStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests_finished: dict[str, int] = field(default_factory=dict)
+    step_seconds: list[float] = field(default_factory=list)  # drained by /metrics
+
+
+def stream_delta(stream: _Stream, out: RequestOutput) -> p.Output:
+    """The part of `out` not yet sent, with stop-string hold-back while unfinished."""
+    completion = out.outputs[0]
+    new_ids = completion.token_ids[stream.sent_tokens:]
+    text = completion.text
+    safe = len(text) if out.finished else max(stream.sent_chars, len(text) - stream.hold_back)
+    logprobs = None
+    if stream.logprobs is not None and completion.logprobs is not None:
+        logprobs = []
+        for tid, entry in zip(new_ids, completion.logprobs[stream.sent_tokens:], strict=True):
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:stream.logprobs]
+            logprobs.append(p.TokenLogprobs(entry[tid].logprob,
+                                            [(t, lp.logprob) for t, lp in ranked]))
+    delta = p.Output(
+        request_id=stream.client_id, token_ids=list(new_ids),
+        text=text[stream.sent_chars:safe], logprobs=logprobs, finished=out.finished,
+        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+        num_prompt_tokens=len(out.prompt_token_ids))
+    stream.sent_tokens += len(new_ids)
+    stream.sent_chars = max(stream.sent_chars, safe)
+    return delta
+
+
+class EngineWorker:
+    def __init__(self, engine: LLMEngine, *, engine_id: str, model_name: str,
+                 role: str = "mixed", heartbeat_interval: float = 0.5) -> None:
+        self.engine = engine
+        self.engine_id = engine_id
+        self.incarnation = uuid.uuid4().hex
+        self.model_name = model_name
+        self.role = role
+        self.heartbeat_interval = heartbeat_interval
+        self.stats = WorkerStats()
+        self.draining = False  # SIGTERM: no new requests
+        self._routers: set[bytes] = set()
+        self._streams: dict[str, _Stream] = {}  # engine request id -> stream
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outbox: asyncio.Queue[tuple[bytes, bytes]] | None = None
+        self._socket: zmq.asyncio.Socket | None = None
+        self._last_state = engine.state
+
+    # ---- load and state ------------------------------------------------------------------
+
+    def load(self) -> p.Load:
+        e = self.engine
+        return p.Load(state=str(e.state), num_running=e.num_running, num_waiting=e.num_waiting,
+                      kv_usage=e.kv.usage, weight_version=e.weight_version,
+                      weight_epoch=e.weight_epoch)
+
+    def announce_state(self) -> None:
+        """Tell every router about a lifecycle change now (thread-safe)."""
+        self._wake.set()
+        msg = p.encode(p.StateChange(self.engine_id, self.incarnation, self.load()))
+        for router in list(self._routers):
+            self._send_threadsafe(router, msg)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- serving --------------------------------------------------------------------------
+
+    async def serve(self, address: str, shutdown: asyncio.Event) -> None:
+        """Bind `address` (tcp://host:port) and serve until `shutdown` is set and every
+        in-flight request is done (or the grace period ran out, see `drain`)."""
+        self._loop = asyncio.get_running_loop()
+        self._outbox = asyncio.Queue()
+        ctx = zmq.asyncio.Context.instance()
+        self._socket = ctx.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._socket.bind(address)
+        self._thread = threading.Thread(target=self._step_loop, name="engine-steps",
+                                        daemon=True)
+        self._thread.start()
+        tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._send()),
+                 asyncio.create_task(self._heartbeat())]
+        try:
+            await shutdown.wait()
+        finally:
+            self._closing.set()
+            self._wake.set()
+            self._thread.join(timeout=10)
+            await asyncio.sleep(0.05)  # let the last outputs leave
+            for t in tasks:
+                t.cancel()
+            self._socket.close(linger=200)
+
+    def drain(self, grace_seconds: float) -> None:
+        """Stop admitting; let in-flight requests finish for up to `grace_seconds`, then
+        abort the rest (their routers get final `abort` outputs). Blocking."""
+        self.draining = True
+        deadline = time.monotonic() + grace_seconds
+        while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+        self._wake.set()
+        time.sleep(0.1)
+
+    async def _receive(self) -> None:
+        assert self._socket is not None
+        while True:
+            frames = await self._socket.recv_multipart()
+            if len(frames) != 2:
+                log.warning("dropped a message of %d frames (expected identity + 1)",
+                            len(frames))
+                continue
+            router, frame = frames
+            try:
+                msg = p.decode(frame)
+            except p.ProtocolError as exc:
+                log.warning("dropped a bad frame from %s: %s", router.hex(), exc)
+                continue
+            try:
+                self._handle(router, msg)
+            except Exception:  # a handler bug must not take the engine down
+                log.exception("failed to handle %s", type(msg).__name__)
+
+    def _handle(self, router: bytes, msg: object) -> None:
+        if isinstance(msg, p.Hello):
+            if msg.protocol_version != p.PROTOCOL_VERSION:
+                log.warning("router %s speaks protocol %d, not %d: ignored", msg.router_id,
+                            msg.protocol_version, p.PROTOCOL_VERSION)
+                return
+            self._routers.add(router)
+            e = self.engine
+            self._queue(router, p.Welcome(p.PROTOCOL_VERSION, self.engine_id,
+                                          self.incarnation, self.role, self.model_name,
+                                          e.kv.block_size, e.max_model_len, self.load()))
+        elif isinstance(msg, p.Submit):
+            self._submit(router, msg)
+        elif isinstance(msg, p.Abort):
+            self.engine.abort(self._engine_id(router, msg.request_id))
+            self._wake.set()
+        else:
+            log.warning("dropped a %s: engines do not accept it", type(msg).__name__)
+
+    @staticmethod
+    def _engine_id(router: bytes, client_id: str) -> str:
+        return f"{router.hex()}/{client_id}"
+
+    def _submit(self, router: bytes, msg: p.Submit) -> None:
+        def reject(status: int, message: str) -> None:
+            self._queue(router, p.Reject(msg.request_id, status, message))
+
+        if self.draining:
+            return reject(503, f"engine {self.engine_id} is shutting down")
+        try:
+            params = SamplingParams(**msg.sampling)
+        except TypeError as exc:
+            return reject(400, f"unknown sampling parameter: {exc}")
+        except RequestRejected as exc:
+            return reject(400, str(exc))
+        rid = self._engine_id(router, msg.request_id)
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        if params.include_stop_str_in_output:
+            hold = max(hold, 0)
+        self._streams[rid] = _Stream(router, msg.request_id, hold, params.logprobs)
+        try:
+            self.engine.add_request(rid, msg.prompt_token_ids, params,
+                                    cache_salt=msg.cache_salt)
+        except RequestRejected as exc:
+            del self._streams[rid]
+            return reject(400, str(exc))
+        except EngineStateError as exc:
+            del self._streams[rid]
+            return reject(503, str(exc))
+        self.stats.prompt_tokens += len(msg.prompt_token_ids)
+        self._wake.set()
+
+    # ---- the stepping thread ----------------------------------------------------------------
+
+    def _step_loop(self) -> None:
+        engine = self.engine
+        while not self._closing.is_set():
+            if engine.state is not self._last_state:
+                self._last_state = engine.state
+            busy = engine.has_unfinished_requests() and engine.state is EngineState.RUNNING
+            if not busy:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+            try:
+                outputs = engine.step()
+            except Exception:
+                log.exception("engine step failed")
+                time.sleep(0.1)
+                continue
+            if engine.step_timings:
+                self.stats.step_seconds.extend(t.total_s for t in engine.step_timings)
+                del self.stats.step_seconds[:-10_000]
+                engine.step_timings.clear()
+            for out in outputs:
+                self._emit(out)
+
+    def _emit(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        delta = stream_delta(stream, out)
+        self.stats.generation_tokens += len(delta.token_ids)
+        if out.finished:
+            del self._streams[out.request_id]
+            reason = delta.finish_reason or "unknown"
+            self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
+        if delta.token_ids or delta.text or delta.finished:
+            self._send_threadsafe(stream.router, p.encode(delta))
+
+    # ---- sending ------------------------------------------------------------------------------
+
+    def _queue(self, router: bytes, msg) -> None:
+        assert self._outbox is not None
+        self._outbox.put_nowait((router, p.encode(msg)))
+
+    def _send_threadsafe(self, router: bytes, frame: bytes) -> None:
+        if self._loop is None or self._outbox is None:
+            return
+        self._loop.call_soon_threadsafe(self._outbox.put_nowait, (router, frame))
+
+    async def _send(self) -> None:
+        assert self._socket is not None and self._outbox is not None
+        while True:
+            router, frame = await self._outbox.get()
+            try:
+                await self._socket.send_multipart([router, frame])
+            except zmq.ZMQError as exc:
+                log.warning("send to router %s failed: %s", router.hex(), exc)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            if self.engine.state is not self._last_state:
+                self._last_state = self.engine.state
+            msg = p.Heartbeat(self.engine_id, self.incarnation, self.load())
+            for router in list(self._routers):
+                self._queue(router, msg)
