@@ -84,6 +84,7 @@ async def _run(args: argparse.Namespace) -> int:
 
     loop = asyncio.get_running_loop()
     stopping = False
+    background: set[asyncio.Task] = set()
 
     def on_signal(signum: int) -> None:
         nonlocal stopping
@@ -97,7 +98,9 @@ async def _run(args: argparse.Namespace) -> int:
             admin.should_exit = True
             shutdown.set()
 
-        loop.create_task(drain_then_stop())
+        task = loop.create_task(drain_then_stop())
+        background.add(task)
+        task.add_done_callback(background.discard)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)

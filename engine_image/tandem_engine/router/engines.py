@@ -319,7 +319,7 @@ class EnginePool:
     async def close(self) -> None:
         for client in self.clients:
             await client.close()
-        self._context.term()
+        self._context.destroy(linger=0)
 
     def views(self) -> list[EngineView]:
         return [c.view() for c in self.clients]
