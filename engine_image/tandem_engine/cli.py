@@ -1,4 +1,4 @@
-"""The `tandem` command: demo-model, generate."""
+"""The `tandem` command: demo-model, generate, serve."""
 
 from __future__ import annotations
 
@@ -47,6 +47,30 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tandem_engine.serve import LocalStack, run
+
+    if args.demo:
+        model = Path(args.demo_dir)
+        if not (model / "config.json").is_file():
+            from tandem_engine.demo_model import write_demo_model
+
+            print(f"writing the tiny demo model to {model}")
+            write_demo_model(model, size="tiny")
+    elif args.model:
+        model = Path(args.model)
+    else:
+        raise ValueError("tandem serve needs --model DIR or --demo")
+    engine_args = ["--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
+                   "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                   "--kernels", args.kernels]
+    stack = LocalStack(model.resolve(), engines=args.engines, host=args.host, port=args.port,
+                       served_model_name=args.served_model_name, engine_args=engine_args)
+    return run(stack)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +97,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="run engines + the OpenAI-compatible router locally")
+    which = serve.add_mutually_exclusive_group()
+    which.add_argument("--model", help="checkpoint folder (HuggingFace format)")
+    which.add_argument("--demo", action="store_true", help="serve the tiny demo model")
+    serve.add_argument("--demo-dir", default=".demo-model",
+                       help="where --demo writes/reads the demo model")
+    serve.add_argument("--engines", type=int, default=1, help="engine processes")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="router (OpenAI API) port")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=512)
+    serve.add_argument("--kernels", choices=["auto", "native", "torch"], default="auto")
+    serve.set_defaults(func=_serve)
     return parser
 
 
@@ -82,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("tandem_engine").setLevel(logging.INFO)
     try:
         return args.func(args)
-    except (TandemError, ValueError) as exc:
+    except (TandemError, ValueError, RuntimeError, TimeoutError) as exc:
         print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

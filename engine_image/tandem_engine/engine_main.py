@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -80,7 +81,10 @@ async def _run(args: argparse.Namespace) -> int:
     admin = uvicorn.Server(uvicorn.Config(
         build_admin_app(worker, token), host=args.host, port=args.admin_port,
         log_level="warning", lifespan="off"))
-    admin.install_signal_handlers = lambda: None  # we own SIGTERM/SIGINT
+    # The admin server runs on its own thread and loop: off the main thread uvicorn
+    # leaves SIGTERM/SIGINT alone, and a slow admin call never delays socket I/O.
+    admin_thread = threading.Thread(target=lambda: asyncio.run(admin.serve()),
+                                    name="admin-http", daemon=True)
 
     loop = asyncio.get_running_loop()
     stopping = False
@@ -91,6 +95,7 @@ async def _run(args: argparse.Namespace) -> int:
         if stopping:
             return
         stopping = True
+        worker.draining = True  # refuse new requests from now on
         log.info("signal %d: draining (grace %.0f s)", signum, args.shutdown_grace)
 
         async def drain_then_stop() -> None:
@@ -106,13 +111,13 @@ async def _run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
 
     serving = asyncio.create_task(worker.serve(f"tcp://{args.host}:{args.port}", shutdown))
-    admin_task = asyncio.create_task(admin.serve())
+    admin_thread.start()
     log.info("engine %s ready: zmq tcp://%s:%d, admin http://%s:%d", engine_id, args.host,
              args.port, args.host, args.admin_port)
-    await asyncio.wait({serving, admin_task}, return_when=asyncio.FIRST_COMPLETED)
-    shutdown.set()
+    await serving
     admin.should_exit = True
-    await asyncio.gather(serving, admin_task, return_exceptions=True)
+    await asyncio.to_thread(admin_thread.join, 5)
+    log.info("engine %s stopped", engine_id)
     return 0
 
 

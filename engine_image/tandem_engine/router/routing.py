@@ -53,6 +53,9 @@ class RoutingWeights:
     kv_weight: float = 4.0  # a full KV pool counts as this many queued requests
 
 
+DEFAULT_WEIGHTS = RoutingWeights()
+
+
 def serving_version(engines: Iterable[EngineView]) -> str | None:
     """The newest weight version with at least one alive RUNNING engine, or None.
 
@@ -80,25 +83,23 @@ def eligible(engines: Iterable[EngineView], version: str | None = None,
             if e.serving and e.weight_version == version and e.key not in skip]
 
 
-def load_cost(e: EngineView, w: RoutingWeights = RoutingWeights()) -> float:
+def load_cost(e: EngineView, w: RoutingWeights = DEFAULT_WEIGHTS) -> float:
     queued = max(e.num_running + e.num_waiting, e.inflight)
     return queued + w.waiting_weight * e.num_waiting + w.kv_weight * e.kv_usage
 
 
-def choose(candidates: Sequence[EngineView], cached_blocks: dict[str, int],
-           prompt_blocks: int, w: RoutingWeights = RoutingWeights(),
-           tie_break: int = 0) -> EngineView | None:
+def choose(candidates: Sequence[EngineView], cached_fraction: dict[str, float],
+           w: RoutingWeights = DEFAULT_WEIGHTS, tie_break: int = 0) -> EngineView | None:
     """The best candidate: affinity bonus minus load cost, highest wins.
 
-    `cached_blocks[key]` is how many leading blocks of the prompt the engine is believed
-    to hold; `prompt_blocks` how many full blocks the prompt has. Equal scores rotate
-    with `tie_break` (a counter the caller advances), so idle engines share work."""
+    `cached_fraction[key]` is the share (0..1) of the prompt's full blocks the engine is
+    believed to hold as a cached prefix. Equal scores rotate with `tie_break` (a counter
+    the caller advances), so idle engines share the work."""
     if not candidates:
         return None
 
     def score(e: EngineView) -> float:
-        hit = cached_blocks.get(e.key, 0) / prompt_blocks if prompt_blocks else 0.0
-        return w.affinity_weight * hit - load_cost(e, w)
+        return w.affinity_weight * cached_fraction.get(e.key, 0.0) - load_cost(e, w)
 
     best = max(score(e) for e in candidates)
     top = [e for e in candidates if score(e) >= best - 1e-9]

@@ -1,0 +1,88 @@
+"""`tandem-router`: the OpenAI-compatible router in front of a static list of engines.
+
+    tandem-router --engine 127.0.0.1:5555 --engine 127.0.0.1:5556 --model DIR
+
+`--model` is read for the tokenizer and the chat template only (no weights, no torch).
+SIGTERM or SIGINT stops accepting connections, gives open requests
+`--shutdown-grace` seconds, then closes the engine connections and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger("tandem_engine.router")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem-router", description=__doc__.split("\n")[0])
+    p.add_argument("--engine", action="append", required=True, metavar="HOST:PORT",
+                   help="an engine's ZMQ address (repeat for every engine)")
+    p.add_argument("--model", required=True, type=Path,
+                   help="checkpoint folder: its tokenizer and chat template are used")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the folder name, as the engines)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--heartbeat-deadline", type=float, default=2.0,
+                   help="seconds without a message after which an engine is dead")
+    p.add_argument("--handshake-timeout", type=float, default=1.0,
+                   help="seconds to wait for an engine's WELCOME before saying HELLO again")
+    p.add_argument("--first-output-timeout", type=float, default=120.0,
+                   help="seconds a RUNNING engine may take to produce a request's first "
+                        "output before the request moves to another engine")
+    p.add_argument("--output-timeout", type=float, default=60.0,
+                   help="seconds a RUNNING engine may go silent mid-request")
+    p.add_argument("--failover-timeout", type=float, default=30.0,
+                   help="seconds to find an engine of the same weight version to continue "
+                        "a request whose engine died")
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds open requests get after SIGTERM")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from tandem_engine.errors import TandemError
+    from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
+    from tandem_engine.router.engines import EnginePool
+    from tandem_engine.router.metrics import RouterMetrics
+    from tandem_engine.router.openai_api import build_app
+    from tandem_engine.tokenizer import Tokenizer
+
+    try:
+        tokenizer = Tokenizer.from_dir(args.model)
+        pool = EnginePool(args.engine, heartbeat_deadline=args.heartbeat_deadline,
+                          handshake_timeout=args.handshake_timeout)
+        config = DispatchConfig(first_output_timeout=args.first_output_timeout,
+                                output_timeout=args.output_timeout,
+                                failover_timeout=args.failover_timeout)
+    except (TandemError, ValueError, OSError) as exc:
+        print(f"tandem-router: error: {exc}", file=sys.stderr)
+        return 2
+    served = args.served_model_name or args.model.name or args.model.resolve().name
+    dispatcher = Dispatcher(pool, tokenizer, config, RouterMetrics())
+    app = build_app(pool, tokenizer, served, dispatcher)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning", access_log=False,
+        timeout_graceful_shutdown=max(1, round(args.shutdown_grace))))
+    log.info("router %s serving %r on http://%s:%d for engines %s", pool.router_id, served,
+             args.host, args.port, ", ".join(args.engine))
+    # uvicorn handles SIGTERM/SIGINT: stop listening, finish or cut open requests after
+    # the grace period, then run the lifespan's shutdown (closing every engine socket).
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

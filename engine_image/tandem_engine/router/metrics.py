@@ -1,0 +1,79 @@
+"""The router's Prometheus metrics, in a registry of its own.
+
+Latencies are what a client sees (time to first token, the gap between streamed
+tokens, the whole request), so they are measured here rather than in the engines. Its
+own registry keeps two routers in one test process, or a router beside an engine,
+from colliding in prometheus_client's global one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0, 120.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+# Outcomes of an HTTP generation request.
+OUTCOMES = ("success", "invalid", "unavailable", "failed", "cancelled")
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "tandem_router_time_to_first_token_seconds",
+            "From the request's arrival to its first generated token", buckets=LATENCY_BUCKETS,
+            registry=r)
+        self.inter_token_latency = Histogram(
+            "tandem_router_inter_token_latency_seconds",
+            "Gap between consecutive generated tokens of one choice", buckets=TOKEN_GAP_BUCKETS,
+            registry=r)
+        self.e2e_latency = Histogram(
+            "tandem_router_e2e_request_latency_seconds",
+            "From the request's arrival to its last token", buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "tandem_router_requests", "HTTP generation requests by outcome", ["outcome"],
+            registry=r)
+        self.engine_requests = Counter(
+            "tandem_router_engine_requests", "Requests submitted to each engine (failovers "
+            "included)", ["engine"], registry=r)
+        self.failovers = Counter(
+            "tandem_router_failovers", "Requests resubmitted to another engine", ["reason"],
+            registry=r)
+        self.generated_tokens = Counter(
+            "tandem_router_generated_tokens", "Tokens streamed back to clients", registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+
+    def watch_engines(self, views: Callable[[], Iterable[Any]]) -> None:
+        """Export per-engine gauges from `views()` (EngineView snapshots) at scrape time."""
+        self.registry.register(_EngineCollector(views))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, views: Callable[[], Iterable[Any]]) -> None:
+        self._views = views
+
+    def collect(self):
+        up = GaugeMetricFamily("tandem_router_engine_up",
+                               "1 if the engine is connected and heartbeating", labels=["engine"])
+        serving = GaugeMetricFamily("tandem_router_engine_serving",
+                                    "1 if the engine is alive and RUNNING", labels=["engine"])
+        inflight = GaugeMetricFamily("tandem_router_engine_inflight",
+                                     "Requests this router has in flight on the engine",
+                                     labels=["engine"])
+        for v in self._views():
+            up.add_metric([v.key], 1.0 if v.alive else 0.0)
+            serving.add_metric([v.key], 1.0 if v.serving else 0.0)
+            inflight.add_metric([v.key], float(v.inflight))
+        yield from (up, serving, inflight)

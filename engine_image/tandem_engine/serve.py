@@ -1,0 +1,194 @@
+"""`tandem serve`: the whole local stack — N engine processes and a router — on loopback.
+
+The same processes a Kubernetes pool runs, started as children of this one. It shows
+each engine's progress while models load, prints the URL once the router is ready,
+and on Ctrl-C / SIGTERM stops everything: children get SIGTERM (engines drain), then
+SIGKILL after a grace period. Children also get SIGTERM from the kernel if this
+process dies (PR_SET_PDEATHSIG), so no orphan survives. Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    ready_url: str
+    log: Path
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.ready_url, timeout=1) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class LocalStack:
+    def __init__(self, model: Path, *, engines: int = 1, host: str = "127.0.0.1",
+                 port: int = 8000, served_model_name: str | None = None,
+                 engine_args: list[str] | None = None, log_dir: Path | None = None,
+                 out=sys.stdout) -> None:
+        if engines < 1:
+            raise ValueError(f"--engines {engines}: at least one engine is needed")
+        self.model = model
+        self.num_engines = engines
+        self.host = host
+        self.port = port
+        self.name = served_model_name or model.name
+        self.engine_args = engine_args or []
+        self.log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-{port}"
+        self.out = out
+        self.children: list[Child] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def _spawn(self, name: str, args: list[str], ready_url: str) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{name}.log"
+        process = subprocess.Popen([sys.executable, "-m", *args], stdout=log.open("wb"),
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   preexec_fn=_die_with_parent)
+        child = Child(name, process, ready_url, log)
+        self.children.append(child)
+        return child
+
+    def start(self, timeout: float = 300.0) -> None:
+        """Start engines and router; return once the router is ready. Raises on failure
+        (after stopping whatever was started)."""
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> None:
+        engines = []
+        for i in range(self.num_engines):
+            zmq_port, admin_port = free_port(self.host), free_port(self.host)
+            engines.append((zmq_port, self._spawn(
+                f"engine-{i}",
+                ["tandem_engine.engine_main", "--model", str(self.model), "--host", self.host,
+                 "--port", str(zmq_port), "--admin-port", str(admin_port),
+                 "--engine-id", f"engine-{i}", "--served-model-name", self.name,
+                 *self.engine_args],
+                f"http://{self.host}:{admin_port}/readyz")))
+        self._wait([c for _, c in engines], timeout, "loading the model")
+        router_args = ["tandem_engine.router.main", "--model", str(self.model),
+                       "--served-model-name", self.name, "--host", self.host,
+                       "--port", str(self.port)]
+        for zmq_port, _ in engines:
+            router_args += ["--engine", f"{self.host}:{zmq_port}"]
+        router = self._spawn("router", router_args, f"http://{self.host}:{self.port}/readyz")
+        self._wait([router], timeout, "connecting to the engines")
+
+    def _wait(self, children: list[Child], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        pending = list(children)
+        last_note = 0.0
+        while pending:
+            for child in list(pending):
+                code = child.process.poll()
+                if code is not None:
+                    raise RuntimeError(f"{child.name} exited with code {code} while {what}; "
+                                       f"its log ({child.log}) ends with:\n{child.tail()}")
+                if child.ready():
+                    pending.remove(child)
+                    print(f"  {child.name}: ready ({time.monotonic() - started:.1f} s)",
+                          file=self.out, flush=True)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise TimeoutError(f"{names} not ready after {timeout:.0f} s ({what}); "
+                                   f"logs in {self.log_dir}")
+            if time.monotonic() - last_note > 5:
+                names = ", ".join(c.name for c in pending)
+                print(f"  waiting for {names}: {what}...", file=self.out, flush=True)
+                last_note = time.monotonic()
+            time.sleep(0.2)
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.process.poll() is not None), None)
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every child (router first), SIGKILL whatever outlives the grace."""
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.terminate()
+        deadline = time.monotonic() + grace
+        for child in self.children:
+            remaining = max(0.0, deadline - time.monotonic())
+            try:
+                child.process.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        self.children.clear()
+
+
+def run(stack: LocalStack) -> int:
+    """Start the stack, serve until Ctrl-C / SIGTERM or a child dies, stop everything."""
+    stop_requested = False
+
+    def request_stop(signum, _frame) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT,
+                                                                   signal.SIGTERM)}
+    try:
+        print(f"starting {stack.num_engines} engine(s) for {stack.model} "
+              f"(logs in {stack.log_dir})", file=stack.out, flush=True)
+        stack.start()
+        print(f"Tandem is serving '{stack.name}' at {stack.url} "
+              f"(OpenAI API; Ctrl-C to stop)", file=stack.out, flush=True)
+        while not stop_requested:
+            dead = stack.dead_child()
+            if dead is not None:
+                print(f"{dead.name} exited unexpectedly (code {dead.process.returncode}); "
+                      f"stopping. Its log ends with:\n{dead.tail()}", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        print("stopping...", file=stack.out, flush=True)
+        return 0
+    finally:
+        stack.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
