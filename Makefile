@@ -1,11 +1,12 @@
 # Two entry points a new user needs:
-#   make run   -> set up .venv, write the demo model, generate with it
+#   make run   -> set up .venv, serve the demo model (engines + OpenAI-compatible router)
 #   make test  -> set up .venv with dev tools, lint, check architecture, run the tests
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 DEMO := .demo-model
-PROMPT ?= The engine
+PORT ?= 8000
+ENGINES ?= 1
 
 .PHONY: venv dev run test lint clean
 
@@ -22,8 +23,7 @@ dev: $(BIN)/python
 	$(BIN)/pip install -q -e '.[engine,operator,dev]'
 
 run: venv
-	$(BIN)/tandem demo-model $(DEMO) --size tiny
-	$(BIN)/tandem generate --model $(DEMO) --max-tokens 32 "$(PROMPT)"
+	$(BIN)/tandem serve --demo --demo-dir $(DEMO) --engines $(ENGINES) --port $(PORT)
 
 lint: dev
 	$(BIN)/ruff check .
