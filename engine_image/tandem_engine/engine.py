@@ -42,6 +42,7 @@ from tandem_engine.runner import ModelRunner, num_kv_blocks, resolve_dtype
 from tandem_engine.sampler import Sampler, SampleResult
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.scheduler import Scheduler
+from tandem_engine.stops import find_stop, trim_at_stop
 from tandem_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -253,21 +254,13 @@ class LLMEngine:
     @staticmethod
     def _check_stop_strings(request: Request, delta_len: int) -> bool:
         """Find a stop string that the newest text completed; trim the text at it."""
-        text = request.output_text
         p = request.params
-        longest = max(len(s) for s in p.stop)
-        # Only a match that ends inside the new text is new.
-        search_from = max(0, len(text) - delta_len - longest + 1)
-        best: tuple[int, str] | None = None
-        for s in p.stop:
-            i = text.find(s, search_from)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
+        match = find_stop(request.output_text, p.stop, delta_len)
+        if match is None:
             return False
-        i, s = best
-        request.output_text = text[: i + len(s)] if p.include_stop_str_in_output else text[:i]
-        request.stop_reason = s
+        request.output_text = trim_at_stop(request.output_text, match,
+                                           p.include_stop_str_in_output)
+        request.stop_reason = match[1]
         return True
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
