@@ -30,7 +30,13 @@ from typing import Any
 from tandem_engine import protocol as p
 from tandem_engine.kv.hashing import block_hashes, block_salt
 from tandem_engine.router.continuation import TextContinuation
-from tandem_engine.router.engines import EngineClient, EngineLost, EnginePool, EngineUnavailable
+from tandem_engine.router.engines import (
+    EngineClient,
+    EngineLost,
+    EnginePool,
+    EngineUnavailable,
+    QueueItem,
+)
 from tandem_engine.router.metrics import RouterMetrics
 from tandem_engine.router.routing import (
     DEFAULT_WEIGHTS,
@@ -90,6 +96,14 @@ class Delta:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    received_at: float | None = None  # when the engine output behind it arrived (monotonic)
+
+
+@dataclass(frozen=True)
+class _Stalled:
+    """A RUNNING engine produced nothing within the output timeout."""
+
+    reason: str
 
 
 @dataclass
@@ -196,6 +210,8 @@ class Dispatcher:
                 continue
             if self.metrics is not None:
                 self.metrics.engine_requests.labels(client.key).inc()
+                if progress.attempts == 1:
+                    self.metrics.ingress_latency.observe(time.monotonic() - arrival)
             finished = False
             try:
                 async for delta in self._stream(client, sub_id, queue, sampling, progress,
@@ -243,16 +259,17 @@ class Dispatcher:
         if reason != "engine_lost":
             excluded.add(client.key)  # a dead engine is skipped anyway; a live one refused
 
-    async def _stream(self, client: EngineClient, sub_id: str, queue: asyncio.Queue,
+    async def _stream(self, client: EngineClient, sub_id: str, queue: asyncio.Queue[QueueItem],
                       sampling: dict[str, Any], progress: _Progress, excluded: set[str],
                       arrival: float) -> AsyncIterator[Delta]:
         """Deltas from one engine attempt; returns without a final delta to fail over."""
         first = True
         while True:
-            item = await self._next(client, queue, first)
+            received_at, item = await self._next(client, queue, first)
             first = False
-            if isinstance(item, EngineLost):
-                self._failover(progress, excluded, client, "engine_lost", item.reason)
+            if isinstance(item, EngineLost | _Stalled):
+                cause = "engine_lost" if isinstance(item, EngineLost) else "stalled"
+                self._failover(progress, excluded, client, cause, item.reason)
                 self._start_continuation(progress, sampling)
                 return
             if isinstance(item, p.Reject):
@@ -266,6 +283,7 @@ class Dispatcher:
                 raise EngineRejected(item.status, item.message)
             engine_aborted = item.finished and item.finish_reason == "abort"
             delta = self._delta(item, progress, engine_aborted)
+            delta.received_at = received_at
             if delta.token_ids or delta.text or delta.finished:
                 self._observe(delta, progress, arrival)
                 yield delta
@@ -277,16 +295,25 @@ class Dispatcher:
                 self._start_continuation(progress, sampling)
                 return
 
-    async def _next(self, client: EngineClient, queue: asyncio.Queue, first: bool) -> Any:
+    async def _next(self, client: EngineClient, queue: asyncio.Queue[QueueItem], first: bool
+                    ) -> tuple[float, Any]:
         timeout = self.config.first_output_timeout if first else self.config.output_timeout
         while True:
+            getter = asyncio.ensure_future(queue.get())
             try:
-                return await asyncio.wait_for(queue.get(), timeout)
-            except asyncio.TimeoutError:
-                load = client.load
-                if client.connected and load is not None and load.state != RUNNING:
-                    continue  # a paused engine keeps its requests: wait for it
-                return EngineLost(f"no output from {client.key} for {timeout} s")
+                # Not asyncio.wait_for: before Python 3.12 it can swallow a cancellation
+                # that coincides with an arriving item, and then the client's disconnect
+                # would never abort the request.
+                done, _ = await asyncio.wait({getter}, timeout=timeout)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            if done:
+                return getter.result()
+            load = client.load
+            if client.connected and load is not None and load.state != RUNNING:
+                continue  # a paused engine keeps its requests: wait for it
+            return time.monotonic(), _Stalled(f"no output from {client.key} for {timeout} s")
 
     def _start_continuation(self, progress: _Progress, sampling: dict[str, Any]) -> None:
         if progress.generated and progress.continuation is None:

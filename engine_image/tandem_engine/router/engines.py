@@ -50,7 +50,8 @@ class EngineLost:
     reason: str
 
 
-QueueItem = p.Output | p.Reject | EngineLost
+# What a request's queue holds: (monotonic time the message arrived, the message).
+QueueItem = tuple[float, p.Output | p.Reject | EngineLost]
 
 
 def parse_address(address: str) -> str:
@@ -80,6 +81,7 @@ class EngineClient:
         self._socket: zmq.asyncio.Socket | None = None
         self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
         self._hello_sent_at = float("-inf")
+        self._received_at = 0.0  # when the message being handled came off the socket
         self._tasks: list[asyncio.Task[Any]] = []
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -106,6 +108,7 @@ class EngineClient:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        self.connected = False
         self._fail_all("the router is shutting down")
         if self._socket is not None:
             with contextlib.suppress(zmq.ZMQError):
@@ -135,6 +138,7 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (best effort, never blocks) and forget its queue."""
+        log.debug("abort %s (tracked: %s)", request_id, request_id in self._queues)
         if self._queues.pop(request_id, None) is not None:
             with contextlib.suppress(EngineUnavailable):
                 self._send(p.Abort(request_id))
@@ -198,7 +202,7 @@ class EngineClient:
     def _fail_all(self, reason: str) -> None:
         queues, self._queues = self._queues, {}
         for queue in queues.values():
-            queue.put_nowait(EngineLost(reason))
+            queue.put_nowait((time.monotonic(), EngineLost(reason)))
 
     async def _watch(self) -> None:
         """Handshake retries and the heartbeat deadline."""
@@ -227,6 +231,7 @@ class EngineClient:
         assert self._socket is not None
         while True:
             frame = await self._socket.recv()
+            self._received_at = time.monotonic()
             try:
                 message = p.decode(frame)
             except p.ProtocolError as exc:
@@ -261,7 +266,7 @@ class EngineClient:
                 return
             if isinstance(message, p.Reject) or message.finished:
                 del self._queues[message.request_id]
-            queue.put_nowait(message)
+            queue.put_nowait((self._received_at, message))
         else:
             log.warning("engine %s: unexpected %s dropped", self.key, type(message).__name__)
 

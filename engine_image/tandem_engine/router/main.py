@@ -10,10 +10,21 @@ SIGTERM or SIGINT stops accepting connections, gives open requests
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import uvicorn
+
+from tandem_engine.errors import TandemError
+from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
+from tandem_engine.router.engines import EnginePool
+from tandem_engine.router.openai_api import build_app
+from tandem_engine.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem_engine.router")
 
@@ -51,15 +62,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
-    from tandem_engine.errors import TandemError
-    from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
-    from tandem_engine.router.engines import EnginePool
-    from tandem_engine.router.metrics import RouterMetrics
-    from tandem_engine.router.openai_api import build_app
-    from tandem_engine.tokenizer import Tokenizer
-
     try:
         tokenizer = Tokenizer.from_dir(args.model)
         pool = EnginePool(args.engine, heartbeat_deadline=args.heartbeat_deadline,
@@ -71,17 +73,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tandem-router: error: {exc}", file=sys.stderr)
         return 2
     served = args.served_model_name or args.model.name or args.model.resolve().name
-    dispatcher = Dispatcher(pool, tokenizer, config, RouterMetrics())
+    dispatcher = Dispatcher(pool, tokenizer, config)
     app = build_app(pool, tokenizer, served, dispatcher)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=max(1, round(args.shutdown_grace))))
     log.info("router %s serving %r on http://%s:%d for engines %s", pool.router_id, served,
              args.host, args.port, ", ".join(args.engine))
-    # uvicorn handles SIGTERM/SIGINT: stop listening, finish or cut open requests after
-    # the grace period, then run the lifespan's shutdown (closing every engine socket).
+    # SIGTERM/SIGINT: stop listening, finish or cut open requests after the grace period,
+    # then run the lifespan's shutdown (closing every engine socket), and exit 0.
     server.run()
+    log.info("router stopped")
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a handled SIGTERM/SIGINT ends in exit status 0
+    (uvicorn itself re-raises the signal after its graceful shutdown)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    def _on_signal(self, sig: int) -> None:
+        log.info("signal %d: shutting down", sig)
+        if self.should_exit:  # a second signal: stop waiting for open requests
+            self.force_exit = True
+        self.should_exit = True
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ from prometheus_client.registry import Collector
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                    60.0, 120.0)
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 1.0)
 
 # Outcomes of an HTTP generation request.
 OUTCOMES = ("success", "invalid", "unavailable", "failed", "cancelled")
@@ -38,6 +40,15 @@ class RouterMetrics:
         self.e2e_latency = Histogram(
             "tandem_router_e2e_request_latency_seconds",
             "From the request's arrival to its last token", buckets=LATENCY_BUCKETS, registry=r)
+        self.ingress_latency = Histogram(
+            "tandem_router_ingress_seconds",
+            "Router overhead in: from the HTTP request's arrival to its submission on an "
+            "engine socket (first attempt of each choice)", buckets=OVERHEAD_BUCKETS,
+            registry=r)
+        self.egress_latency = Histogram(
+            "tandem_router_egress_seconds",
+            "Router overhead out: from an engine output's arrival to its bytes being handed "
+            "to the HTTP server", buckets=OVERHEAD_BUCKETS, registry=r)
         self.requests = Counter(
             "tandem_router_requests", "HTTP generation requests by outcome", ["outcome"],
             registry=r)

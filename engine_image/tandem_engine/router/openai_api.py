@@ -101,6 +101,7 @@ class Choices:
         async def wait() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
+            log.debug("client gone")
             self._queue.put_nowait((-1, ClientGone()))
 
         self._tasks.append(asyncio.create_task(wait()))
@@ -135,8 +136,11 @@ class _ChoiceResult:
 def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
               dispatcher: Dispatcher | None = None) -> FastAPI:
     """The router app; its lifespan starts and closes the pool's connections."""
-    metrics = dispatcher.metrics if dispatcher and dispatcher.metrics else RouterMetrics()
-    dispatcher = dispatcher or Dispatcher(pool, tokenizer, metrics=metrics)
+    if dispatcher is None:
+        dispatcher = Dispatcher(pool, tokenizer)
+    if dispatcher.metrics is None:
+        dispatcher.metrics = RouterMetrics()
+    metrics = dispatcher.metrics
     metrics.watch_engines(pool.views)
     chat_template = ChatTemplate.from_tokenizer(tokenizer)
     strings = fmt.TokenStrings(tokenizer)
@@ -241,11 +245,15 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
                 if isinstance(delta, BaseException):
                     return _failure(delta)
                 render.accumulate(results[index], delta)
+                last = delta
                 item = await choices.next()
         finally:
             choices.cancel()
         metrics.requests.labels("success").inc()
-        return JSONResponse(render.response(results, prompt_tokens))
+        response = JSONResponse(render.response(results, prompt_tokens))
+        if last.received_at is not None:  # the last output's way out
+            metrics.egress_latency.observe(time.monotonic() - last.received_at)
+        return response
 
     async def stream(choices: Choices, first: tuple[int, Delta | BaseException],
                      render: _Renderer, prompt_tokens: int) -> AsyncIterator[str]:
@@ -265,7 +273,10 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
                     break
                 chunk = render.chunk(index, delta)
                 if chunk is not None:
-                    yield _sse(chunk)
+                    data = _sse(chunk)
+                    if delta.received_at is not None:
+                        metrics.egress_latency.observe(time.monotonic() - delta.received_at)
+                    yield data
                 item = await choices.next()
             else:
                 outcome = "success"

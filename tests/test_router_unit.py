@@ -1,0 +1,434 @@
+"""The router's pure parts: routing, request validation, response shapes, chat templates,
+failover text, and the HTTP app's error paths (with no engine reachable)."""
+
+from __future__ import annotations
+
+import math
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from tandem_engine import protocol as p
+from tandem_engine.router import api_params as ap
+from tandem_engine.router import openai_format as fmt
+from tandem_engine.router.api_params import InvalidRequest
+from tandem_engine.router.chat import ChatTemplate
+from tandem_engine.router.continuation import TextContinuation
+from tandem_engine.router.dispatch import _remaining
+from tandem_engine.router.engines import parse_address
+from tandem_engine.router.routing import (
+    EngineView,
+    PrefixIndex,
+    RoutingWeights,
+    choose,
+    eligible,
+    load_cost,
+    serving_version,
+)
+from tandem_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def view(key: str, **kw) -> EngineView:
+    base = dict(key=key, alive=True, state="RUNNING", weight_version="v1", weight_epoch=0,
+                num_running=0, num_waiting=0, kv_usage=0.0, inflight=0, block_size=16,
+                max_model_len=1024)
+    return EngineView(**{**base, **kw})
+
+
+# ---- routing ------------------------------------------------------------------------------------
+
+
+def test_serving_version_is_the_newest_with_a_running_engine() -> None:
+    engines = [view("a", weight_version="v1", weight_epoch=0),
+               view("b", weight_version="v2", weight_epoch=1),
+               view("c", weight_version="v3", weight_epoch=2, state="PAUSED")]
+    assert serving_version(engines) == "v2"  # v3 is newer but nothing of it runs
+    assert serving_version([replace(e, alive=False) for e in engines]) is None
+    assert serving_version([]) is None
+    # Equal epochs: the version with more serving engines, then the larger name.
+    tie = [view("a", weight_version="x"), view("b", weight_version="y"),
+           view("c", weight_version="y")]
+    assert serving_version(tie) == "y"
+
+
+def test_eligible_keeps_alive_running_engines_of_one_version() -> None:
+    engines = [view("a"), view("b", state="PAUSED"), view("c", alive=False),
+               view("d", weight_version="v0", weight_epoch=-1), view("e")]
+    assert [e.key for e in eligible(engines)] == ["a", "e"]
+    assert [e.key for e in eligible(engines, exclude=["a"])] == ["e"]
+    assert [e.key for e in eligible(engines, version="v0")] == ["d"]
+    assert eligible(engines, version="v9") == []
+
+
+def test_load_cost_uses_the_larger_of_reported_and_known_load() -> None:
+    assert load_cost(view("a")) == 0
+    assert load_cost(view("a", num_running=3)) == 3
+    assert load_cost(view("a", inflight=5, num_running=3)) == 5
+    w = RoutingWeights(waiting_weight=1.0, kv_weight=4.0)
+    assert load_cost(view("a", num_running=1, num_waiting=2, kv_usage=0.5), w) == 3 + 2 + 2
+
+
+def test_choose_prefers_cached_prefix_unless_much_more_loaded() -> None:
+    w = RoutingWeights(affinity_weight=4.0)
+    a, b = view("a", inflight=2), view("b")
+    assert choose([a, b], {"a": 1.0}, w).key == "a"  # 4 - 2 > 0
+    assert choose([replace(a, inflight=6), b], {"a": 1.0}, w).key == "b"  # 4 - 6 < 0
+    assert choose([a, b], {"a": 0.25}, w).key == "b"  # 1 - 2 < 0
+    assert choose([], {}, w) is None
+
+
+def test_choose_rotates_among_equal_engines() -> None:
+    engines = [view("a"), view("b"), view("c")]
+    assert [choose(engines, {}, tie_break=i).key for i in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_prefix_index_matches_leading_hashes_and_evicts_lru() -> None:
+    index = PrefixIndex(capacity=4)
+    index.add([1, 2, 3])
+    assert index.match([1, 2, 3, 4]) == 3
+    assert index.match([2, 3]) == 2 and index.match([9, 1]) == 0
+    index.add([1, 7, 8])  # touches 1; 2 is now the oldest and goes first
+    assert len(index) == 4 and index.match([2]) == 0 and index.match([1]) == 1
+    index.clear()
+    assert index.match([1]) == 0
+    with pytest.raises(ValueError, match="capacity"):
+        PrefixIndex(0)
+
+
+def test_parse_address() -> None:
+    assert parse_address("127.0.0.1:5555") == "tcp://127.0.0.1:5555"
+    assert parse_address("tcp://engine-0.svc:80") == "tcp://engine-0.svc:80"
+    for bad in ("localhost", ":5", "h:0", "h:x", "h:70000"):
+        with pytest.raises(ValueError, match="HOST:PORT"):
+            parse_address(bad)
+
+
+# ---- request validation --------------------------------------------------------------------------
+
+
+def completion(**kw) -> ap.CompletionRequest:
+    return ap.parse_completion({"model": "m", "prompt": "hi", **kw})
+
+
+def chat(**kw) -> ap.ChatRequest:
+    return ap.parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw})
+
+
+def test_completion_prompts_strings_ids_and_batches() -> None:
+    assert completion(prompt="a").prompts == ["a"]
+    assert completion(prompt=[1, 2, 3]).prompts == [[1, 2, 3]]
+    assert completion(prompt=["a", "b"]).prompts == ["a", "b"]
+    assert completion(prompt=[[1], [2, 3]]).prompts == [[1], [2, 3]]
+    for bad in ([], None, 5, [["a"]], [[]], [1, "a"], [[-1]]):
+        with pytest.raises(InvalidRequest) as err:
+            completion(prompt=bad)
+        assert err.value.param == "prompt" and err.value.status == 400
+    with pytest.raises(InvalidRequest, match="over the limit of 64"):
+        completion(prompt=["a"] * 5, n=16)
+
+
+@pytest.mark.parametrize(("field", "value", "param", "limit"), [
+    ("n", 0, "n", "between 1 and 16"),
+    ("n", 17, "n", "between 1 and 16"),
+    ("max_tokens", 0, "max_tokens", ">= 1"),
+    ("max_tokens", "8", "max_tokens", "integer"),
+    ("temperature", 2.5, "temperature", "[0, 2]"),
+    ("temperature", True, "temperature", "[0, 2]"),
+    ("top_p", 0, "top_p", "(0, 1]"),
+    ("top_k", -2, "top_k", ">= -1"),
+    ("seed", -1, "seed", "between 0 and"),
+    ("logprobs", 21, "logprobs", "between 0 and 20"),
+    ("stop", ["x"] * 17, "stop", "limit of 16"),
+    ("stop", [""], "stop", "1..256"),
+    ("stop", 3, "stop", "string or a list"),
+    ("stream", "yes", "stream", "true or false"),
+    ("presence_penalty", 0.5, "presence_penalty", "not supported"),
+    ("logit_bias", {"1": 5}, "logit_bias", "not supported"),
+    ("echo", True, "echo", "not supported"),
+    ("best_of", 3, "best_of", "not supported"),
+    ("cache_salt", "", "cache_salt", "1..256"),
+    ("model", None, "model", "required"),
+])
+def test_invalid_parameters_name_the_parameter_and_the_limit(field, value, param,
+                                                             limit) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        completion(**{field: value})
+    assert err.value.param == param and err.value.status == 400
+    assert limit in err.value.message and param in err.value.message
+
+
+def test_neutral_values_of_unsupported_parameters_are_accepted() -> None:
+    req = completion(presence_penalty=0, frequency_penalty=0.0, logit_bias={}, echo=False,
+                     best_of=1, user="u", stop="x", stream_options={"include_usage": True},
+                     stream=True, seed=7, top_k=5, min_tokens=2, ignore_eos=True,
+                     cache_salt="tenant")
+    o = req.options
+    assert o.stream and o.include_usage and o.seed == 7 and o.cache_salt == "tenant"
+    assert o.sampling == {"top_k": 5, "min_tokens": 2, "stop": ["x"], "ignore_eos": True}
+
+
+def test_chat_messages_and_logprobs() -> None:
+    req = chat(messages=[{"role": "system", "content": "s"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                      {"type": "text", "text": "b"}]},
+                         {"role": "assistant", "content": None}],
+               logprobs=True, top_logprobs=3, max_completion_tokens=9, max_tokens=4)
+    assert [m["content"] for m in req.messages] == ["s", "a\nb", ""]
+    assert req.options.logprobs == 3 and req.options.max_tokens == 9
+    assert chat(logprobs=True).options.logprobs == 0
+    assert chat().options.logprobs is None
+    cases = [({"top_logprobs": 2}, "top_logprobs"), ({"messages": []}, "messages"),
+             ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
+             ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+              "messages[0].content"),
+             ({"tools": [{"type": "function"}]}, "tools"),
+             ({"response_format": {"type": "json_object"}}, "response_format")]
+    for body, param in cases:
+        with pytest.raises(InvalidRequest) as err:
+            chat(**body)
+        assert err.value.param == param
+
+
+def test_resolve_max_tokens_against_the_context() -> None:
+    o = completion().options
+    assert ap.resolve_max_tokens(o, 10, 100, default=16) == 16
+    assert ap.resolve_max_tokens(o, 95, 100, default=16) == 5
+    assert ap.resolve_max_tokens(o, 10, 100, default=None) == 90
+    assert ap.resolve_max_tokens(completion(max_tokens=90).options, 10, 100, default=16) == 90
+    with pytest.raises(InvalidRequest, match="at most 90 tokens") as err:
+        ap.resolve_max_tokens(completion(max_tokens=91).options, 10, 100, default=16)
+    assert err.value.param == "max_tokens"
+    with pytest.raises(InvalidRequest, match="context limit of 100 tokens") as err:
+        ap.resolve_max_tokens(o, 101, 100, default=16, prompt_param="messages")
+    assert err.value.param == "messages" and err.value.code == "context_length_exceeded"
+    with pytest.raises(InvalidRequest, match="empty"):
+        ap.resolve_max_tokens(o, 0, 100, default=16)
+
+
+def test_engine_sampling_seeds_each_choice_and_validates_like_the_engine() -> None:
+    o = completion(seed=5, n=3, temperature=0.5, stop=["\n"], logprobs=2).options
+    fields = [ap.engine_sampling(o, 8, j) for j in range(3)]
+    assert [f["seed"] for f in fields] == [5, 6, 7]
+    assert fields[0] == {"temperature": 0.5, "stop": ["\n"], "max_tokens": 8, "logprobs": 2,
+                         "seed": 5}
+    assert "seed" not in ap.engine_sampling(completion().options, 8, 0)
+    with pytest.raises(InvalidRequest) as err:
+        ap.engine_sampling(completion(min_tokens=9).options, 8, 0)
+    assert err.value.param == "min_tokens" and "max_tokens (8)" in err.value.message
+
+
+def test_remaining_sampling_after_a_failover() -> None:
+    sampling = {"max_tokens": 10, "min_tokens": 4, "temperature": 0.0}
+    assert _remaining(sampling, 0) is sampling
+    assert _remaining(sampling, 3) == {"max_tokens": 7, "min_tokens": 1, "temperature": 0.0}
+    assert _remaining(sampling, 6)["min_tokens"] == 0
+    assert "min_tokens" not in _remaining({"max_tokens": 5}, 2)
+
+
+# ---- response shapes -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_llama)
+
+
+def test_logprob_shapes(tokenizer: Tokenizer) -> None:
+    strings = fmt.TokenStrings(tokenizer)
+    ids = tokenizer.encode("hello world", add_special_tokens=False)[:2]
+    lps = [p.TokenLogprobs(-0.5, [(ids[0], -0.5), (7, -1.0)]),
+           p.TokenLogprobs(-math.inf, [])]
+    c = fmt.completion_logprobs(ids, lps, strings, text_offset=3)
+    assert c["tokens"] == [tokenizer.decode([i]) for i in ids]
+    assert c["token_logprobs"] == [-0.5, fmt.MIN_LOGPROB]
+    assert c["text_offset"] == [3, 3 + len(c["tokens"][0])]
+    assert list(c["top_logprobs"][0].values()) == [-0.5, -1.0] and c["top_logprobs"][1] == {}
+    merged = fmt.merge_completion_logprobs([c, c])
+    assert len(merged["tokens"]) == 4
+    entries = fmt.chat_logprobs(ids, lps, strings)
+    assert entries[0]["token"] == c["tokens"][0]
+    assert entries[0]["bytes"] == list(c["tokens"][0].encode())
+    assert [t["logprob"] for t in entries[0]["top_logprobs"]] == [-0.5, -1.0]
+
+
+def test_response_and_error_shapes() -> None:
+    assert fmt.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert fmt.error_body("bad", param="n") == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "n",
+                  "code": None}}
+    choice = fmt.chat_choice(1, "hi", None, "length")
+    assert choice["message"] == {"role": "assistant", "content": "hi"}
+    assert choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert fmt.completion_choice(0, "x", None, "abort")["finish_reason"] == "stop"
+    chunk = fmt.chat_chunk("id", 1, "m", [fmt.chat_chunk_choice(0, {"content": "a"})])
+    assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk
+    assert fmt.completion_chunk("id", 1, "m", [], fmt.usage(1, 2))["choices"] == []
+
+
+# ---- chat template -------------------------------------------------------------------------------
+
+
+def test_chat_template_renders_the_checkpoints_template(tokenizer: Tokenizer) -> None:
+    template = ChatTemplate.from_tokenizer(tokenizer)
+    assert template is not None
+    text = template.render([{"role": "user", "content": "hi"}])
+    assert text == f"{tokenizer.bos_token}<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_template_errors_and_sandbox() -> None:
+    refusing = ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(InvalidRequest, match="roles must alternate") as err:
+        refusing.render([{"role": "user", "content": "x"}])
+    assert err.value.status == 400
+    escaping = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(InvalidRequest, match="could not render"):
+        escaping.render([])
+    assert ChatTemplate("{{ messages | tojson }}").render([{"c": "é"}]) == '[{"c": "é"}]'
+
+
+# ---- failover text -------------------------------------------------------------------------------
+
+
+def engine_text(tokenizer: Tokenizer, ids: list[int]) -> str:
+    d = IncrementalDetokenizer(tokenizer)
+    return "".join(d.push(t) for t in ids)
+
+
+def test_continuation_recovers_held_back_text(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("Once upon a time there was a tiny engine", add_special_tokens=False)
+    full = engine_text(tokenizer, ids)
+    for cut in range(1, len(ids)):
+        before = engine_text(tokenizer, ids[:cut])
+        sent = before[: max(0, len(before) - 3)]  # the old engine held 3 characters back
+        cont = TextContinuation(tokenizer, generated_ids=ids[:cut], sent_text=sent,
+                                stop=["zzzz"])
+        pieces = [cont.push(t) for t in ids[cut:]]
+        assert sent + "".join(pieces) + cont.finish() == full
+        assert cont.stop_reason is None
+
+
+def test_continuation_finds_a_stop_string_across_the_hand_over(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("the cat sat on the mat and slept", add_special_tokens=False)
+    full = engine_text(tokenizer, ids)
+    stop = "on the mat"
+    start = full.index(stop)
+    for include in (False, True):
+        for cut in range(1, len(ids)):
+            before = engine_text(tokenizer, ids[:cut])
+            if stop in before:
+                break  # the old engine would have stopped by itself
+            sent = before[: max(0, len(before) - (len(stop) - 1))]
+            cont = TextContinuation(tokenizer, generated_ids=ids[:cut], sent_text=sent,
+                                    stop=[stop], include_stop_str_in_output=include)
+            pieces = []
+            for t in ids[cut:]:
+                pieces.append(cont.push(t))
+                if cont.stop_reason:
+                    break
+            assert cont.stop_reason == stop
+            end = start + len(stop) if include else start
+            assert sent + "".join(pieces) == full[:end]
+
+
+def test_continuation_respects_min_tokens_and_stop_tokens(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("a b a b a b", add_special_tokens=False)
+    cont = TextContinuation(tokenizer, generated_ids=ids[:1], sent_text="",
+                            stop=["b"], min_tokens=len(ids) + 1)
+    pieces = [cont.push(t) for t in ids[1:]]
+    assert cont.stop_reason is None  # min_tokens not reached: no stop
+    assert cont.push(ids[0], is_stop_token=True) == ""  # EOS adds no text
+    assert "".join(pieces) + cont.finish() == engine_text(tokenizer, ids)
+    with pytest.raises(RuntimeError):
+        stopped = TextContinuation(tokenizer, generated_ids=[], sent_text="", stop=["a"])
+        stopped.push(ids[0])
+        stopped.push(ids[1])
+
+
+def test_dispatcher_text_across_a_failover(tokenizer: Tokenizer) -> None:
+    """Engine A sent part of the text (holding back a possible stop string) and died;
+    engine B's own text is ignored: the router derives it and finds the stop string
+    that spans the hand-over."""
+    from tandem_engine.router.dispatch import Dispatcher, _Progress
+    from tandem_engine.router.engines import EnginePool
+
+    dispatcher = Dispatcher(EnginePool(["127.0.0.1:1"]), tokenizer)
+    ids = tokenizer.encode("the cat sat on the mat and slept", add_special_tokens=False)
+    full = engine_text(tokenizer, ids)
+    for stop, expected in (("on the mat", full[:full.index("on the mat")]), ("zzz", full)):
+        cut = next(c for c in range(1, len(ids))
+                   if "on t" in engine_text(tokenizer, ids[:c]))
+        before = engine_text(tokenizer, ids[:cut])
+        sampling = {"max_tokens": len(ids), "stop": [stop]}
+        progress = _Progress()
+        first = dispatcher._delta(
+            p.Output("r.1", ids[:cut], before[:len(before) - (len(stop) - 1)]), progress,
+            engine_aborted=False)
+        dispatcher._start_continuation(progress, sampling)
+        texts = [first.text]
+        for i, t in enumerate(ids[cut:], start=cut + 1):
+            last = i == len(ids)
+            delta = dispatcher._delta(
+                p.Output("r.2", [t], "engine B text is ignored", finished=last,
+                         finish_reason="length" if last else None), progress, False)
+            texts.append(delta.text)
+            if delta.finished:
+                break
+        assert delta.finished and "".join(texts) == expected
+        assert (delta.finish_reason, delta.stop_reason) == (
+            ("stop", stop) if stop in full else ("length", None))
+
+
+# ---- the app with no engine reachable ------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def client(tokenizer: Tokenizer):
+    from fastapi.testclient import TestClient
+    from tandem_engine.router.engines import EnginePool
+    from tandem_engine.router.openai_api import build_app
+
+    pool = EnginePool([f"127.0.0.1:{_free_port()}"], heartbeat_deadline=1.0)
+    with TestClient(build_app(pool, tokenizer, "tiny")) as c:
+        yield c
+
+
+def test_app_without_engines(client) -> None:
+    assert client.get("/healthz").status_code == 200
+    assert client.get("/readyz").status_code == 503
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["code"] == "no_engine_available" and "unreachable" in err["message"]
+    r = client.post("/v1/completions", json={"model": "other", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = client.post("/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [], "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    engines = client.get("/v1/engines").json()["engines"]
+    assert len(engines) == 1 and engines[0]["alive"] is False
+    metrics = client.get("/metrics").text
+    assert 'tandem_router_requests_total{outcome="unavailable"} 1.0' in metrics
+    assert 'tandem_router_requests_total{outcome="invalid"} 3.0' in metrics
+    assert "tandem_router_time_to_first_token_seconds_bucket" in metrics
+    assert "tandem_router_engine_up{" in metrics
+
+
+def test_router_never_imports_torch() -> None:
+    code = ("import sys\n"
+            "import tandem_engine.router.main, tandem_engine.router.openai_api\n"
+            "from tandem_engine.router.main import build_parser\n"
+            "assert 'torch' not in sys.modules, 'the router imported torch'\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr
