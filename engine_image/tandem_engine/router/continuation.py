@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tandem_engine.stops import find_stop, trim_at_stop
 from tandem_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -56,19 +57,11 @@ class TextContinuation:
         return self._take(len(self._text))
 
     def _find_stop(self, delta_len: int) -> bool:
-        text = self._text
-        longest = max(len(s) for s in self._stop)
-        search_from = max(0, len(text) - delta_len - longest + 1)  # matches ending in new text
-        best: tuple[int, str] | None = None
-        for s in self._stop:
-            i = text.find(s, search_from)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
+        match = find_stop(self._text, self._stop, delta_len)
+        if match is None:
             return False
-        i, s = best
-        self._text = text[: i + len(s)] if self._include_stop else text[:i]
-        self.stop_reason = s
+        self._text = trim_at_stop(self._text, match, self._include_stop)
+        self.stop_reason = match[1]
         return True
 
     def _take(self, end: int) -> str:
