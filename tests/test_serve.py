@@ -1,0 +1,77 @@
+"""`tandem serve`: the one-command local stack, as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from tandem_engine import LLM, SamplingParams
+from tandem_engine.serve import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def test_serve_answers_openai_and_stops_cleanly(tiny_qwen3: Path, tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem_engine.cli", "serve", "--model", str(tiny_qwen3),
+         "--engines", "2", "--port", str(port), "--served-model-name", "tiny"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)})
+    lines = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any("Tandem is serving" in line for line in lines):
+            assert time.monotonic() < deadline, "".join(lines)
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "".join(lines)
+            lines.append(line)
+        assert f"http://127.0.0.1:{port}/v1" in lines[-1]
+        assert sum("ready" in line for line in lines) == 3  # two engines + the router
+        children = _children(proc.pid)
+        assert len(children) == 3
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        got = client.completions.create(model="tiny", prompt="Hello there", max_tokens=8,
+                                        temperature=0)
+        expected = LLM(tiny_qwen3).generate(["Hello there"], SamplingParams(
+            max_tokens=8, temperature=0.0))[0].outputs[0]
+        assert got.choices[0].text == expected.text
+        assert got.usage.completion_tokens == len(expected.token_ids)
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+            temperature=0, stream=True)
+        pieces = [c.choices[0].delta.content or "" for c in chat if c.choices]
+        assert "".join(pieces)
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        for pid in children:  # no orphan left behind
+            assert not Path(f"/proc/{pid}").exists() or \
+                "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_reports_a_bad_model_and_leaves_nothing(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tandem_engine.cli", "serve", "--model", str(tmp_path / "nope"),
+         "--port", str(free_port())], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert proc.returncode == 2
+    assert "engine-0 exited with code 2" in proc.stderr
+    assert "does not exist" in proc.stderr or "config.json" in proc.stderr
