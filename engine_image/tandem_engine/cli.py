@@ -66,8 +66,9 @@ def _serve(args: argparse.Namespace) -> int:
     engine_args = ["--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--kernels", args.kernels]
+    name = args.served_model_name or ("demo-model" if args.demo else None)
     stack = LocalStack(model.resolve(), engines=args.engines, host=args.host, port=args.port,
-                       served_model_name=args.served_model_name, engine_args=engine_args)
+                       served_model_name=name, engine_args=engine_args)
     return run(stack)
 
 
