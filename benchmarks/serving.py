@@ -61,9 +61,12 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int) ->
     try:
         stream = await client.completions.create(
             model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-            stream=True, extra_body={"ignore_eos": True})
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
         async for chunk in stream:
             now = time.perf_counter()
+            if chunk.usage is not None:
+                r.tokens = chunk.usage.completion_tokens
             if not chunk.choices or not chunk.choices[0].text:
                 continue
             if last is None:
@@ -71,7 +74,6 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int) ->
             else:
                 r.itl.append(now - last)
             last = now
-            r.tokens += 1
         r.e2e = time.perf_counter() - start
         r.ok = True
     except Exception as exc:  # counted as a failure in the report
