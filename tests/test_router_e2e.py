@@ -13,7 +13,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import httpx
 import openai
 import pytest
 from tandem_engine import SamplingParams
+from tandem_engine.serve import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +32,7 @@ MODEL = "tiny"  # served model name
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 @dataclass

@@ -96,7 +96,6 @@ class EngineWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue[tuple[bytes, bytes]] | None = None
         self._socket: zmq.asyncio.Socket | None = None
-        self._last_state = engine.state
 
     # ---- load and state ------------------------------------------------------------------
 
@@ -234,8 +233,7 @@ class EngineWorker:
         engine = self.engine
         while not self._closing.is_set():
             if engine.state is not self._last_state:
-                self._last_state = engine.state
-            busy = engine.has_unfinished_requests() and engine.state is EngineState.RUNNING
+                    busy = engine.has_unfinished_requests() and engine.state is EngineState.RUNNING
             if not busy:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
@@ -288,8 +286,6 @@ class EngineWorker:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            if self.engine.state is not self._last_state:
-                self._last_state = self.engine.state
             msg = p.Heartbeat(self.engine_id, self.incarnation, self.load())
             for router in list(self._routers):
                 self._queue(router, msg)
