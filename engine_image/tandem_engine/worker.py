@@ -232,8 +232,7 @@ class EngineWorker:
     def _step_loop(self) -> None:
         engine = self.engine
         while not self._closing.is_set():
-            if engine.state is not self._last_state:
-                    busy = engine.has_unfinished_requests() and engine.state is EngineState.RUNNING
+            busy = engine.has_unfinished_requests() and engine.state is EngineState.RUNNING
             if not busy:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
