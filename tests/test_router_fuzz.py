@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -48,7 +49,7 @@ def _hostile_peer(port: int, stop: threading.Event, sent: list[int]) -> None:
                         p.Load("PAUSED", 0, 0, 0.0, "initial", 0)))])
             except p.ProtocolError:
                 pass
-        for router in routers:
+        for router, _ in ((r, i) for r in routers for i in range(10)):
             choice = rng.randrange(5)
             if choice == 0:
                 frame = rng.randbytes(rng.randrange(0, 80))
@@ -105,12 +106,15 @@ def test_router_survives_a_hostile_engine_and_garbage_http(tiny_llama: Path,
                                   headers={"Content-Type": "application/json"})
                     assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
                     assert "message" in r.json()["error"]
+            deadline = time.monotonic() + 20
+            while sent[0] < 500 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert sent[0] >= 500, "the hostile peer never got going"
             assert http.get("/healthz").status_code == 200
             r = http.post("/v1/completions", json={
                 "model": "tiny", "prompt": "The hostile peer", "max_tokens": 12,
                 "temperature": 0})
             assert r.json()["choices"][0]["text"] == expected
-        assert sent[0] > 100, "the hostile peer never got going"
         assert router.poll() is None and engine.poll() is None
     finally:
         stop.set()

@@ -155,6 +155,23 @@ _decoders = {kind: msgspec.msgpack.Decoder(body) for kind, body in BODIES.items(
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
+class DropLog:
+    """Logs dropped frames without letting a flood of them flood the log: the first
+    `burst` in full, then one summary line per `every` drops."""
+
+    def __init__(self, logger, source: str, burst: int = 10, every: int = 1000) -> None:
+        self.logger, self.source, self.burst, self.every = logger, source, burst, every
+        self.count = 0
+
+    def dropped(self, reason: object) -> None:
+        self.count += 1
+        if self.count <= self.burst:
+            self.logger.warning("%s: dropped a bad frame: %s", self.source, reason)
+        elif self.count % self.every == 0:
+            self.logger.warning("%s: %d bad frames dropped so far (latest: %s)", self.source,
+                                self.count, reason)
+
+
 def encode(message: msgspec.Struct) -> bytes:
     kind = KIND_OF[type(message)]
     return bytes((PROTOCOL_VERSION, kind)) + _encoder.encode(message)

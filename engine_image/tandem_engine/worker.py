@@ -96,6 +96,7 @@ class EngineWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: asyncio.Queue[tuple[bytes, bytes]] | None = None
         self._socket: zmq.asyncio.Socket | None = None
+        self._drops = p.DropLog(log, f"engine {engine_id}")
 
     # ---- load and state ------------------------------------------------------------------
 
@@ -168,7 +169,7 @@ class EngineWorker:
             try:
                 msg = p.decode(frame)
             except p.ProtocolError as exc:
-                log.warning("dropped a bad frame from %s: %s", router.hex(), exc)
+                self._drops.dropped(f"{exc} (from router {router.hex()})")
                 continue
             try:
                 self._handle(router, msg)

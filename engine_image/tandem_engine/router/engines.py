@@ -69,6 +69,7 @@ class EngineClient:
                  heartbeat_deadline: float = 2.0, handshake_timeout: float = 1.0) -> None:
         self.address = parse_address(address)
         self.key = self.address.removeprefix("tcp://")
+        self._drops = p.DropLog(log, f"engine {self.key}")
         self.router_id = router_id
         self.heartbeat_deadline = heartbeat_deadline
         self.handshake_timeout = handshake_timeout
@@ -235,7 +236,7 @@ class EngineClient:
             try:
                 message = p.decode(frame)
             except p.ProtocolError as exc:
-                log.warning("engine %s: dropped a bad frame: %s", self.key, exc)
+                self._drops.dropped(exc)
                 continue
             try:
                 self._handle(message)

@@ -1,0 +1,69 @@
+"""The wire protocol: round trips, and every kind of bad frame refused the same way."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from tandem_engine import protocol as p
+
+LOAD = p.Load("RUNNING", 2, 1, 0.25, "v1", 3)
+MESSAGES = [
+    p.Hello(p.PROTOCOL_VERSION, "router-a"),
+    p.Welcome(p.PROTOCOL_VERSION, "e0", "inc", "mixed", "tiny", 16, 1024, LOAD),
+    p.Heartbeat("e0", "inc", LOAD),
+    p.StateChange("e0", "inc", LOAD),
+    p.Submit("r1", [1, 2, 3], {"max_tokens": 4, "stop": ["x"]}, cache_salt="t"),
+    p.Output("r1", [7], "hi", [p.TokenLogprobs(-0.5, [(7, -0.5), (8, -1.0)])], True,
+             "stop", "x", 3, 0),
+    p.Abort("r1"),
+    p.Reject("r1", 400, "too long"),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(message) -> None:
+    frame = p.encode(message)
+    assert frame[0] == p.PROTOCOL_VERSION and frame[1] == p.KIND_OF[type(message)]
+    assert p.decode(frame) == message
+
+
+def test_kinds_live_in_disjoint_ranges() -> None:
+    for kind in p.Kind:
+        assert sum(kind.value in r for r in p.RANGES.values()) == 1
+
+
+@pytest.mark.parametrize(("frame", "needle"), [
+    (b"", "shorter than its 2-byte header"),
+    (b"\x01", "shorter than its 2-byte header"),
+    (bytes([9, p.Kind.ABORT]) + msgspec.msgpack.encode({"request_id": "x"}),
+     "protocol version 9"),
+    (bytes([p.PROTOCOL_VERSION, 250]), "unknown message kind 250"),
+    (bytes([p.PROTOCOL_VERSION, p.Kind.SUBMIT]) + msgspec.msgpack.encode({"request_id": 1}),
+     "malformed SUBMIT"),
+    (p.encode(MESSAGES[4])[:-3], "malformed SUBMIT"),
+])
+def test_bad_frames_raise_protocol_error_naming_the_problem(frame: bytes, needle: str) -> None:
+    with pytest.raises(p.ProtocolError, match=needle):
+        p.decode(frame)
+
+
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes_never_raise_anything_but_protocol_error(frame: bytes) -> None:
+    with contextlib.suppress(p.ProtocolError):
+        p.decode(frame)
+
+
+def test_drop_log_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    drops = p.DropLog(logging.getLogger("drops"), "engine e0", burst=3, every=100)
+    with caplog.at_level(logging.WARNING, logger="drops"):
+        for i in range(250):
+            drops.dropped(f"bad {i}")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 5  # three in full, then at 100 and 200
+    assert lines[0] == "engine e0: dropped a bad frame: bad 0"
+    assert lines[-1].startswith("engine e0: 200 bad frames dropped so far")
