@@ -35,10 +35,14 @@ class EngineProcess:
              "--engine-id", "e0", "--heartbeat-interval", "0.2", "--shutdown-grace", "20",
              *extra], stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
-        while self.http("GET", "/readyz")[0] != 200:
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, "engine not ready in 120 s"
-            time.sleep(0.2)
+        try:
+            while self.http("GET", "/readyz")[0] != 200:
+                assert self.proc.poll() is None, self.log.read_text()
+                assert time.monotonic() < deadline, "engine not ready in 120 s"
+                time.sleep(0.2)
+        except BaseException:
+            self.close()  # never leave an engine behind
+            raise
 
     def http(self, method: str, path: str, body: dict | None = None,
              token: str | None = None) -> tuple[int, dict]:
