@@ -20,7 +20,7 @@ from reference import random_prompts
 from tandem_engine import LLM, SamplingParams
 from tandem_engine import protocol as p
 from tandem_engine.demo_model import write_demo_model
-from tandem_engine.serve import free_port
+from tandem_engine.serve import die_with_parent, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,8 @@ class EngineProcess:
             [sys.executable, "-m", "tandem_engine.engine_main", "--model", str(model),
              "--port", str(self.port), "--admin-port", str(self.admin_port),
              "--engine-id", "e0", "--heartbeat-interval", "0.2", "--shutdown-grace", "20",
-             *extra], stdout=self.log.open("wb"), stderr=subprocess.STDOUT)
+             *extra], stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent)
         deadline = time.monotonic() + 120
         try:
             while self.http("GET", "/readyz")[0] != 200:

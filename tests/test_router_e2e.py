@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 from tandem_engine import SamplingParams
-from tandem_engine.serve import free_port
+from tandem_engine.serve import die_with_parent, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,8 @@ def _metric(text: str, name: str, labels: dict[str, str]) -> float:
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=die_with_parent)
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:

@@ -31,7 +31,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """preexec_fn for child processes: the kernel sends them SIGTERM when we die."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -83,7 +84,7 @@ class LocalStack:
         log = self.log_dir / f"{name}.log"
         process = subprocess.Popen([sys.executable, "-m", *args], stdout=log.open("wb"),
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   preexec_fn=_die_with_parent)
+                                   preexec_fn=die_with_parent)
         child = Child(name, process, ready_url, log)
         self.children.append(child)
         return child
