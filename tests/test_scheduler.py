@@ -155,3 +155,22 @@ def test_block_pool_refuses_overallocation_and_double_free() -> None:
     with pytest.raises(RuntimeError, match="freed more often"):
         pool.free(blocks[:1])
     assert pool.num_free == 3
+
+
+def test_pins_keep_blocks_until_unpinned_or_expired() -> None:
+    kv = KVCacheManager(16, BLOCK)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = _request(0, 10, 1), _request(1, 6, 1)
+    sched.add(a)
+    sched.add(b)
+    sched.advance(sched.schedule())  # both prompts computed
+    # A handoff pins a finished request's prompt KV before the scheduler lets go of it.
+    assert len(kv.pin("r0", expires_at=10.0)) == 3
+    pinned_b = kv.pin("r1", expires_at=20.0)
+    sched.finish(a)
+    sched.finish(b)
+    assert len(pinned_b) == 2 and kv.num_pinned_blocks == 5 and kv.pool.num_used == 5
+    assert kv.expire_pins(now=15.0) == ["r0"]
+    assert kv.pool.num_used == 2
+    assert kv.unpin("r1") and not kv.unpin("r1")
+    assert kv.pool.num_used == 0 and kv.num_pinned_blocks == 0

@@ -278,6 +278,9 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     enable_prefix_caching: bool = True
+    # How long a prefill engine keeps a handed-off prompt's KV pinned when the decode
+    # engine never says it is done pulling.
+    kv_pin_ttl_s: float = 60.0
     # CPU kernels: "native" = the compiled decode-attention kernel and oneDNN-packed
     # projections; "torch" = plain torch ops (gather + SDPA, default matmul);
     # "auto" = native on CPU when the kernel builds (a warning says when not), else torch.

@@ -47,6 +47,16 @@ from tandem_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass(frozen=True)
+class PullPlan:
+    """Which prompt blocks a decode engine must pull, and where to."""
+
+    request_id: str
+    block_indices: list[int]  # positions in the prompt's block list (prefill side)
+    local_blocks: list[int]  # this engine's blocks, one per index
+    reused_blocks: int  # leading blocks this engine already had cached
+
+
+@dataclass(frozen=True)
 class StepTiming:
     num_running: int
     num_prefill_tokens: int
@@ -99,6 +109,8 @@ class LLMEngine:
         self.weight_epoch = 0
         self.weight_version = "initial"
         self._state = EngineState.RUNNING
+        self._pulling: dict[str, Request] = {}
+        self.num_pull_fallbacks = 0
         self._suspend_mode: KVMode | None = None
         self._lock = threading.RLock()
         self._state_changed = threading.Condition(self._lock)
@@ -113,14 +125,19 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None, pin_for_handoff: bool = False) -> Request:
         """Queue a request (also while paused or suspended). Raises RequestRejected (and
-        changes nothing) if it cannot run. `cache_salt` isolates its prefix cache."""
+        changes nothing) if it cannot run. `cache_salt` isolates its prefix cache. With
+        `pin_for_handoff` (a prefill engine's request) the prompt's KV blocks stay pinned
+        when it finishes, listed in its final output, until `unpin` or the pin TTL."""
         with self._lock:
-            return self._add_request(request_id, prompt, params or SamplingParams(),
-                                     cache_salt)
+            request = self._new_request(request_id, prompt, params or SamplingParams(),
+                                        cache_salt)
+            request.pin_for_handoff = pin_for_handoff
+            self.scheduler.add(request)
+            return request
 
-    def _add_request(self, request_id: str, prompt: str | Sequence[int],
+    def _new_request(self, request_id: str, prompt: str | Sequence[int],
                      params: SamplingParams, cache_salt: str | None) -> Request:
         if self._state in (EngineState.STOPPING, EngineState.STOPPED):
             raise EngineStateError(f"the engine is {self._state}: it accepts no requests")
@@ -135,8 +152,61 @@ class LLMEngine:
         self.requests[request_id] = request
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=params.skip_special_tokens)
-        self.scheduler.add(request)
         return request
+
+    # ---- KV handoff (disaggregated prefill/decode) ----------------------------------------
+
+    def unpin(self, request_id: str) -> bool:
+        """The puller is done with a handed-off prompt's KV: release it."""
+        with self._lock:
+            return self.kv.unpin(request_id)
+
+    def add_pulled_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                           first_token: int, params: SamplingParams,
+                           cache_salt: str | None = None) -> PullPlan:
+        """A decode engine's side of a handoff: the prompt was computed elsewhere and its
+        first token sampled there. Blocks are allocated (reusing this engine's own prefix
+        hits); the returned plan lists the prompt's block positions still to pull and the
+        local blocks to pull them into. Call `complete_pull` when the transfer ends."""
+        with self._lock:
+            request = self._new_request(request_id, list(prompt_token_ids), params,
+                                        cache_salt)
+            try:
+                hit = self.kv.acquire_cached_prefix(request)
+                n = request.num_prompt_tokens
+                if not self.kv.allocate_slots(request_id, n):
+                    raise RequestRejected(
+                        f"no room for {n} prompt tokens of KV on this engine right now")
+            except RequestRejected:
+                self.kv.free(request_id)
+                self._forget(request)
+                raise
+            self._append_token(request, None, None, token=first_token)
+            if request.finished:  # the first token already ended it (EOS, max_tokens=1)
+                self._pending_outputs.append(self._output(request))
+                return PullPlan(request_id, [], [], reused_blocks=0)
+            table = self.kv.block_table(request_id)
+            first = hit // self.kv.block_size
+            self._pulling[request_id] = request
+            return PullPlan(request_id, list(range(first, len(table))), table[first:],
+                            reused_blocks=first)
+
+    def complete_pull(self, request_id: str, ok: bool) -> None:
+        """End a pull. ok: the request decodes from its pulled KV at once. Not ok: it is
+        recomputed here from prompt + first token (it still completes)."""
+        with self._lock:
+            request = self._pulling.pop(request_id, None)
+            if request is None:
+                return  # aborted meanwhile
+            if ok:
+                request.num_computed_tokens = request.num_prompt_tokens
+                self.kv.cache_computed_blocks(request)
+            else:
+                self.kv.free(request_id)
+                request.num_computed_tokens = 0
+                request.num_cached_blocks = 0
+                self.num_pull_fallbacks += 1
+            self.scheduler.admit_pulled(request)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -164,7 +234,7 @@ class LLMEngine:
             return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished + len(self._pulling) > 0
 
     @property
     def num_running(self) -> int:
@@ -187,6 +257,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        self.kv.expire_pins(time.monotonic())
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)
@@ -204,7 +275,7 @@ class LLMEngine:
         t4 = time.perf_counter()
         self.scheduler.advance(scheduled)
         for row, request in enumerate(requests):
-            self._append_token(request, row, result)
+            self._append_token(request, row, result, token=result.token_ids[row])
             outputs.append(self._output(request))
         t5 = time.perf_counter()
         self.step_timings.append(StepTiming(
@@ -222,13 +293,13 @@ class LLMEngine:
         eos = () if p.ignore_eos else tuple(self.eos_token_ids)
         return eos + p.stop_token_ids
 
-    def _append_token(self, request: Request, row: int, result: SampleResult) -> None:
-        token = result.token_ids[row]
+    def _append_token(self, request: Request, row: int | None, result: SampleResult | None,
+                      token: int) -> None:
         if not request.epoch_segments or request.epoch_segments[-1][0] != self.weight_epoch:
             request.epoch_segments.append((self.weight_epoch, request.num_output_tokens))
         request.token_ids.append(token)
         p = request.params
-        if result.logprobs is not None and request.logprobs is not None:
+        if result is not None and result.logprobs is not None and request.logprobs is not None:
             lp = result.logprobs[row]
             request.cumulative_logprob += lp
             entry = {token: Logprob(lp, result.ranks[row])}
@@ -265,10 +336,17 @@ class LLMEngine:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.finish_reason = reason
+        if request.pin_for_handoff and reason is not FinishReason.ABORT:
+            request.pinned_blocks = self.kv.pin(
+                request.request_id, time.monotonic() + self.config.kv_pin_ttl_s)
+        self._pulling.pop(request.request_id, None)
         self.scheduler.finish(request)
+        self._forget(request)
+
+    def _forget(self, request: Request) -> None:
         self.sampler.forget(request.request_id)
         self._detokenizers.pop(request.request_id, None)
-        del self.requests[request.request_id]
+        self.requests.pop(request.request_id, None)
 
     def _output(self, request: Request) -> RequestOutput:
         reason = request.finish_reason
@@ -284,7 +362,8 @@ class LLMEngine:
         )
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              [completion], finished=reason is not None,
-                             epoch_segments=list(request.epoch_segments))
+                             epoch_segments=list(request.epoch_segments),
+                             pinned_blocks=request.pinned_blocks)
 
     # ---- lifecycle ------------------------------------------------------------------------
 
@@ -375,7 +454,8 @@ class LLMEngine:
             # Requests holding no KV yet compute everything under the new weights; the
             # ones with KV keep their salt (their leading blocks are old-weight KV).
             for request in self.scheduler.waiting:
-                request.resalt(block_salt(self.weight_epoch, request.cache_salt))
+                if request.num_computed_tokens == 0:
+                    request.resalt(block_salt(self.weight_epoch, request.cache_salt))
             return self.weight_epoch
 
     def reset_prefix_cache(self) -> None:

@@ -31,3 +31,5 @@ class RequestOutput:
     finished: bool
     # (weight epoch, first output token index generated under it), one per epoch.
     epoch_segments: list[tuple[int, int]] = field(default_factory=list)
+    # For a handoff request: the pinned prompt KV blocks, in position order.
+    pinned_blocks: list[int] | None = None

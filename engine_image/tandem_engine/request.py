@@ -60,6 +60,9 @@ class Request:
     # (weight epoch, index of the first output token generated under it), one entry
     # per epoch the request generated tokens in.
     epoch_segments: list[tuple[int, int]] = field(default_factory=list)
+    # Disaggregation: keep the prompt's KV pinned for another engine when finished.
+    pin_for_handoff: bool = False
+    pinned_blocks: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

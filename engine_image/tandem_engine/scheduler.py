@@ -74,7 +74,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            request.num_computed_tokens = self.kv.acquire_cached_prefix(request)
+            if not self.kv.block_table(request.request_id):  # (a pulled request has KV)
+                request.num_computed_tokens = self.kv.acquire_cached_prefix(request)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
                 self._release(request)
@@ -129,6 +130,12 @@ class Scheduler:
         for request in victims:
             self._preempt(request)
         return victims[::-1]
+
+    def admit_pulled(self, request: Request) -> None:
+        """A request whose prompt KV arrived from another engine: first in line, straight
+        into decode on its next schedule."""
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
 
     def advance(self, scheduled: SchedulerOutput) -> None:
         """After a forward pass: the chunks' tokens now have KV; full blocks become

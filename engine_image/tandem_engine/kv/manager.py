@@ -31,6 +31,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
+        # KV handed off to another engine: blocks kept referenced until the puller says it
+        # is done, or until the deadline passes (a dead puller must not strand memory).
+        self._pins: dict[str, tuple[list[int], float]] = {}
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -113,6 +116,34 @@ class KVCacheManager:
         if table:
             # Tail first: LRU eviction then drops a chain's children before its parents.
             self.pool.free(list(reversed(table)))
+
+    # ---- pins: KV kept for a handoff -------------------------------------------------------
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(t) for t, _ in self._pins.values())
+
+    def pin(self, request_id: str, expires_at: float) -> list[int]:
+        """Keep a finished request's blocks (its prompt KV) until `unpin` or `expires_at`;
+        returns their ids in position order."""
+        table = self._tables.pop(request_id, [])
+        if table:
+            self._pins[request_id] = (table, expires_at)
+        return list(table)
+
+    def unpin(self, request_id: str) -> bool:
+        pinned = self._pins.pop(request_id, None)
+        if pinned is None:
+            return False
+        self.pool.free(list(reversed(pinned[0])))
+        return True
+
+    def expire_pins(self, now: float) -> list[str]:
+        """Release every pin whose deadline has passed; return their ids."""
+        expired = [rid for rid, (_, deadline) in self._pins.items() if deadline <= now]
+        for rid in expired:
+            self.unpin(rid)
+        return expired
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_cache()

@@ -1,0 +1,121 @@
+"""The engine's side of a prefill → decode KV handoff, two real engines in one process.
+
+The bytes move with a tensor copy standing in for the NIXL READ (the transfer backend
+has its own two-process tests); what is checked here is the engines' bookkeeping:
+the prefill engine pins exactly the prompt's blocks, the decode engine pulls only what
+its own prefix cache lacks, decodes straight from the pulled KV to the same tokens as a
+colocated run, falls back to recompute on a failed pull, and no block leaks anywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from reference import random_prompts
+from tandem_engine import LLM, SamplingParams
+
+MAX_NEW = 16
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+def _finish(engine) -> dict[str, list[int]]:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def _prefill(prefill, rid: str, prompt: list[int]):
+    prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                        pin_for_handoff=True)
+    out = _finish(prefill)[rid]
+    assert out.pinned_blocks is not None
+    return out.outputs[0].token_ids[0], out.pinned_blocks
+
+
+def _copy_blocks(prefill, decode, remote: list[int], plan) -> None:
+    """Stand-in for the NIXL READ: prompt block i of the prefill engine -> local block."""
+    src, dst = prefill.runner.kv_cache, decode.runner.kv_cache
+    for index, local in zip(plan.block_indices, plan.local_blocks, strict=True):
+        dst[:, :, local] = src[:, :, remote[index]]
+
+
+@pytest.fixture()
+def pair(tiny_llama: Path):
+    return LLM(tiny_llama).engine, LLM(tiny_llama).engine
+
+
+def test_handoff_decodes_like_a_colocated_run(pair, tiny_llama: Path) -> None:
+    prefill, decode = pair
+    prompts = random_prompts(2048, [5, 16, 37, 64], seed=30)
+    expected = LLM(tiny_llama).generate(prompts, GREEDY)
+    for i, prompt in enumerate(prompts):
+        rid = f"h{i}"
+        first, remote = _prefill(prefill, rid, prompt)
+        assert len(remote) == -(-len(prompt) // 16)
+        assert prefill.kv.num_pinned_blocks == len(remote)
+        plan = decode.add_pulled_request(rid, prompt, first, GREEDY)
+        assert plan.block_indices == list(range(len(remote))) and plan.reused_blocks == 0
+        _copy_blocks(prefill, decode, remote, plan)
+        decode.complete_pull(rid, ok=True)
+        assert prefill.unpin(rid) and prefill.kv.num_pinned_blocks == 0
+        out = _finish(decode)[rid].outputs[0]
+        assert out.token_ids == expected[i].outputs[0].token_ids
+        assert out.text == expected[i].outputs[0].text
+    # Only the first token of each prompt was computed on the decode engine's side.
+    assert decode.prefix_cache_stats()["hit_tokens"] == 0
+    for engine in pair:
+        assert engine.kv.pool.num_free == engine.kv.num_blocks
+
+
+def test_only_blocks_missing_from_the_decode_cache_are_pulled(pair, tiny_llama: Path) -> None:
+    prefill, decode = pair
+    shared, tail = random_prompts(2048, [48, 20], seed=31)
+    decode.add_request("warm", [*shared, 7], GREEDY)  # caches the shared 48-token prefix
+    _finish(decode)
+    prompt = shared + tail  # 68 tokens: 5 blocks, the first 3 already on the decode engine
+    first, remote = _prefill(prefill, "p", prompt)
+    plan = decode.add_pulled_request("p", prompt, first, GREEDY)
+    assert plan.reused_blocks == 3 and plan.block_indices == [3, 4]
+    _copy_blocks(prefill, decode, remote, plan)
+    decode.complete_pull("p", ok=True)
+    prefill.unpin("p")
+    out = _finish(decode)["p"].outputs[0]
+    expected = LLM(tiny_llama).generate([prompt], GREEDY)[0].outputs[0]
+    assert out.token_ids == expected.token_ids
+    assert decode.kv.pool.num_used == 0 and prefill.kv.pool.num_used == 0
+
+
+def test_failed_pull_recomputes_and_pins_expire(tiny_llama: Path) -> None:
+    prefill = LLM(tiny_llama, kv_pin_ttl_s=0.2).engine
+    decode = LLM(tiny_llama).engine
+    prompt = random_prompts(2048, [40], seed=32)[0]
+    first, _ = _prefill(prefill, "f", prompt)
+    plan = decode.add_pulled_request("f", prompt, first, GREEDY)
+    assert len(plan.local_blocks) == 3
+    decode.complete_pull("f", ok=False)  # e.g. the prefill engine died mid-READ
+    out = _finish(decode)["f"].outputs[0]
+    expected = LLM(tiny_llama).generate([prompt], GREEDY)[0].outputs[0]
+    assert out.token_ids == expected.token_ids and decode.num_pull_fallbacks == 1
+    assert decode.kv.pool.num_used == 0
+    # Nobody unpins: the TTL releases the prefill engine's blocks on a later step.
+    assert prefill.kv.num_pinned_blocks == 3
+    time.sleep(0.25)
+    prefill.step()
+    assert prefill.kv.num_pinned_blocks == 0 and prefill.kv.pool.num_used == 0
+
+
+def test_abort_during_a_pull_frees_the_destination(pair) -> None:
+    prefill, decode = pair
+    prompt = random_prompts(2048, [33], seed=33)[0]
+    first, _ = _prefill(prefill, "a", prompt)
+    decode.add_pulled_request("a", prompt, first, GREEDY)
+    assert decode.kv.pool.num_used == 3 and decode.has_unfinished_requests()
+    assert decode.abort("a")
+    decode.complete_pull("a", ok=True)  # a late completion is ignored
+    assert decode.kv.pool.num_used == 0 and not decode.has_unfinished_requests()
+    assert [o.outputs[0].finish_reason for o in decode.step()] == ["abort"]
