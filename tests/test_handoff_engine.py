@@ -119,3 +119,20 @@ def test_abort_during_a_pull_frees_the_destination(pair) -> None:
     decode.complete_pull("a", ok=True)  # a late completion is ignored
     assert decode.kv.pool.num_used == 0 and not decode.has_unfinished_requests()
     assert [o.outputs[0].finish_reason for o in decode.step()] == ["abort"]
+
+
+def test_recompute_suspend_fails_pulls_in_progress(pair, tiny_llama: Path) -> None:
+    prefill, decode = pair
+    prompt = random_prompts(2048, [40], seed=34)[0]
+    first, remote = _prefill(prefill, "s", prompt)
+    plan = decode.add_pulled_request("s", prompt, first, GREEDY)
+    decode.pause()
+    decode.suspend("recompute")  # the pool's storage is dropped: the pull cannot land
+    decode.resume()
+    decode.unpause()
+    _copy_blocks(prefill, decode, remote, plan)
+    decode.complete_pull("s", ok=True)  # too late: ignored
+    out = _finish(decode)["s"].outputs[0]
+    expected = LLM(tiny_llama).generate([prompt], GREEDY)[0].outputs[0]
+    assert out.token_ids == expected.token_ids and decode.num_pull_fallbacks == 1
+    assert decode.kv.pool.num_used == 0
