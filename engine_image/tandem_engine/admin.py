@@ -79,7 +79,9 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
                 "role": worker.role, "model": worker.model_name, "state": load.state,
                 "weight_version": load.weight_version, "weight_epoch": load.weight_epoch,
                 "num_running": load.num_running, "num_waiting": load.num_waiting,
-                "kv_usage": load.kv_usage, "draining": worker.draining}
+                "kv_usage": load.kv_usage, "draining": worker.draining,
+                "pinned_blocks": engine.kv.num_pinned_blocks,
+                "kv_pulls": dict(worker.pull_stats)}
 
     @app.post("/v1/pause")
     def pause(authorization: str | None = Header(None)) -> dict[str, Any]:

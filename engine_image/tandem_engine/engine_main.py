@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import threading
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-id", default=None, help="default: host:port")
     p.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--pull-timeout", type=float, default=10.0,
+                   help="decode: deadline of one KV pull from a prefill engine (s)")
+    p.add_argument("--kv-pin-ttl", type=float, default=60.0,
+                   help="prefill: seconds a handed-off prompt's KV stays pinned at most")
     p.add_argument("--shutdown-grace", type=float, default=30.0)
     p.add_argument("--admin-token-file", type=Path, default=None)
     p.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -69,13 +74,19 @@ async def _run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_blocks=args.num_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         max_model_len=args.max_model_len, dtype=args.dtype, kernels=args.kernels,
-        seed=args.seed)
+        seed=args.seed, kv_pin_ttl_s=args.kv_pin_ttl)
     log.info("loading %s", args.model)
     engine = await asyncio.to_thread(LLMEngine.from_checkpoint, args.model, config)
     engine_id = args.engine_id or f"{socket.gethostname()}:{args.port}"
+    transfer = None
+    if args.role != "mixed":  # prefill and decode engines hand KV over with NIXL
+        from tandem_engine.transfer import NixlBackend
+
+        transfer = NixlBackend(f"{engine_id}-{uuid.uuid4().hex[:8]}")
     worker = EngineWorker(engine, engine_id=engine_id,
                           model_name=args.served_model_name or Path(args.model).name,
-                          role=args.role, heartbeat_interval=args.heartbeat_interval)
+                          role=args.role, heartbeat_interval=args.heartbeat_interval,
+                          transfer=transfer, pull_timeout=args.pull_timeout)
 
     shutdown = asyncio.Event()
     admin = uvicorn.Server(uvicorn.Config(

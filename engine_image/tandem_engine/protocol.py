@@ -77,6 +77,23 @@ class Load(msgspec.Struct, frozen=True):
     weight_epoch: int
 
 
+class KVTransferInfo(msgspec.Struct, frozen=True):
+    """How another engine pulls this engine's KV blocks: its transfer agent."""
+
+    agent_name: str
+    agent_metadata: bytes
+    geometry: dict[str, Any]  # transfer.KVGeometry.to_dict()
+
+
+class PullSource(msgspec.Struct, frozen=True):
+    """Where a decode engine finds a prompt's KV: computed and pinned by a prefill engine."""
+
+    agent: KVTransferInfo
+    pin_id: str  # the prefill engine's name for the pin, sent back when the pull is done
+    block_ids: list[int]  # the prompt's blocks there, in position order
+    first_token: int
+
+
 class Welcome(msgspec.Struct, frozen=True):
     protocol_version: int
     engine_id: str
@@ -86,6 +103,7 @@ class Welcome(msgspec.Struct, frozen=True):
     block_size: int
     max_model_len: int
     load: Load
+    kv_transfer: KVTransferInfo | None = None  # prefill/decode engines only
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
@@ -106,6 +124,8 @@ class Submit(msgspec.Struct, frozen=True):
     # SamplingParams fields by name (max_tokens, temperature, stop, logprobs, ...).
     sampling: dict[str, Any]
     cache_salt: str | None = None
+    pin_for_handoff: bool = False  # prefill: keep the prompt's KV pinned for a decode engine
+    pull: PullSource | None = None  # decode: pull the prompt's KV instead of computing it
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True):
@@ -125,6 +145,8 @@ class Output(msgspec.Struct, frozen=True):
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    pin_id: str | None = None  # a pinned prefill: name the pin in the decode's PullSource
+    pinned_blocks: list[int] | None = None
 
 
 class Abort(msgspec.Struct, frozen=True):

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zmq
@@ -30,6 +31,7 @@ from tandem_engine.engine_state import EngineState, EngineStateError
 from tandem_engine.errors import RequestRejected
 from tandem_engine.outputs import RequestOutput
 from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.transfer import KVGeometry, KVTransferBackend, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,9 @@ def stream_delta(stream: _Stream, out: RequestOutput) -> p.Output:
         request_id=stream.client_id, token_ids=list(new_ids),
         text=text[stream.sent_chars:safe], logprobs=logprobs, finished=out.finished,
         finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-        num_prompt_tokens=len(out.prompt_token_ids))
+        num_prompt_tokens=len(out.prompt_token_ids),
+        pin_id=out.request_id if out.pinned_blocks is not None else None,
+        pinned_blocks=out.pinned_blocks)
     stream.sent_tokens += len(new_ids)
     stream.sent_chars = max(stream.sent_chars, safe)
     return delta
@@ -79,7 +83,9 @@ def stream_delta(stream: _Stream, out: RequestOutput) -> p.Output:
 
 class EngineWorker:
     def __init__(self, engine: LLMEngine, *, engine_id: str, model_name: str,
-                 role: str = "mixed", heartbeat_interval: float = 0.5) -> None:
+                 role: str = "mixed", heartbeat_interval: float = 0.5,
+                 transfer: KVTransferBackend | None = None,
+                 pull_timeout: float = 10.0) -> None:
         self.engine = engine
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex
@@ -97,6 +103,19 @@ class EngineWorker:
         self._outbox: asyncio.Queue[tuple[bytes, bytes]] | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._drops = p.DropLog(log, f"engine {engine_id}")
+        # KV handoff (prefill/decode roles): the transfer agent, and one thread that runs
+        # the blocking pulls so neither the socket loop nor the stepping waits on them.
+        self.transfer = transfer
+        self.pull_timeout = pull_timeout
+        self._kv_info: p.KVTransferInfo | None = None
+        self._pulls = ThreadPoolExecutor(1, thread_name_prefix="kv-pull") if transfer else None
+        self.pull_stats: dict[str, int] = {"pulled_blocks": 0, "reused_blocks": 0,
+                                           "failed": 0, "bytes": 0}
+        if transfer is not None:
+            geometry = KVGeometry.of_tensor(engine.runner.kv_cache)
+            transfer.register(engine.runner.kv_cache, geometry)
+            self._kv_info = p.KVTransferInfo(transfer.name, transfer.agent_metadata(),
+                                             geometry.to_dict())
 
     # ---- load and state ------------------------------------------------------------------
 
@@ -140,6 +159,10 @@ class EngineWorker:
             self._closing.set()
             self._wake.set()
             self._thread.join(timeout=10)
+            if self._pulls is not None:
+                self._pulls.shutdown(wait=True, cancel_futures=True)
+            if self.transfer is not None:
+                self.transfer.close()
             await asyncio.sleep(0.05)  # let the last outputs leave
             for t in tasks:
                 t.cancel()
@@ -186,7 +209,8 @@ class EngineWorker:
             e = self.engine
             self._queue(router, p.Welcome(p.PROTOCOL_VERSION, self.engine_id,
                                           self.incarnation, self.role, self.model_name,
-                                          e.kv.block_size, e.max_model_len, self.load()))
+                                          e.kv.block_size, e.max_model_len, self.load(),
+                                          self._kv_info))
         elif isinstance(msg, p.Submit):
             self._submit(router, msg)
         elif isinstance(msg, p.Abort):
@@ -217,8 +241,12 @@ class EngineWorker:
             hold = max(hold, 0)
         self._streams[rid] = _Stream(router, msg.request_id, hold, params.logprobs)
         try:
-            self.engine.add_request(rid, msg.prompt_token_ids, params,
-                                    cache_salt=msg.cache_salt)
+            if msg.pull is not None:
+                self._start_pull(rid, msg, params)
+            else:
+                self.engine.add_request(rid, msg.prompt_token_ids, params,
+                                        cache_salt=msg.cache_salt,
+                                        pin_for_handoff=msg.pin_for_handoff)
         except RequestRejected as exc:
             del self._streams[rid]
             return reject(400, str(exc))
@@ -228,14 +256,61 @@ class EngineWorker:
         self.stats.prompt_tokens += len(msg.prompt_token_ids)
         self._wake.set()
 
+    # ---- KV handoff -------------------------------------------------------------------------
+
+    def _start_pull(self, rid: str, msg: p.Submit, params: SamplingParams) -> None:
+        if self.transfer is None or self._pulls is None:
+            raise RequestRejected(f"engine {self.engine_id} (role {self.role}) cannot pull "
+                                  "KV: start it with --role decode")
+        source = msg.pull
+        plan = self.engine.add_pulled_request(rid, msg.prompt_token_ids, source.first_token,
+                                              params, cache_salt=msg.cache_salt)
+        self._pulls.submit(self._pull, rid, source, plan)
+
+    def _pull(self, rid: str, source: p.PullSource, plan) -> None:
+        """Runs on the pull thread: READ the missing blocks, then tell the prefill engine
+        to unpin. Any failure (geometry, dead or frozen peer, deadline) makes the request
+        recompute its prompt here instead; it still completes."""
+        peer = source.agent.agent_name
+        ok = False
+        try:
+            self.transfer.add_peer(peer, source.agent.agent_metadata,
+                                   KVGeometry.from_dict(source.agent.geometry))
+            if plan.local_blocks:
+                remote = [source.block_ids[i] for i in plan.block_indices]
+                handle = self.transfer.start_read(peer, remote, plan.local_blocks,
+                                                  notif=source.pin_id.encode())
+                self.transfer.wait(handle, self.pull_timeout)
+                self.pull_stats["bytes"] += handle.nbytes
+            else:
+                self.transfer.notify(peer, source.pin_id.encode())
+            ok = True
+        except (TransferError, ValueError) as exc:
+            log.warning("pull of %s from %s failed, recomputing: %s", rid, peer, exc)
+            self.pull_stats["failed"] += 1
+        self.pull_stats["pulled_blocks"] += len(plan.local_blocks) if ok else 0
+        self.pull_stats["reused_blocks"] += plan.reused_blocks
+        self.engine.complete_pull(rid, ok)
+        self._wake.set()
+
+    def _unpin_notified(self) -> None:
+        """Prefill side: every decode engine that finished a pull names the pin."""
+        for messages in self.transfer.new_notifications().values():
+            for message in messages:
+                self.engine.unpin(message.decode(errors="replace"))
+
     # ---- the stepping thread ----------------------------------------------------------------
 
     def _step_loop(self) -> None:
         engine = self.engine
         while not self._closing.is_set():
             busy = engine.has_unfinished_requests() and engine.state is EngineState.RUNNING
+            if self.transfer is not None:
+                self._unpin_notified()
             if not busy:
-                self._wake.wait(timeout=0.05)
+                # A prefill engine is a transfer's passive side: it must make progress
+                # often, or pulls from it stall.
+                self._wake.wait(timeout=0.002 if self.transfer is not None else 0.05)
                 self._wake.clear()
             try:
                 outputs = engine.step()

@@ -1,0 +1,93 @@
+"""Prefill and decode engine processes handing KV over with real NIXL.
+
+The test plays the router's part over real ZMQ: the prefill engine computes the
+prompt and the first token and pins the prompt's blocks; the decode engine pulls the
+blocks it lacks with a one-sided NIXL READ and decodes; its notification unpins them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from reference import random_prompts
+from tandem_engine import LLM, SamplingParams
+from tandem_engine import protocol as p
+from test_engine_process import Client, EngineProcess
+
+pytest.importorskip("nixl_cu12")
+pytestmark = pytest.mark.slow
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("disagg")
+    prefill = EngineProcess(tiny_llama, tmp, "--role", "prefill")
+    try:
+        decode = EngineProcess(tiny_llama, tmp, "--role", "decode", "--pull-timeout", "5")
+    except BaseException:
+        prefill.close()
+        raise
+    yield prefill, decode
+    decode.close()
+    prefill.close()
+
+
+def _handoff(pre: Client, dec: Client, rid: str, prompt: list[int]) -> list[int]:
+    pre.sock.send(p.encode(p.Submit(rid, prompt, {"max_tokens": 1, "temperature": 0.0,
+                                                   "ignore_eos": True}, pin_for_handoff=True)))
+    while True:
+        pre_out = pre.next((p.Output, p.Reject))
+        assert not isinstance(pre_out, p.Reject), pre_out
+        if pre_out.request_id == rid and pre_out.finished:
+            break
+    assert pre_out.pinned_blocks is not None and pre_out.pin_id
+    source = p.PullSource(pre.welcome.kv_transfer, pre_out.pin_id, pre_out.pinned_blocks,
+                          pre_out.token_ids[0])
+    dec.sock.send(p.encode(p.Submit(rid, prompt, {
+        "max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}, pull=source)))
+    outs = []
+    while not outs or not outs[-1].finished:
+        msg = dec.next((p.Output, p.Reject))
+        assert not isinstance(msg, p.Reject), msg
+        if msg.request_id == rid:
+            outs.append(msg)
+    return [t for o in outs for t in o.token_ids]
+
+
+def test_disaggregated_output_equals_colocated(pair, tiny_llama: Path) -> None:
+    prefill, decode = pair
+    pre, dec = prefill.client(), decode.client()
+    assert pre.welcome.role == "prefill" and pre.welcome.kv_transfer is not None
+    prompts = random_prompts(2048, [7, 30, 64, 90], seed=40)
+    expected = LLM(tiny_llama).generate(prompts, SamplingParams(
+        max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    for i, prompt in enumerate(prompts):
+        assert _handoff(pre, dec, f"d{i}", prompt) == expected[i].outputs[0].token_ids
+    state = decode.http("GET", "/v1/state")[1]
+    assert state["kv_pulls"]["failed"] == 0
+    assert state["kv_pulls"]["pulled_blocks"] == sum(-(-len(x) // 16) for x in prompts)
+    # The decode engine's notifications unpinned every prompt on the prefill engine.
+    for _ in range(50):
+        if prefill.http("GET", "/v1/state")[1]["pinned_blocks"] == 0:
+            break
+        time.sleep(0.05)
+    assert prefill.http("GET", "/v1/state")[1]["pinned_blocks"] == 0
+
+
+def test_a_cached_prefix_on_the_decode_engine_is_not_pulled(pair, tiny_llama: Path) -> None:
+    prefill, decode = pair
+    pre, dec = prefill.client(), decode.client()
+    shared, tail = random_prompts(2048, [48, 21], seed=41)
+    warm = dec.run("warm", [*shared, 9], max_tokens=2, temperature=0.0)  # colocated run
+    assert warm[-1].finished
+    before = decode.http("GET", "/v1/state")[1]["kv_pulls"]
+    tokens = _handoff(pre, dec, "suffix", shared + tail)
+    after = decode.http("GET", "/v1/state")[1]["kv_pulls"]
+    assert after["reused_blocks"] - before["reused_blocks"] == 3
+    assert after["pulled_blocks"] - before["pulled_blocks"] == 2  # 69 tokens: 5 blocks
+    expected = LLM(tiny_llama).generate([shared + tail], SamplingParams(
+        max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
+    assert tokens == expected
