@@ -54,7 +54,8 @@ def _handoff(pre: Client, dec: Client, rid: str, prompt: list[int]) -> list[int]
         assert not isinstance(msg, p.Reject), msg
         if msg.request_id == rid:
             outs.append(msg)
-    return [t for o in outs for t in o.token_ids]
+    # The decode stream starts after the first token, which came from the prefill engine.
+    return [pre_out.token_ids[0]] + [t for o in outs for t in o.token_ids]
 
 
 def test_disaggregated_output_equals_colocated(pair, tiny_llama: Path) -> None:

@@ -67,7 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--kernels", args.kernels]
     name = args.served_model_name or ("demo-model" if args.demo else None)
-    stack = LocalStack(model.resolve(), engines=args.engines, host=args.host, port=args.port,
+    stack = LocalStack(model.resolve(), engines=args.engines, prefill=args.prefill,
+                       decode=args.decode, host=args.host, port=args.port,
                        served_model_name=name, engine_args=engine_args)
     return run(stack)
 
@@ -105,7 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--demo", action="store_true", help="serve the tiny demo model")
     serve.add_argument("--demo-dir", default=".demo-model",
                        help="where --demo writes/reads the demo model")
-    serve.add_argument("--engines", type=int, default=1, help="engine processes")
+    serve.add_argument("--engines", type=int, default=1, help="mixed engine processes")
+    serve.add_argument("--prefill", type=int, default=0,
+                       help="prefill engines (with --decode: a disaggregated stack)")
+    serve.add_argument("--decode", type=int, default=0, help="decode engines")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="router (OpenAI API) port")
     serve.add_argument("--served-model-name", default=None)

@@ -336,7 +336,9 @@ class LLMEngine:
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.finish_reason = reason
-        if request.pin_for_handoff and reason is not FinishReason.ABORT:
+        if request.pin_for_handoff and reason is FinishReason.LENGTH:
+            # Only a request that may go on elsewhere hands its KV over (not one that
+            # stopped at its first token, nor an aborted one).
             request.pinned_blocks = self.kv.pin(
                 request.request_id, time.monotonic() + self.config.kv_pin_ttl_s)
         self._pulling.pop(request.request_id, None)

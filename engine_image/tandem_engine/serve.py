@@ -59,14 +59,22 @@ class Child:
 
 
 class LocalStack:
-    def __init__(self, model: Path, *, engines: int = 1, host: str = "127.0.0.1",
+    def __init__(self, model: Path, *, engines: int = 1, prefill: int = 0, decode: int = 0,
+                 host: str = "127.0.0.1",
                  port: int = 8000, served_model_name: str | None = None,
                  engine_args: list[str] | None = None, log_dir: Path | None = None,
                  out=sys.stdout) -> None:
-        if engines < 1:
-            raise ValueError(f"--engines {engines}: at least one engine is needed")
+        if prefill or decode:
+            if prefill < 1 or decode < 1:
+                raise ValueError(f"--prefill {prefill} --decode {decode}: a disaggregated "
+                                 "stack needs at least one of each")
+            self.roles = ["prefill"] * prefill + ["decode"] * decode
+        else:
+            if engines < 1:
+                raise ValueError(f"--engines {engines}: at least one engine is needed")
+            self.roles = ["mixed"] * engines
         self.model = model
-        self.num_engines = engines
+        self.num_engines = len(self.roles)
         self.host = host
         self.port = port
         self.name = served_model_name or model.name
@@ -100,13 +108,14 @@ class LocalStack:
 
     def _start(self, timeout: float) -> None:
         engines = []
-        for i in range(self.num_engines):
+        for i, role in enumerate(self.roles):
             zmq_port, admin_port = free_port(self.host), free_port(self.host)
+            name = f"engine-{i}" if role == "mixed" else f"{role}-{i}"
             engines.append((zmq_port, self._spawn(
-                f"engine-{i}",
+                name,
                 ["tandem_engine.engine_main", "--model", str(self.model), "--host", self.host,
                  "--port", str(zmq_port), "--admin-port", str(admin_port),
-                 "--engine-id", f"engine-{i}", "--served-model-name", self.name,
+                 "--engine-id", name, "--served-model-name", self.name, "--role", role,
                  *self.engine_args],
                 f"http://{self.host}:{admin_port}/readyz")))
         self._wait([c for _, c in engines], timeout, "loading the model")
@@ -175,7 +184,8 @@ def run(stack: LocalStack) -> int:
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT,
                                                                    signal.SIGTERM)}
     try:
-        print(f"starting {stack.num_engines} engine(s) for {stack.model} "
+        roles = ", ".join(stack.roles)
+        print(f"starting {stack.num_engines} engine(s) ({roles}) for {stack.model} "
               f"(logs in {stack.log_dir})", file=stack.out, flush=True)
         stack.start()
         print(f"Tandem is serving '{stack.name}' at {stack.url} "

@@ -265,6 +265,12 @@ class EngineWorker:
         source = msg.pull
         plan = self.engine.add_pulled_request(rid, msg.prompt_token_ids, source.first_token,
                                               params, cache_salt=msg.cache_salt)
+        # The router already streamed the first token (from the prefill engine): start
+        # this stream after it.
+        stream = self._streams[rid]
+        stream.sent_tokens = 1
+        request = self.engine.requests.get(rid)
+        stream.sent_chars = len(request.output_text) if request is not None else 0
         self._pulls.submit(self._pull, rid, source, plan)
 
     def _pull(self, rid: str, source: p.PullSource, plan) -> None:
