@@ -15,6 +15,15 @@ Every wait has a deadline: the first output (`first_output_timeout`), each next 
 non-RUNNING engine is waited out), and finding an engine to continue on
 (`failover_timeout`). Leaving the generator early (client gone) aborts the request on
 its engine.
+
+Disaggregated serving: when the serving version has an alive RUNNING prefill engine
+and an alive RUNNING decode engine (mixed engines with a KV transfer agent may act as
+either), a choice first runs on a prefill engine (picked by prefix affinity) with
+`max_tokens=1` and `pin_for_handoff`; its first token is streamed at once, and unless
+the choice is done, it continues on a decode engine (picked by load, same version)
+that pulls the pinned KV (`Submit.pull`) and streams from the second token on. A
+prefill that fails falls back to the colocated path; a decode engine that fails is
+failed over like any engine (colocated, prompt + tokens so far).
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from tandem_engine import protocol as p
 from tandem_engine.kv.hashing import block_hashes, block_salt
@@ -41,6 +52,7 @@ from tandem_engine.router.metrics import RouterMetrics
 from tandem_engine.router.routing import (
     DEFAULT_WEIGHTS,
     RUNNING,
+    EngineView,
     PrefixIndex,
     RoutingWeights,
     choose,
@@ -144,8 +156,44 @@ class Dispatcher:
 
     def pick(self, token_ids: Sequence[int], cache_salt: str | None = None,
              version: str | None = None, exclude: Sequence[str] = ()) -> EngineClient | None:
-        """The engine for `token_ids` (recorded in its prefix index), or None."""
+        """The engine for `token_ids` (recorded in its prefix index), or None.
+
+        A colocated request avoids prefill-role engines while another engine can take it."""
         candidates = eligible(self.pool.views(), version, exclude)
+        preferred = [e for e in candidates if self.pool.by_key[e.key].role != "prefill"]
+        return self._choose(preferred or candidates, token_ids, cache_salt)
+
+    def pick_pair(self, token_ids: Sequence[int], cache_salt: str | None = None
+                  ) -> tuple[EngineClient, EngineClient] | None:
+        """(prefill engine, decode engine) of the serving version for a disaggregated
+        request, or None when the serving version lacks a prefill or a decode engine."""
+        candidates = eligible(self.pool.views())
+        clients = self.pool.by_key
+        if not (any(clients[e.key].role == "prefill" for e in candidates)
+                and any(clients[e.key].role == "decode" for e in candidates)):
+            return None
+        able = [e for e in candidates if clients[e.key].can_hand_over]
+        prefills = [e for e in able if clients[e.key].role in ("prefill", "mixed")]
+        if not prefills:
+            return None
+        # Prefer a dedicated prefill engine; a mixed one only when none is available.
+        prefills = [e for e in prefills if clients[e.key].role == "prefill"] or prefills
+        decodes = [e for e in able if clients[e.key].role in ("decode", "mixed")]
+        prefill = self._choose(prefills, token_ids, cache_salt)
+        assert prefill is not None
+        decodes = [e for e in decodes if e.key != prefill.key]
+        decodes = [e for e in decodes if clients[e.key].role == "decode"] or decodes
+        if not decodes:
+            return None
+        # Load only: the decode engine pulls whatever it lacks.
+        decode = choose(decodes, {}, self.config.weights, next(self._tie_break))
+        assert decode is not None
+        self._index(decode.key).add(block_hashes(token_ids, decode.block_size,
+                                                 block_salt(decode.weight_epoch, cache_salt)))
+        return prefill, clients[decode.key]
+
+    def _choose(self, candidates: Sequence[EngineView], token_ids: Sequence[int],
+                cache_salt: str | None) -> EngineClient | None:
         if not candidates:
             return None
         hashes: dict[str, list[int]] = {}
@@ -189,22 +237,50 @@ class Dispatcher:
         arrival = time.monotonic() if arrival is None else arrival
         progress = _Progress()
         excluded: set[str] = set()
+        handoff: tuple[EngineClient, p.PullSource] | None = None
+        pair = self.pick_pair(prompt_token_ids, cache_salt)
+        if pair is not None:
+            prefill, decode = pair
+            source: list[p.PullSource] = []
+            async for delta in self._prefill(request_id, prefill, prompt_token_ids, sampling,
+                                             cache_salt, progress, excluded, arrival, source):
+                yield delta
+                if delta.finished:
+                    self._count_disaggregated("finished_at_prefill")
+                    self._remember(prefill, prompt_token_ids + progress.generated,
+                                   cache_salt)
+                    return
+            if source:
+                handoff = decode, source[0]
+                self._count_disaggregated("handoff")
+            else:
+                self._count_disaggregated("no_pin" if progress.generated else "fallback")
         while True:
             if progress.generated and len(progress.generated) >= sampling.get("max_tokens", 16):
                 # Every token arrived but the final word did not: the length is reached.
                 yield Delta([], progress.continuation.finish() if progress.continuation
                             else "", None, True, "length", None)
                 return
-            client = await self._engine_for(request_id, prompt_token_ids, cache_salt,
-                                            progress, excluded)
+            pull = None
+            if handoff is not None:
+                # The decode engine pulls the prompt's KV and counts the first token (from
+                # the prefill engine) as its first output: original prompt and sampling.
+                (client, pull), handoff = handoff, None
+                if progress.attempts >= self.config.max_attempts:
+                    raise GenerationFailed(f"request {request_id} failed on "
+                                           f"{progress.attempts} engine attempts; giving up")
+                prompt, rest = prompt_token_ids, sampling
+            else:
+                client = await self._engine_for(request_id, prompt_token_ids, cache_salt,
+                                                progress, excluded)
+                prompt = prompt_token_ids + progress.generated
+                rest = _remaining(sampling, len(progress.generated))
             if not progress.generated:
                 progress.version = client.view().weight_version
             progress.attempts += 1
             sub_id = f"{request_id}.{progress.attempts}"
             try:
-                queue = client.submit(sub_id, prompt_token_ids + progress.generated,
-                                      _remaining(sampling, len(progress.generated)),
-                                      cache_salt)
+                queue = client.submit(sub_id, prompt, rest, cache_salt, pull=pull)
             except EngineUnavailable as exc:
                 self._failover(progress, excluded, client, "unavailable", str(exc))
                 continue
@@ -215,7 +291,7 @@ class Dispatcher:
             finished = False
             try:
                 async for delta in self._stream(client, sub_id, queue, sampling, progress,
-                                                excluded, arrival):
+                                                excluded, arrival, pulled=pull is not None):
                     finished = delta.finished
                     yield delta
                     if finished:
@@ -225,6 +301,81 @@ class Dispatcher:
             finally:
                 if not finished:
                     client.abort(sub_id)  # failover, client gone, or an error: stop it there
+
+    def _count_disaggregated(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.disaggregated.labels(outcome).inc()
+
+    async def _prefill(self, request_id: str, client: EngineClient, prompt: list[int],
+                       sampling: dict[str, Any], cache_salt: str | None,
+                       progress: _Progress, excluded: set[str], arrival: float,
+                       source: list[p.PullSource]) -> AsyncIterator[Delta]:
+        """The prefill step of a disaggregated choice: the first token, streamed as it
+        arrives (a finished delta when the choice is done), and, when the prefill engine
+        pinned the prompt's KV, its `PullSource` appended to `source`. Returns without
+        a token when the prefill failed: the caller serves the choice colocated."""
+        progress.version = client.view().weight_version
+        progress.attempts += 1
+        sub_id = f"{request_id}.{progress.attempts}"
+        first = dict(sampling, max_tokens=1)
+        if sampling.get("min_tokens"):
+            first["min_tokens"] = min(1, int(sampling["min_tokens"]))
+        done_at_first = sampling.get("max_tokens", 16) <= 1
+        try:
+            queue = client.submit(sub_id, prompt, first, cache_salt, pin_for_handoff=True)
+        except EngineUnavailable as exc:
+            self._failover(progress, excluded, client, "unavailable", str(exc))
+            return
+        if self.metrics is not None:
+            self.metrics.engine_requests.labels(client.key).inc()
+            self.metrics.ingress_latency.observe(time.monotonic() - arrival)
+        finished = False
+        try:
+            waited_first = True
+            while True:
+                received_at, item = await self._next(client, queue, waited_first)
+                waited_first = False
+                if isinstance(item, EngineLost | _Stalled):
+                    cause = "engine_lost" if isinstance(item, EngineLost) else "stalled"
+                    self._failover(progress, excluded, client, cause, item.reason)
+                    break
+                if isinstance(item, p.Reject):
+                    if item.status >= 500 or progress.generated:
+                        self._failover(progress, excluded, client, "rejected", item.message)
+                        break
+                    raise EngineRejected(item.status, item.message)
+                if item.finished and item.finish_reason == "abort":
+                    self._failover(progress, excluded, client, "engine_aborted",
+                                   f"engine {client.key} aborted the request")
+                    break
+                out = item
+                pinned = out.pin_id is not None and out.pinned_blocks is not None
+                if out.finished:
+                    finished = True
+                    ends = done_at_first or out.finish_reason != "length"
+                    if not ends:  # more to come from the decode engine
+                        out = msgspec.structs.replace(out, finished=False,
+                                                      finish_reason=None, stop_reason=None)
+                delta = self._delta(out, progress, False)
+                delta.received_at = received_at
+                if delta.token_ids or delta.text or delta.finished:
+                    self._observe(delta, progress, arrival)
+                    yield delta
+                if delta.finished:
+                    return
+                if item.finished:
+                    if pinned and len(progress.generated) == 1:
+                        source.append(p.PullSource(client.welcome.kv_transfer, item.pin_id,
+                                                   list(item.pinned_blocks),
+                                                   progress.generated[0]))
+                    break
+        finally:
+            if not finished:
+                client.abort(sub_id)
+        if progress.generated:
+            # The router derives the text from here on, the first token's included, so a
+            # stop string spanning the hand-over is found wherever the rest comes from.
+            self._start_continuation(progress, sampling)
 
     async def _engine_for(self, request_id: str, prompt: list[int], cache_salt: str | None,
                           progress: _Progress, excluded: set[str]) -> EngineClient:
@@ -261,8 +412,10 @@ class Dispatcher:
 
     async def _stream(self, client: EngineClient, sub_id: str, queue: asyncio.Queue[QueueItem],
                       sampling: dict[str, Any], progress: _Progress, excluded: set[str],
-                      arrival: float) -> AsyncIterator[Delta]:
-        """Deltas from one engine attempt; returns without a final delta to fail over."""
+                      arrival: float, pulled: bool = False) -> AsyncIterator[Delta]:
+        """Deltas from one engine attempt; returns without a final delta to fail over.
+        A `pulled` attempt (a decode engine's) that is refused fails over too: the
+        request itself was fine on the prefill engine."""
         first = True
         while True:
             received_at, item = await self._next(client, queue, first)
@@ -273,7 +426,7 @@ class Dispatcher:
                 self._start_continuation(progress, sampling)
                 return
             if isinstance(item, p.Reject):
-                if item.status >= 500:
+                if item.status >= 500 or pulled:
                     self._failover(progress, excluded, client, "rejected", item.message)
                     self._start_continuation(progress, sampling)
                     return

@@ -124,14 +124,19 @@ class EngineClient:
         return len(self._queues)
 
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: dict[str, Any],
-               cache_salt: str | None = None) -> asyncio.Queue[QueueItem]:
-        """Hand a request to the engine; its outputs arrive on the returned queue."""
+               cache_salt: str | None = None, *, pin_for_handoff: bool = False,
+               pull: p.PullSource | None = None) -> asyncio.Queue[QueueItem]:
+        """Hand a request to the engine; its outputs arrive on the returned queue.
+
+        `pin_for_handoff` (prefill) keeps the prompt's KV pinned for a decode engine;
+        `pull` (decode) pulls it from there instead of computing it."""
         if not self.connected:
             raise EngineUnavailable(f"engine {self.key} is not connected")
         queue: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            self._send(p.Submit(request_id, prompt_token_ids, sampling, cache_salt))
+            self._send(p.Submit(request_id, prompt_token_ids, sampling, cache_salt,
+                                pin_for_handoff=pin_for_handoff, pull=pull))
         except EngineUnavailable:
             del self._queues[request_id]
             raise
@@ -147,6 +152,16 @@ class EngineClient:
     def release(self, request_id: str) -> None:
         """Forget a finished request's queue."""
         self._queues.pop(request_id, None)
+
+    @property
+    def role(self) -> str:
+        """mixed | prefill | decode, as the engine announced (mixed until it did)."""
+        return self.welcome.role if self.welcome is not None else "mixed"
+
+    @property
+    def can_hand_over(self) -> bool:
+        """Whether the engine has a KV transfer agent (can pin for, or pull from, another)."""
+        return self.welcome is not None and self.welcome.kv_transfer is not None
 
     def view(self) -> EngineView:
         load, welcome = self.load, self.welcome

@@ -58,6 +58,12 @@ class RouterMetrics:
         self.failovers = Counter(
             "tandem_router_failovers", "Requests resubmitted to another engine", ["reason"],
             registry=r)
+        self.disaggregated = Counter(
+            "tandem_router_disaggregated_requests", "Choices routed disaggregated (prefill "
+            "engine, then a decode engine pulling its KV), by outcome: handoff (the decode "
+            "engine pulled), finished_at_prefill (done after the first token), no_pin (the "
+            "prefill engine pinned nothing: continued colocated), fallback (the prefill "
+            "failed: served colocated)", ["outcome"], registry=r)
         self.generated_tokens = Counter(
             "tandem_router_generated_tokens", "Tokens streamed back to clients", registry=r)
         for outcome in OUTCOMES:
