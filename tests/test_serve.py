@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from tandem_engine import LLM, SamplingParams
@@ -75,3 +76,38 @@ def test_serve_reports_a_bad_model_and_leaves_nothing(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "engine-0 exited with code 2" in proc.stderr
     assert "does not exist" in proc.stderr or "config.json" in proc.stderr
+
+
+def test_serve_disaggregated_prefill_and_decode(tiny_llama: Path, tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem_engine.cli", "serve", "--model", str(tiny_llama),
+         "--prefill", "1", "--decode", "1", "--port", str(port), "--served-model-name", "t"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)})
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any("Tandem is serving" in line for line in lines):
+            assert time.monotonic() < deadline, "".join(lines)
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "".join(lines)
+            lines.append(line)
+        assert any("prefill-0: ready" in line for line in lines)
+        assert any("decode-1: ready" in line for line in lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        prompts = ["A long way from the harbour", "Seven bridges"]
+        expected = LLM(tiny_llama).generate(prompts, SamplingParams(max_tokens=10,
+                                                                    temperature=0.0))
+        for prompt, exp in zip(prompts, expected, strict=True):
+            got = client.completions.create(model="t", prompt=prompt, max_tokens=10,
+                                            temperature=0)
+            assert got.choices[0].text == exp.outputs[0].text
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert 'tandem_router_disaggregated_requests_total{outcome="handoff"} 2.0' in metrics
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
