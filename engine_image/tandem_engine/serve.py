@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -126,6 +127,25 @@ class LocalStack:
             router_args += ["--engine", f"{self.host}:{zmq_port}"]
         router = self._spawn("router", router_args, f"http://{self.host}:{self.port}/readyz")
         self._wait([router], timeout, "connecting to the engines")
+        self._wait_router_sees_all(timeout)
+
+    def _wait_router_sees_all(self, timeout: float) -> None:
+        """The router is ready with one engine; the stack is ready when it has them all."""
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.host}:{self.port}/v1/engines"
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    engines = json.loads(r.read())["engines"]
+                if len(engines) == self.num_engines and all(
+                        e.get("alive") and e.get("state") == "RUNNING" for e in engines):
+                    return
+            except (urllib.error.URLError, OSError, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the router does not see all {self.num_engines} engines "
+                                   f"running after {timeout:.0f} s; logs in {self.log_dir}")
+            time.sleep(0.1)
 
     def _wait(self, children: list[Child], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
