@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -40,6 +41,11 @@ def paged_decode_kernel() -> ModuleType:
         try:
             from torch.utils.cpp_extension import _get_build_directory, load_inline
 
+            # ninja comes from the `engine` extra, into this interpreter's bin folder,
+            # which need not be on PATH (a venv that was never activated).
+            bin_dir = os.path.dirname(sys.executable)
+            if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
             source = _SOURCE.read_text()
             # Named by content: every checkout of the same source shares one build.
             name = "tandem_paged_decode_" + hashlib.sha256(source.encode()).hexdigest()[:12]
