@@ -187,38 +187,10 @@ def test_pairs_never_mix_weight_versions(tokenizer: Tokenizer) -> None:
 @pytest.fixture(scope="module")
 def disagg_cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     pytest.importorskip("nixl_cu12")
-    from test_router_e2e import (
-        Cluster,
-        _engine_cmd,
-        _free_port,
-        _router_cmd,
-        _spawn,
-        _stop,
-        _wait_ready,
-    )
+    from test_router_e2e import run_cluster
 
-    logs = tmp_path_factory.mktemp("router-disagg")
-    ports = [(_free_port(), _free_port()) for _ in range(2)]
-    router_port = _free_port()
-    c = Cluster(tiny_llama, f"http://127.0.0.1:{router_port}",
-                [f"127.0.0.1:{zp}" for zp, _ in ports],
-                [f"http://127.0.0.1:{ap}" for _, ap in ports])
-    try:
-        for (zp, ap), role in zip(ports, ("prefill", "decode"), strict=True):
-            c.engines.append(_spawn([*_engine_cmd(tiny_llama, zp, ap), "--role", role],
-                                    logs / f"{role}.log"))
-        c.procs += c.engines
-        c.router = _spawn(_router_cmd(tiny_llama, c.engine_keys, router_port),
-                          logs / "router.log")
-        c.procs.append(c.router)
-        for i, url in enumerate(c.admin_urls):
-            _wait_ready(f"{url}/readyz", c.engines[i], logs / f"engine{i}.log")
-        _wait_ready(f"{c.router_url}/readyz", c.router, logs / "router.log")
-        for key in c.engine_keys:
-            c.wait_view(key, "RUNNING")
-        yield c
-    finally:
-        _stop(c.procs)
+    yield from run_cluster(tiny_llama, tmp_path_factory.mktemp("router-disagg"),
+                           ("prefill", "decode"))
 
 
 @pytest.mark.slow

@@ -125,29 +125,34 @@ def _router_cmd(model: Path, engines: list[str], port: int) -> list[str]:
     return cmd
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    logs = tmp_path_factory.mktemp("router-e2e")
-    ports = [(_free_port(), _free_port()) for _ in range(2)]
+def run_cluster(model: Path, logs: Path, roles: tuple[str, ...]) -> Iterator[Cluster]:
+    """Engines with `roles` plus one router over them, torn down when the caller is done."""
+    ports = [(_free_port(), _free_port()) for _ in roles]
     router_port = _free_port()
-    c = Cluster(tiny_llama, f"http://127.0.0.1:{router_port}",
+    c = Cluster(model, f"http://127.0.0.1:{router_port}",
                 [f"127.0.0.1:{zp}" for zp, _ in ports],
                 [f"http://127.0.0.1:{ap}" for _, ap in ports])
+    engine_logs = [logs / f"engine{i}-{role}.log" for i, role in enumerate(roles)]
     try:
-        for i, (zp, ap) in enumerate(ports):
-            c.engines.append(_spawn(_engine_cmd(tiny_llama, zp, ap), logs / f"engine{i}.log"))
+        for (zp, ap), role, log in zip(ports, roles, engine_logs, strict=True):
+            c.engines.append(_spawn([*_engine_cmd(model, zp, ap), "--role", role], log))
         c.procs += c.engines
-        c.router = _spawn(_router_cmd(tiny_llama, c.engine_keys, router_port),
-                          logs / "router.log")
+        c.router = _spawn(_router_cmd(model, c.engine_keys, router_port), logs / "router.log")
         c.procs.append(c.router)
-        for i, url in enumerate(c.admin_urls):
-            _wait_ready(f"{url}/readyz", c.engines[i], logs / f"engine{i}.log")
+        for url, engine, log in zip(c.admin_urls, c.engines, engine_logs, strict=True):
+            _wait_ready(f"{url}/readyz", engine, log)
         _wait_ready(f"{c.router_url}/readyz", c.router, logs / "router.log")
         for key in c.engine_keys:
             c.wait_view(key, "RUNNING")
         yield c
     finally:
         _stop(c.procs)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    yield from run_cluster(tiny_llama, tmp_path_factory.mktemp("router-e2e"),
+                           ("mixed", "mixed"))
 
 
 @pytest.fixture(scope="module")

@@ -23,14 +23,12 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.stdout.split()]
 
 
-def test_serve_answers_openai_and_stops_cleanly(tiny_qwen3: Path, tmp_path: Path) -> None:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem_engine.cli", "serve", "--model", str(tiny_qwen3),
-         "--engines", "2", "--port", str(port), "--served-model-name", "tiny"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TMPDIR": str(tmp_path)})
-    lines = []
+def _start_serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, list[str]]:
+    """`tandem serve ARGS`, once it has printed its URL; returns the process and its lines."""
+    proc = subprocess.Popen([sys.executable, "-m", "tandem_engine.cli", "serve", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
+    lines: list[str] = []
     try:
         deadline = time.monotonic() + 180
         while not any("Tandem is serving" in line for line in lines):
@@ -38,6 +36,18 @@ def test_serve_answers_openai_and_stops_cleanly(tiny_qwen3: Path, tmp_path: Path
             line = proc.stdout.readline()
             assert line or proc.poll() is None, "".join(lines)
             lines.append(line)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, lines
+
+
+def test_serve_answers_openai_and_stops_cleanly(tiny_qwen3: Path, tmp_path: Path) -> None:
+    port = free_port()
+    proc, lines = _start_serve(tmp_path, "--model", str(tiny_qwen3), "--engines", "2",
+                               "--port", str(port), "--served-model-name", "tiny")
+    try:
         assert f"http://127.0.0.1:{port}/v1" in lines[-1]
         assert sum("ready" in line for line in lines) == 3  # two engines + the router
         children = _children(proc.pid)
@@ -80,19 +90,10 @@ def test_serve_reports_a_bad_model_and_leaves_nothing(tmp_path: Path) -> None:
 
 def test_serve_disaggregated_prefill_and_decode(tiny_llama: Path, tmp_path: Path) -> None:
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem_engine.cli", "serve", "--model", str(tiny_llama),
-         "--prefill", "1", "--decode", "1", "--port", str(port), "--served-model-name", "t"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TMPDIR": str(tmp_path)})
-    lines: list[str] = []
+    proc, lines = _start_serve(tmp_path, "--model", str(tiny_llama), "--prefill", "1",
+                               "--decode", "1", "--port", str(port),
+                               "--served-model-name", "t")
     try:
-        deadline = time.monotonic() + 180
-        while not any("Tandem is serving" in line for line in lines):
-            assert time.monotonic() < deadline, "".join(lines)
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "".join(lines)
-            lines.append(line)
         assert any("prefill-0: ready" in line for line in lines)
         assert any("decode-1: ready" in line for line in lines)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
