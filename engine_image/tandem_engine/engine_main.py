@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -47,12 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kernels", choices=["auto", "native", "torch"], default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-version", default="initial",
+                   help="the version name of the weights at --model (the pool's weights.version)")
     return p
 
 
 def _read_token(path: Path | None) -> str | None:
+    """The admin bearer token: from --admin-token-file, else $TANDEM_ADMIN_TOKEN, else none.
+
+    Kubernetes pods get it from the pool's Secret as an environment variable."""
     if path is None:
-        return None
+        token = os.environ.get("TANDEM_ADMIN_TOKEN", "").strip()
+        return token or None
     token = path.read_text().strip()
     if not token:
         raise SystemExit(f"tandem-engine: --admin-token-file {path} is empty")
@@ -77,6 +84,7 @@ async def _run(args: argparse.Namespace) -> int:
         seed=args.seed, kv_pin_ttl_s=args.kv_pin_ttl)
     log.info("loading %s", args.model)
     engine = await asyncio.to_thread(LLMEngine.from_checkpoint, args.model, config)
+    engine.weight_version = args.weight_version
     engine_id = args.engine_id or f"{socket.gethostname()}:{args.port}"
     transfer = None
     if args.role != "mixed":  # prefill and decode engines hand KV over with NIXL
