@@ -136,3 +136,27 @@ def test_recompute_suspend_fails_pulls_in_progress(pair, tiny_llama: Path) -> No
     expected = LLM(tiny_llama).generate([prompt], GREEDY)[0].outputs[0]
     assert out.token_ids == expected.token_ids and decode.num_pull_fallbacks == 1
     assert decode.kv.pool.num_used == 0
+
+
+def test_seeded_sampling_continues_across_the_handoff(pair, tiny_llama: Path) -> None:
+    """A seeded request draws the same tokens whether one engine or two produce them:
+    the decode engine's generator continues past the draw the prefill engine made."""
+    prefill, decode = pair
+    seeded = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, top_k=50, seed=11,
+                            ignore_eos=True)
+    prompt = random_prompts(2048, [21], seed=32)[0]
+    expected = LLM(tiny_llama).generate([prompt], seeded)[0].outputs[0].token_ids
+    prefill.add_request("s", prompt, SamplingParams(max_tokens=1, temperature=1.0, top_k=50,
+                                                    seed=11), pin_for_handoff=True)
+    out = _finish(prefill)["s"]
+    first, remote = out.outputs[0].token_ids[0], out.pinned_blocks
+    assert first == expected[0]
+    plan = decode.add_pulled_request("s", prompt, first, seeded)
+    _copy_blocks(prefill, decode, remote, plan)
+    decode.complete_pull("s", ok=True)
+    prefill.unpin("s")
+    assert _finish(decode)["s"].outputs[0].token_ids == expected
+    # Without the skipped draw the stream would restart: the tokens would differ.
+    assert LLM(tiny_llama).generate([[*prompt, first]], SamplingParams(
+        max_tokens=MAX_NEW - 1, temperature=1.0, top_k=50, seed=11, ignore_eos=True)
+    )[0].outputs[0].token_ids != expected[1:]

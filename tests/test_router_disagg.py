@@ -236,3 +236,31 @@ def test_disaggregated_completions_match_the_offline_engine(disagg_cluster,
     assert r.choices[0].model_extra["token_ids"] == refs[0].token_ids[:1]
     assert c.metric("tandem_router_disaggregated_requests_total",
                     outcome="finished_at_prefill") == 1
+
+
+def test_a_stop_string_starting_in_the_first_token_is_never_half_streamed(
+        tokenizer: Tokenizer) -> None:
+    """The first token comes from the prefill engine; the router holds back its text's
+    tail when it could begin a stop string, exactly as an engine holds back its own."""
+    words = tokenizer.encode("the quick brown fox jumps over the lazy dog",
+                             add_special_tokens=False)
+    texts = [tokenizer.decode(words[:n]) for n in range(len(words) + 1)]
+    first = texts[1]
+    assert first and len(texts[2]) > len(first)
+    stop = texts[2][len(first) - 1:len(first) + 1]  # spans the hand-over
+
+    def engine(request_id, prompt, sampling, pin, pull):
+        if pin:  # the prefill engine: the first token, pinned
+            return [p.Output(request_id, words[:1], first, finished=True,
+                             finish_reason="length", pin_id=request_id, pinned_blocks=[7])]
+        return [p.Output(request_id, [t], "?") for t in words[1:4]] + [
+            p.Output(request_id, [], "", finished=True, finish_reason="length")]
+
+    dispatcher, calls, _ = _dispatcher(
+        tokenizer, {PRE: ("prefill", engine), DEC: ("decode", engine)})
+    deltas = _run(dispatcher, {"max_tokens": 6, "temperature": 0.0, "stop": [stop]})
+    assert [c[0] for c in calls] == [PRE, DEC]
+    assert deltas[0].token_ids == words[:1] and deltas[0].text == first[:-1]
+    assert "".join(d.text for d in deltas) == first[:-1]
+    assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
+    assert deltas[-1].stop_reason == stop

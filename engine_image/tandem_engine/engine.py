@@ -182,6 +182,8 @@ class LLMEngine:
                 self._forget(request)
                 raise
             self._append_token(request, None, None, token=first_token)
+            # A seeded request continues the prefill engine's random stream.
+            self.sampler.skip_draws(request_id, params, 1, self.model_config.vocab_size)
             if request.finished:  # the first token already ended it (EOS, max_tokens=1)
                 self._pending_outputs.append(self._output(request))
                 return PullPlan(request_id, [], [], reused_blocks=0)

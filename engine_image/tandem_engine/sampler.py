@@ -63,6 +63,19 @@ class Sampler:
             gen = self._request_generators[request_id] = torch.Generator().manual_seed(params.seed)
         return gen
 
+    def skip_draws(self, request_id: str, params: SamplingParams, draws: int,
+                   vocab_size: int) -> None:
+        """Advance a seeded request's generator past `draws` tokens sampled elsewhere (the
+        first token of a handed-over request), so its later tokens are the ones a single
+        engine would draw. One multinomial draw over V probabilities consumes the same
+        random numbers whatever the probabilities are, so uniform ones stand in."""
+        if params.greedy or params.seed is None:
+            return
+        gen = self.generator_for(request_id, params)
+        uniform = torch.full((vocab_size,), 1.0 / vocab_size)
+        for _ in range(draws):
+            torch.multinomial(uniform, 1, generator=gen)
+
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
 

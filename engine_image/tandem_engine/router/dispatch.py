@@ -138,8 +138,9 @@ class Dispatcher:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
-        self._indexes = {c.key: PrefixIndex(config.prefix_index_blocks) for c in pool.clients}
-        self._index_generation = {c.key: c.epoch_changes for c in pool.clients}
+        self._indexes: dict[str, PrefixIndex] = {}
+        # Per engine address: the client object and its epoch_changes the index is for.
+        self._index_generation: dict[str, tuple[EngineClient, int]] = {}
         self._tie_break = itertools.count()
 
     # ---- what the API layer asks before dispatching ----------------------------------------
@@ -213,11 +214,19 @@ class Dispatcher:
         return self.pool.by_key[chosen.key]
 
     def _index(self, key: str) -> PrefixIndex:
-        # An engine that restarted or refit holds none of the blocks we remember.
-        generation = self.pool.by_key[key].epoch_changes
-        if self._index_generation[key] != generation:
+        # An engine that restarted or refit holds none of the blocks we remember, nor does
+        # a new engine at the address of one that left the pool (Kubernetes discovery).
+        client = self.pool.by_key.get(key)
+        if client is None:  # it left the pool: nothing to remember
+            return PrefixIndex(1)
+        generation = (client, client.epoch_changes)
+        if key not in self._indexes:
+            for gone in self._indexes.keys() - self.pool.by_key.keys():
+                del self._indexes[gone], self._index_generation[gone]
+            self._indexes[key] = PrefixIndex(self.config.prefix_index_blocks)
+        elif self._index_generation[key] != generation:
             self._indexes[key].clear()
-            self._index_generation[key] = generation
+        self._index_generation[key] = generation
         return self._indexes[key]
 
     def _remember(self, client: EngineClient, token_ids: list[int],
@@ -356,6 +365,9 @@ class Dispatcher:
                     if not ends:  # more to come from the decode engine
                         out = msgspec.structs.replace(out, finished=False,
                                                       finish_reason=None, stop_reason=None)
+                        # From the first token on the router derives the text, holding
+                        # back what could begin a stop string, as the engine would.
+                        self._start_continuation(progress, sampling, at_start=True)
                 delta = self._delta(out, progress, False)
                 delta.received_at = received_at
                 if delta.token_ids or delta.text or delta.finished:
@@ -468,8 +480,9 @@ class Dispatcher:
                 continue  # a paused engine keeps its requests: wait for it
             return time.monotonic(), _Stalled(f"no output from {client.key} for {timeout} s")
 
-    def _start_continuation(self, progress: _Progress, sampling: dict[str, Any]) -> None:
-        if progress.generated and progress.continuation is None:
+    def _start_continuation(self, progress: _Progress, sampling: dict[str, Any],
+                            at_start: bool = False) -> None:
+        if (progress.generated or at_start) and progress.continuation is None:
             progress.continuation = TextContinuation(
                 self.tokenizer, generated_ids=progress.generated,
                 sent_text="".join(progress.sent_text), stop=sampling.get("stop") or (),
