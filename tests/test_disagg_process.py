@@ -24,9 +24,10 @@ MAX_NEW = 12
 @pytest.fixture(scope="module")
 def pair(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("disagg")
-    prefill = EngineProcess(tiny_llama, tmp, "--role", "prefill")
+    prefill = EngineProcess(tiny_llama, tmp, "--role", "prefill", "--engine-id", "pre")
     try:
-        decode = EngineProcess(tiny_llama, tmp, "--role", "decode", "--pull-timeout", "5")
+        decode = EngineProcess(tiny_llama, tmp, "--role", "decode", "--pull-timeout", "5",
+                               "--engine-id", "dec")
     except BaseException:
         prefill.close()
         raise
@@ -35,27 +36,38 @@ def pair(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     prefill.close()
 
 
-def _handoff(pre: Client, dec: Client, rid: str, prompt: list[int]) -> list[int]:
-    pre.sock.send(p.encode(p.Submit(rid, prompt, {"max_tokens": 1, "temperature": 0.0,
-                                                   "ignore_eos": True}, pin_for_handoff=True)))
+def pin(pre: Client, rid: str, prompt: list[int], **sampling) -> p.PullSource:
+    """The prefill step: the first token, and the pinned prompt KV as a pull source."""
+    pre.sock.send(p.encode(p.Submit(rid, prompt, {
+        "max_tokens": 1, "temperature": 0.0, "ignore_eos": True, **sampling},
+        pin_for_handoff=True)))
     while True:
         pre_out = pre.next((p.Output, p.Reject))
         assert not isinstance(pre_out, p.Reject), pre_out
         if pre_out.request_id == rid and pre_out.finished:
             break
     assert pre_out.pinned_blocks is not None and pre_out.pin_id
-    source = p.PullSource(pre.welcome.kv_transfer, pre_out.pin_id, pre_out.pinned_blocks,
-                          pre_out.token_ids[0])
+    return p.PullSource(pre.welcome.kv_transfer, pre_out.pin_id, pre_out.pinned_blocks,
+                        pre_out.token_ids[0])
+
+
+def pull(dec: Client, rid: str, prompt: list[int], source: p.PullSource,
+         max_new: int = MAX_NEW, timeout: float = 30.0) -> list[int]:
+    """The decode step: every token of the generation, the prefill engine's first one
+    included (the decode stream starts after it)."""
     dec.sock.send(p.encode(p.Submit(rid, prompt, {
-        "max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}, pull=source)))
+        "max_tokens": max_new, "temperature": 0.0, "ignore_eos": True}, pull=source)))
     outs = []
     while not outs or not outs[-1].finished:
-        msg = dec.next((p.Output, p.Reject))
+        msg = dec.next((p.Output, p.Reject), timeout)
         assert not isinstance(msg, p.Reject), msg
         if msg.request_id == rid:
             outs.append(msg)
-    # The decode stream starts after the first token, which came from the prefill engine.
-    return [pre_out.token_ids[0]] + [t for o in outs for t in o.token_ids]
+    return [source.first_token] + [t for o in outs for t in o.token_ids]
+
+
+def _handoff(pre: Client, dec: Client, rid: str, prompt: list[int]) -> list[int]:
+    return pull(dec, rid, prompt, pin(pre, rid, prompt))
 
 
 def test_disaggregated_output_equals_colocated(pair, tiny_llama: Path) -> None:

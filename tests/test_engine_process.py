@@ -26,9 +26,12 @@ pytestmark = pytest.mark.slow
 
 
 class EngineProcess:
-    def __init__(self, model: Path, tmp: Path, *extra: str) -> None:
-        self.port, self.admin_port = free_port(), free_port()
+    def __init__(self, model: Path, tmp: Path, *extra: str, port: int | None = None,
+                 admin_port: int | None = None) -> None:
+        self.port, self.admin_port = port or free_port(), admin_port or free_port()
         self.log = tmp / f"engine-{self.port}.log"
+        if self.log.exists():  # a restart on the same port: keep the old log
+            self.log.rename(self.log.with_suffix(f".{time.monotonic_ns()}.log"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem_engine.engine_main", "--model", str(model),
              "--port", str(self.port), "--admin-port", str(self.admin_port),

@@ -253,7 +253,7 @@ def test_incompatible_geometry_is_refused_by_add_peer(prefill: Worker, decode: W
         decode.ok("open", "decode-odd", geometry.to_dict(), None)
         outcome, msg, _ = decode.call("add_peer", "decode-odd", "prefill-f32", metadata,
                                       F32.to_dict())
-        assert outcome == "TransferError" and field in msg and "prefill-f32" in msg, msg
+        assert outcome == "GeometryMismatch" and field in msg and "prefill-f32" in msg, msg
         outcome, msg, _ = decode.call("read", "decode-odd", "prefill-f32", [0], [0], None, 5.0)
         assert outcome == "TransferError" and "unknown peer" in msg
         decode.ok("close", "decode-odd")
@@ -264,11 +264,11 @@ def test_incompatible_geometry_is_refused_by_add_peer(prefill: Worker, decode: W
     block_32 = KVGeometry(3, 40, 32, 2, 32, "float32")
     outcome, msg, _ = decode.call("add_peer", "decode-odd", "prefill-f32", metadata,
                                   block_32.to_dict())
-    assert outcome == "TransferError" and "block_size" in msg
+    assert outcome == "GeometryMismatch" and "block_size" in msg
     wrong_count = KVGeometry(3, 41, 16, 2, 32, "float32")
     outcome, msg, _ = decode.call("add_peer", "decode-odd", "prefill-f32", metadata,
                                   wrong_count.to_dict())
-    assert outcome == "TransferError" and "described as" in msg
+    assert outcome == "GeometryMismatch" and "described as" in msg
     outcome, msg, _ = decode.call("add_peer", "decode-odd", "prefill-x", metadata, F32.to_dict())
     assert outcome == "TransferError" and "belongs to agent 'prefill-f32'" in msg
     decode.ok("close", "decode-odd")

@@ -24,6 +24,7 @@ from tandem_engine.errors import CheckpointError
 from tandem_engine.worker import EngineWorker
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
 class SuspendBody(BaseModel):
@@ -81,7 +82,8 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
                 "num_running": load.num_running, "num_waiting": load.num_waiting,
                 "kv_usage": load.kv_usage, "draining": worker.draining,
                 "pinned_blocks": engine.kv.num_pinned_blocks,
-                "kv_pulls": dict(worker.pull_stats)}
+                "kv_pulls": {**worker.handoff.as_dict(),
+                             "recomputed": engine.num_pull_fallbacks}}
 
     @app.post("/v1/pause")
     def pause(authorization: str | None = Header(None)) -> dict[str, Any]:
@@ -97,12 +99,12 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
     def suspend(body: SuspendBody | None = None,
                 authorization: str | None = Header(None)) -> dict[str, Any]:
         authorize(authorization)
-        return signal(engine.suspend, (body or SuspendBody()).mode)
+        return signal(worker.suspend, (body or SuspendBody()).mode)
 
     @app.post("/v1/resume")
     def resume(authorization: str | None = Header(None)) -> dict[str, Any]:
         authorize(authorization)
-        return signal(engine.resume)
+        return signal(worker.resume)
 
     @app.post("/v1/refit")
     def refit(body: RefitBody, authorization: str | None = Header(None)) -> dict[str, Any]:
@@ -143,13 +145,40 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
     return app
 
 
+class _FoldedHistogram:
+    """A histogram folded at scrape time from the raw samples recorded since the last one
+    (the step and pull paths only append to a list)."""
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
+        self.name, self.doc, self.bounds = name, doc, bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
+
+    def fold(self, samples: list[float], labels: list[str],
+             values: list[str]) -> HistogramMetricFamily:
+        for s in samples:
+            self._sum += s
+            self._counts[next((k for k, b in enumerate(self.bounds) if s <= b),
+                              len(self.bounds))] += 1
+        h = HistogramMetricFamily(self.name, self.doc, labels=labels)
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], self._counts, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        h.add_metric(values, buckets, self._sum)
+        return h
+
+
 class _EngineCollector:
     """Reads the engine's numbers at scrape time (no bookkeeping in the step path)."""
 
     def __init__(self, worker: EngineWorker) -> None:
         self.worker = worker
-        self._bucket_counts = [0] * (len(STEP_BUCKETS) + 1)
-        self._step_sum = 0.0
+        self._steps = _FoldedHistogram("tandem_step_seconds", "Engine step time",
+                                       STEP_BUCKETS)
+        self._pulls = _FoldedHistogram(
+            "tandem_kv_handoff_seconds", "KV handoff pull time on the decode engine (add "
+            "peer, READ, wait), successful pulls", HANDOFF_BUCKETS)
 
     def collect(self):
         w, e = self.worker, self.worker.engine
@@ -161,6 +190,16 @@ class _EngineCollector:
             g.add_metric(v, value)
             return g
 
+        def counter(name: str, doc: str, by: str | None = None,
+                    values: dict[str, float] | float = 0) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels if by is None else [*labels, by])
+            if isinstance(values, dict):
+                for key, n in sorted(values.items()):
+                    c.add_metric([*v, key], n)
+            else:
+                c.add_metric(v, values)
+            return c
+
         yield gauge("tandem_requests_running", "Requests running", e.num_running)
         yield gauge("tandem_requests_waiting", "Requests waiting", e.num_waiting)
         yield gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks in use", e.kv.usage)
@@ -170,31 +209,27 @@ class _EngineCollector:
         queried = stats["queried_tokens"]
         yield gauge("tandem_prefix_cache_hit_ratio", "Prefix-cache hit tokens / queried",
                     stats["hit_tokens"] / queried if queried else 0.0)
-        c = CounterMetricFamily("tandem_prefix_cache_evictions", "Cached blocks evicted",
-                                labels=labels)
-        c.add_metric(v, stats["evictions"])
-        yield c
-        tokens = CounterMetricFamily("tandem_tokens", "Tokens processed",
-                                     labels=[*labels, "kind"])
-        tokens.add_metric([*v, "prompt"], w.stats.prompt_tokens)
-        tokens.add_metric([*v, "generation"], w.stats.generation_tokens)
-        yield tokens
-        done = CounterMetricFamily("tandem_requests_finished", "Finished requests by reason",
-                                   labels=[*labels, "reason"])
-        for reason, n in sorted(w.stats.requests_finished.items()):
-            done.add_metric([*v, reason], n)
-        yield done
-        # Fold the step times recorded since the last scrape into the histogram.
+        yield counter("tandem_prefix_cache_evictions", "Cached blocks evicted",
+                      values=stats["evictions"])
+        yield counter("tandem_tokens", "Tokens processed", "kind", {
+            "prompt": w.stats.prompt_tokens, "generation": w.stats.generation_tokens})
+        yield counter("tandem_requests_finished", "Finished requests by reason", "reason",
+                      dict(w.stats.requests_finished))
         seconds, w.stats.step_seconds = w.stats.step_seconds, []
-        for s in seconds:
-            self._step_sum += s
-            i = next((k for k, b in enumerate(STEP_BUCKETS) if s <= b), len(STEP_BUCKETS))
-            self._bucket_counts[i] += 1
-        h = HistogramMetricFamily("tandem_step_seconds", "Engine step time", labels=labels)
-        cumulative, buckets = 0, []
-        for bound, count in zip([*map(str, STEP_BUCKETS), "+Inf"], self._bucket_counts,
-                                strict=True):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        h.add_metric(v, buckets, self._step_sum)
-        yield h
+        yield self._steps.fold(seconds, labels, v)
+        # KV handoff: pins on a prefill engine, pulls on a decode engine.
+        h = w.handoff
+        yield gauge("tandem_kv_pinned_blocks", "KV blocks pinned for a decode engine's pull",
+                    e.kv.num_pinned_blocks)
+        yield counter("tandem_kv_handoff_bytes", "KV bytes pulled from prefill engines",
+                      values=h.bytes)
+        yield counter("tandem_kv_handoff_blocks", "Prompt blocks of handed-over requests: "
+                      "pulled, or reused from this engine's prefix cache", "kind",
+                      {"pulled": h.pulled_blocks, "reused": h.reused_blocks})
+        yield counter("tandem_kv_handoff_failures", "Pulls that failed, by cause", "cause",
+                      {"geometry": 0, "peer": 0, "timeout": 0, **h.failures})
+        yield counter("tandem_kv_handoff_recomputes", "Handed-over requests whose prompt "
+                      "was recomputed here (failed pull, or a suspend during the pull)",
+                      values=e.num_pull_fallbacks)
+        seconds, h.seconds = h.seconds, []
+        yield self._pulls.fold(seconds, labels, v)

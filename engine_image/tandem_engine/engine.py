@@ -394,15 +394,17 @@ class LLMEngine:
 
         def release() -> None:
             nonlocal released
+            if kv_mode is not KVMode.PERSIST:
+                # The pool is copied away or dropped: pulls still writing into it count as
+                # failed (their requests recompute after the resume; a late completion is
+                # ignored).
+                for request_id in list(self._pulling):
+                    self.complete_pull(request_id, ok=False)
             if kv_mode is KVMode.OFFLOAD:
                 released = self.runner.offload_kv()
             elif kv_mode is KVMode.RECOMPUTE:
                 # Checkpoint every in-flight request as prompt + generated tokens; the
-                # cache's contents are gone, so nothing may match them any more. Pulls in
-                # progress count as failed: their requests are recomputed too, and a late
-                # completion is ignored.
-                for request_id in list(self._pulling):
-                    self.complete_pull(request_id, ok=False)
+                # cache's contents are gone, so nothing may match them any more.
                 self.scheduler.preempt_all()
                 self.kv.reset_prefix_cache()
                 released = self.runner.free_kv()

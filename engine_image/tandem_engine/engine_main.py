@@ -15,7 +15,6 @@ import signal
 import socket
 import sys
 import threading
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=512 * 1024 * 1024)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto")
@@ -80,6 +80,7 @@ async def _run(args: argparse.Namespace) -> int:
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_blocks=args.num_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        block_size=args.block_size,
         max_model_len=args.max_model_len, dtype=args.dtype, kernels=args.kernels,
         seed=args.seed, kv_pin_ttl_s=args.kv_pin_ttl)
     log.info("loading %s", args.model)
@@ -90,7 +91,9 @@ async def _run(args: argparse.Namespace) -> int:
     if args.role != "mixed":  # prefill and decode engines hand KV over with NIXL
         from tandem_engine.transfer import NixlBackend
 
-        transfer = NixlBackend(f"{engine_id}-{uuid.uuid4().hex[:8]}")
+        # The agent is named after the engine: a restarted engine (same id, new process)
+        # replaces its stale self in every decode engine's peer table.
+        transfer = NixlBackend(engine_id)
     worker = EngineWorker(engine, engine_id=engine_id,
                           model_name=args.served_model_name or Path(args.model).name,
                           role=args.role, heartbeat_interval=args.heartbeat_interval,

@@ -27,11 +27,17 @@ import zmq.asyncio
 
 from tandem_engine import protocol as p
 from tandem_engine.engine import LLMEngine
-from tandem_engine.engine_state import EngineState, EngineStateError
+from tandem_engine.engine_state import EngineState, EngineStateError, KVMode
 from tandem_engine.errors import RequestRejected
 from tandem_engine.outputs import RequestOutput
 from tandem_engine.sampling_params import SamplingParams
-from tandem_engine.transfer import KVGeometry, KVTransferBackend, TransferError
+from tandem_engine.transfer import (
+    GeometryMismatch,
+    KVGeometry,
+    KVTransferBackend,
+    TransferError,
+    TransferTimeout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,34 @@ class _Stream:
     logprobs: int | None
     sent_tokens: int = 0
     sent_chars: int = 0
+
+
+@dataclass
+class HandoffStats:
+    """KV handoff numbers for /v1/state and /metrics (decode side pulls, prefill side pins)."""
+
+    pulled_blocks: int = 0
+    reused_blocks: int = 0
+    bytes: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # by cause
+    seconds: list[float] = field(default_factory=list)  # pull latencies, drained by /metrics
+
+    def failed(self, cause: str) -> None:
+        self.failures[cause] = self.failures.get(cause, 0) + 1
+
+    def as_dict(self) -> dict[str, int]:
+        return {"pulled_blocks": self.pulled_blocks, "reused_blocks": self.reused_blocks,
+                "bytes": self.bytes, "failed": sum(self.failures.values()),
+                **{f"failed_{cause}": n for cause, n in sorted(self.failures.items())}}
+
+
+def failure_cause(exc: Exception) -> str:
+    """A pull failure's label: geometry, timeout or peer (dead, restarted, refused)."""
+    if isinstance(exc, GeometryMismatch):
+        return "geometry"
+    if isinstance(exc, TransferTimeout):
+        return "timeout"
+    return "peer"
 
 
 @dataclass
@@ -109,13 +143,43 @@ class EngineWorker:
         self.pull_timeout = pull_timeout
         self._kv_info: p.KVTransferInfo | None = None
         self._pulls = ThreadPoolExecutor(1, thread_name_prefix="kv-pull") if transfer else None
-        self.pull_stats: dict[str, int] = {"pulled_blocks": 0, "reused_blocks": 0,
-                                           "failed": 0, "bytes": 0}
+        self.handoff = HandoffStats()
         if transfer is not None:
-            geometry = KVGeometry.of_tensor(engine.runner.kv_cache)
-            transfer.register(engine.runner.kv_cache, geometry)
-            self._kv_info = p.KVTransferInfo(transfer.name, transfer.agent_metadata(),
-                                             geometry.to_dict())
+            self._register_kv()
+
+    def _register_kv(self) -> None:
+        assert self.transfer is not None
+        kv_cache = self.engine.runner.kv_cache
+        geometry = KVGeometry.of_tensor(kv_cache)
+        self.transfer.register(kv_cache, geometry)
+        self._kv_info = p.KVTransferInfo(self.transfer.name, self.transfer.agent_metadata(),
+                                         geometry.to_dict())
+
+    # ---- lifecycle that moves the KV pool ---------------------------------------------------
+
+    def suspend(self, mode: KVMode | str) -> int:
+        """Suspend the engine; when the pool tensor goes (offload, recompute), NIXL lets go
+        of it first. Pulls run on the pull thread, so the deregistration queues behind the
+        one in progress (bounded by its deadline)."""
+        released = self.engine.suspend(mode)
+        if self.transfer is not None and KVMode(mode) is not KVMode.PERSIST:
+            self._on_pull_thread(self.transfer.deregister)
+            self._kv_info = None
+        return released
+
+    def resume(self) -> None:
+        """Resume the engine and register its (new) pool; routers get a fresh WELCOME with
+        the new NIXL metadata, so decode engines re-add this peer."""
+        self.engine.resume()
+        if self.transfer is not None and self._kv_info is None:
+            self._on_pull_thread(self._register_kv)
+            welcome = p.encode(self._welcome())
+            for router in list(self._routers):
+                self._send_threadsafe(router, welcome)
+
+    def _on_pull_thread(self, fn) -> None:
+        assert self._pulls is not None
+        self._pulls.submit(fn).result(timeout=self.pull_timeout + 10)
 
     # ---- load and state ------------------------------------------------------------------
 
@@ -206,11 +270,7 @@ class EngineWorker:
                             msg.protocol_version, p.PROTOCOL_VERSION)
                 return
             self._routers.add(router)
-            e = self.engine
-            self._queue(router, p.Welcome(p.PROTOCOL_VERSION, self.engine_id,
-                                          self.incarnation, self.role, self.model_name,
-                                          e.kv.block_size, e.max_model_len, self.load(),
-                                          self._kv_info))
+            self._queue(router, self._welcome())
         elif isinstance(msg, p.Submit):
             self._submit(router, msg)
         elif isinstance(msg, p.Abort):
@@ -218,6 +278,12 @@ class EngineWorker:
             self._wake.set()
         else:
             log.warning("dropped a %s: engines do not accept it", type(msg).__name__)
+
+    def _welcome(self) -> p.Welcome:
+        e = self.engine
+        return p.Welcome(p.PROTOCOL_VERSION, self.engine_id, self.incarnation, self.role,
+                         self.model_name, e.kv.block_size, e.max_model_len, self.load(),
+                         self._kv_info)
 
     @staticmethod
     def _engine_id(router: bytes, client_id: str) -> str:
@@ -279,23 +345,33 @@ class EngineWorker:
         recompute its prompt here instead; it still completes."""
         peer = source.agent.agent_name
         ok = False
+        started = time.monotonic()
         try:
-            self.transfer.add_peer(peer, source.agent.agent_metadata,
-                                   KVGeometry.from_dict(source.agent.geometry))
+            try:
+                geometry = KVGeometry.from_dict(source.agent.geometry)
+            except (ValueError, TypeError, KeyError) as exc:
+                raise GeometryMismatch(f"peer {peer!r} sent an unreadable KV geometry "
+                                       f"{source.agent.geometry!r}: {exc}") from exc
+            self.transfer.add_peer(peer, source.agent.agent_metadata, geometry)
             if plan.local_blocks:
                 remote = [source.block_ids[i] for i in plan.block_indices]
                 handle = self.transfer.start_read(peer, remote, plan.local_blocks,
                                                   notif=source.pin_id.encode())
                 self.transfer.wait(handle, self.pull_timeout)
-                self.pull_stats["bytes"] += handle.nbytes
+                self.handoff.bytes += handle.nbytes
             else:
                 self.transfer.notify(peer, source.pin_id.encode())
             ok = True
         except (TransferError, ValueError) as exc:
-            log.warning("pull of %s from %s failed, recomputing: %s", rid, peer, exc)
-            self.pull_stats["failed"] += 1
-        self.pull_stats["pulled_blocks"] += len(plan.local_blocks) if ok else 0
-        self.pull_stats["reused_blocks"] += plan.reused_blocks
+            cause = failure_cause(exc)
+            log.warning("pull of %s from %s failed (%s), recomputing the prompt here: %s",
+                        rid, peer, cause, exc)
+            self.handoff.failed(cause)
+        if ok:
+            self.handoff.pulled_blocks += len(plan.local_blocks)
+            self.handoff.seconds.append(time.monotonic() - started)
+            del self.handoff.seconds[:-10_000]
+        self.handoff.reused_blocks += plan.reused_blocks
         self.engine.complete_pull(rid, ok)
         self._wake.set()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tandem_engine.transfer.base import (
+    GeometryMismatch,
     KVGeometry,
     KVTransferBackend,
     TransferError,
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from tandem_engine.transfer.nixl import NixlBackend
 
 __all__ = [
+    "GeometryMismatch",
     "KVGeometry",
     "KVTransferBackend",
     "NixlBackend",

@@ -39,6 +39,11 @@ class TransferError(TandemError):
     transport failure. The destination blocks of a failed READ hold unknown bytes."""
 
 
+class GeometryMismatch(TransferError):
+    """The peer's KV pool is laid out differently (model, dtype, block size, layers,
+    heads): detected from its descriptor before any byte moves."""
+
+
 class TransferTimeout(TransferError):
     """A KV transfer did not complete within its deadline (a frozen or overloaded peer).
 
@@ -165,6 +170,12 @@ class KVTransferBackend(abc.ABC):
     @abc.abstractmethod
     def register(self, kv_cache: torch.Tensor, geometry: KVGeometry) -> None:
         """Make the whole pool transferable, as one region. Once per backend."""
+
+    @abc.abstractmethod
+    def deregister(self) -> None:
+        """Let go of the pool (its tensor is about to be replaced: an offload or recompute
+        suspend), releasing transfers in flight. `register` the new pool afterwards; its
+        `agent_metadata()` changes, and peers re-add it under the same name."""
 
     @abc.abstractmethod
     def agent_metadata(self) -> bytes:

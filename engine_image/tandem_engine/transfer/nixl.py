@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tandem_engine.transfer.base import (
+    GeometryMismatch,
     KVGeometry,
     KVTransferBackend,
     TransferError,
@@ -227,6 +228,22 @@ class NixlBackend(KVTransferBackend):
             self._card = _PeerCard(self.name, mem_type, device, base, geometry,
                                    agent.get_agent_metadata())
 
+    def deregister(self) -> None:
+        with self._lock:
+            if self._closed or self._registration is None:
+                return
+            for peer in self._peers.values():
+                for handle in list(peer.handles):
+                    self.release(handle)
+            self._local_dlist.release()
+            self._local_dlist = None
+            with self._translate("deregistering the KV pool"):
+                self._agent.deregister_memory(self._registration)
+            self._registration = None
+            self._kv_cache = None
+            self._geometry = None
+            self._card = None
+
     def agent_metadata(self) -> bytes:
         self._registered()
         assert self._card is not None
@@ -243,9 +260,9 @@ class NixlBackend(KVTransferBackend):
                                 "every engine needs a unique agent name")
         why = local.incompatibility(geometry)
         if why is not None:
-            raise TransferError(f"cannot read KV blocks from peer {name!r}: {why}")
+            raise GeometryMismatch(f"cannot read KV blocks from peer {name!r}: {why}")
         if card.geometry != geometry:
-            raise TransferError(
+            raise GeometryMismatch(
                 f"peer {name!r} registered a KV pool of {card.geometry.describe()} but was "
                 f"described as {geometry.describe()}; its metadata and geometry must come "
                 "from the same engine start")
