@@ -8,6 +8,7 @@ blocks it lacks with a one-sided NIXL READ and decodes; its notification unpins 
 from __future__ import annotations
 
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,50 @@ def test_a_cached_prefix_on_the_decode_engine_is_not_pulled(pair, tiny_llama: Pa
     expected = LLM(tiny_llama).generate([shared + tail], SamplingParams(
         max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))[0].outputs[0].token_ids
     assert tokens == expected
+
+
+def _cycle(engine: EngineProcess, mode: str) -> None:
+    """pause → suspend(mode) → resume → unpause over the admin API."""
+    for path, body in (("/v1/pause", None), ("/v1/suspend", {"mode": mode}),
+                       ("/v1/resume", None), ("/v1/unpause", None)):
+        status, reply = engine.http("POST", path, body)
+        assert status == 200, (path, status, reply)
+
+
+@pytest.mark.parametrize("mode", ["offload", "recompute"])
+def test_handoff_works_after_either_side_moved_its_kv_pool(pair, tiny_llama: Path,
+                                                           mode: str) -> None:
+    """An offload or recompute suspend replaces the KV pool tensor: both engines register
+    the new pool with NIXL, the prefill engine re-announces its agent, and the decode
+    engine re-adds it, so handoffs still pull (no failure, no recompute)."""
+    prefill, decode = pair
+    pre, dec = prefill.client(), decode.client()
+    prompts = random_prompts(2048, [40, 52], seed=42 if mode == "offload" else 43)
+    expected = LLM(tiny_llama).generate(prompts, SamplingParams(
+        max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
+    assert _handoff(pre, dec, f"{mode}-before", prompts[0]) == expected[0].outputs[0].token_ids
+    _cycle(prefill, mode)
+    _cycle(decode, mode)
+    before = decode.http("GET", "/v1/state")[1]["kv_pulls"]
+    pre = prefill.client()  # a router connecting now gets the re-registered pool's agent
+    assert pre.welcome.kv_transfer is not None
+    assert _handoff(pre, dec, f"{mode}-after", prompts[1]) == expected[1].outputs[0].token_ids
+    after = decode.http("GET", "/v1/state")[1]["kv_pulls"]
+    assert after["failed"] == before["failed"] and after["recomputed"] == before["recomputed"]
+    assert after["pulled_blocks"] - before["pulled_blocks"] == 4
+
+
+def test_handoff_metrics_are_exported(pair) -> None:
+    prefill, decode = pair
+    text = urllib.request.urlopen(
+        f"http://127.0.0.1:{decode.admin_port}/metrics", timeout=10).read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line.startswith("tandem_kv_handoff") or line.startswith("tandem_kv_pinned")}
+    assert values['tandem_kv_handoff_bytes_total{engine_id="dec"}'] > 0
+    assert values['tandem_kv_handoff_blocks_total{engine_id="dec",kind="pulled"}'] > 0
+    assert values['tandem_kv_handoff_seconds_count{engine_id="dec"}'] >= 1
+    assert 'tandem_kv_handoff_failures_total{cause="timeout",engine_id="dec"}' in values
+    assert 'tandem_kv_handoff_recomputes_total{engine_id="dec"}' in values
+    pre_text = urllib.request.urlopen(
+        f"http://127.0.0.1:{prefill.admin_port}/metrics", timeout=10).read().decode()
+    assert 'tandem_kv_pinned_blocks{engine_id="pre"} 0.0' in pre_text

@@ -51,7 +51,8 @@ def _setup(client: EngineClient, role: str, script: Script, calls: list[tuple]) 
         return queue
 
     client.submit = submit  # type: ignore[method-assign]
-    client.abort = lambda request_id: None  # type: ignore[method-assign]
+    client.aborted = []  # type: ignore[attr-defined]
+    client.abort = client.aborted.append  # type: ignore[method-assign,attr-defined]
 
 
 def colocated(request_id: str, prompt: list[int], sampling: dict[str, Any],
@@ -126,6 +127,7 @@ def test_done_after_the_first_token_never_reaches_the_decode_engine(
     assert [d.token_ids for d in deltas] == [[TARGET[0]]]
     assert deltas[-1].finished and deltas[-1].finish_reason == "length"
     assert [c[0] for c in calls] == [PRE]
+    assert calls[0][3] is False  # nothing to pin: no decode engine will pull it
     assert _count(metrics, "finished_at_prefill") == 1
 
 
@@ -230,12 +232,13 @@ def test_disaggregated_completions_match_the_offline_engine(disagg_cluster,
             break
         time.sleep(0.1)
     assert httpx.get(f"{prefill_admin}/v1/state", timeout=5).json()["pinned_blocks"] == 0
-    # max_tokens=1 is done on the prefill engine (a pin it may leave expires by TTL).
+    # max_tokens=1 is done on the prefill engine, which pins nothing for it.
     r = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=1, temperature=0,
                                   extra_body={"return_token_ids": True})
     assert r.choices[0].model_extra["token_ids"] == refs[0].token_ids[:1]
     assert c.metric("tandem_router_disaggregated_requests_total",
                     outcome="finished_at_prefill") == 1
+    assert httpx.get(f"{prefill_admin}/v1/state", timeout=5).json()["pinned_blocks"] == 0
 
 
 def test_a_stop_string_starting_in_the_first_token_is_never_half_streamed(
@@ -264,3 +267,65 @@ def test_a_stop_string_starting_in_the_first_token_is_never_half_streamed(
     assert "".join(d.text for d in deltas) == first[:-1]
     assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
     assert deltas[-1].stop_reason == stop
+
+
+@pytest.mark.slow
+def test_concurrent_load_leaks_no_block_and_no_pin(disagg_cluster) -> None:
+    """Many streams at once through prefill → NIXL → decode, some abandoned mid-stream:
+    afterwards no block is held on either engine and no pin is left on the prefill one."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_router_e2e import MODEL
+
+    c = disagg_cluster
+    client = c.client()
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota",
+             "kappa", "lambda", "mu"]
+
+    def one(i: int) -> int:
+        prompt = " ".join(words[(i + k) % len(words)] for k in range(5 + 7 * (i % 6)))
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        n = 0
+        for n, _ in enumerate(stream, 1):
+            if i % 5 == 4 and n == 3:  # the client goes away mid-stream
+                stream.close()
+                break
+        return n
+
+    with ThreadPoolExecutor(12) as pool:
+        counts = list(pool.map(one, range(36)))
+    assert all(n >= 3 for n in counts), counts
+    prefill_admin, decode_admin = c.admin_urls
+
+    def settled() -> bool:
+        pre = httpx.get(f"{prefill_admin}/v1/state", timeout=5).json()
+        dec = httpx.get(f"{decode_admin}/v1/state", timeout=5).json()
+        return (pre["pinned_blocks"] == 0 and pre["kv_usage"] == 0 and dec["kv_usage"] == 0
+                and pre["num_running"] + dec["num_running"] == 0)
+
+    deadline = time.monotonic() + 15
+    while not settled():
+        assert time.monotonic() < deadline, (
+            "blocks or pins still held 15 s after the load: "
+            f"{httpx.get(f'{prefill_admin}/v1/state', timeout=5).json()} "
+            f"{httpx.get(f'{decode_admin}/v1/state', timeout=5).json()}")
+        time.sleep(0.1)
+    dec = httpx.get(f"{decode_admin}/v1/state", timeout=5).json()["kv_pulls"]
+    assert dec["failed"] == 0 and dec["pulled_blocks"] > 0
+
+
+def test_a_pin_left_by_a_generation_ended_at_the_first_token_is_released(
+        tokenizer: Tokenizer) -> None:
+    def eos_first(request_id, prompt, sampling, pin, pull):
+        return [p.Output(request_id, [TARGET[0]], "x", finished=True, finish_reason="stop",
+                         pin_id=request_id if pin else None, pinned_blocks=[7] if pin else None)]
+
+    dispatcher, calls, _ = _dispatcher(
+        tokenizer, {PRE: ("prefill", eos_first), DEC: ("decode", colocated)})
+    deltas = _run(dispatcher, {"max_tokens": 6, "temperature": 0.0})
+    assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
+    assert [c[0] for c in calls] == [PRE] and calls[0][3] is True
+    prefill = next(c for c in dispatcher.pool.clients if c.key == PRE)
+    assert prefill.aborted == ["r.1"]  # the engine unpins on abort

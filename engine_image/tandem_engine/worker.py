@@ -274,7 +274,9 @@ class EngineWorker:
         elif isinstance(msg, p.Submit):
             self._submit(router, msg)
         elif isinstance(msg, p.Abort):
-            self.engine.abort(self._engine_id(router, msg.request_id))
+            rid = self._engine_id(router, msg.request_id)
+            self.engine.abort(rid)
+            self.engine.unpin(rid)  # a finished prefill whose KV no decode engine will pull
             self._wake.set()
         else:
             log.warning("dropped a %s: engines do not accept it", type(msg).__name__)

@@ -331,7 +331,9 @@ class Dispatcher:
             first["min_tokens"] = min(1, int(sampling["min_tokens"]))
         done_at_first = sampling.get("max_tokens", 16) <= 1
         try:
-            queue = client.submit(sub_id, prompt, first, cache_salt, pin_for_handoff=True)
+            # Pin the prompt's KV only when a decode engine will need it.
+            queue = client.submit(sub_id, prompt, first, cache_salt,
+                                  pin_for_handoff=not done_at_first)
         except EngineUnavailable as exc:
             self._failover(progress, excluded, client, "unavailable", str(exc))
             return
@@ -370,6 +372,8 @@ class Dispatcher:
                         self._start_continuation(progress, sampling, at_start=True)
                 delta = self._delta(out, progress, False)
                 delta.received_at = received_at
+                if delta.finished and pinned:
+                    client.abort(sub_id)  # ended at the first token (EOS, stop): unpin
                 if delta.token_ids or delta.text or delta.finished:
                     self._observe(delta, progress, arrival)
                     yield delta
