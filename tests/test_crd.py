@@ -1,0 +1,551 @@
+"""The InferencePool CRD, checked offline the way the API server would treat it.
+
+No API server validates CRD schemas here, so this file does its three jobs itself: apply the
+schema's defaults (a small pure default-applier), validate with jsonschema after translating
+the OpenAPI v3 subset Kubernetes uses (structural: unknown fields are errors unless a node
+preserves them), and evaluate every CEL `x-kubernetes-validations` rule with cel-python. The
+examples must pass; broken manifests must fail on the field that is wrong. A structural lint
+keeps every field bounded, as the Kubernetes API conventions ask.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import celpy
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD_PATH = ROOT / "crds" / "inferencepools.tandem.dev.yaml"
+EXAMPLES = sorted((ROOT / "examples").glob("inferencepool*.yaml"))
+
+CRD: dict[str, Any] = yaml.safe_load(CRD_PATH.read_text())
+VERSION: dict[str, Any] = CRD["spec"]["versions"][0]
+SCHEMA: dict[str, Any] = VERSION["schema"]["openAPIV3Schema"]
+
+# The only nodes allowed to keep fields the schema does not name.
+PRESERVE_UNKNOWN_PATHS = {"spec.prefill.affinity", "spec.decode.affinity", "status.refit"}
+
+
+# --- the API server's work, offline --------------------------------------------------------------
+
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """A copy of `value` with the schema's defaults filled in, as the API server does.
+
+    A missing property with a `default` gets a copy of it, and the result is defaulted in turn,
+    so `default: {}` on an object brings its children's defaults along.
+    """
+    if isinstance(value, dict):
+        out = dict(value)
+        for name, sub in schema.get("properties", {}).items():
+            if name not in out and "default" in sub:
+                out[name] = copy.deepcopy(sub["default"])
+            if name in out:
+                out[name] = apply_defaults(sub, out[name])
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for name in out.keys() - schema.get("properties", {}).keys():
+                out[name] = apply_defaults(extra, out[name])
+        return out
+    if isinstance(value, list) and "items" in schema:
+        return [apply_defaults(schema["items"], item) for item in value]
+    return value
+
+
+def to_jsonschema(node: dict[str, Any], path: str = "") -> dict[str, Any]:
+    """Translate a structural OpenAPI v3 schema node into JSON Schema (Draft 2020-12).
+
+    Kubernetes prunes (or, with strict field validation, rejects) fields a structural schema
+    does not name, so an object without `x-kubernetes-preserve-unknown-fields` gets
+    `additionalProperties: false`. Root `metadata` is the API server's, not ours, to check.
+    """
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key.startswith("x-kubernetes-") or key in ("description", "default"):
+            continue
+        if key == "properties":
+            out[key] = {
+                name: to_jsonschema(sub, f"{path}.{name}".lstrip("."))
+                for name, sub in value.items()
+            }
+        elif key == "additionalProperties" and isinstance(value, dict):
+            out[key] = to_jsonschema(value, f"{path}.*")
+        elif key == "items":
+            out[key] = to_jsonschema(value, f"{path}[]")
+        elif key in ("anyOf", "allOf", "oneOf"):
+            out[key] = [to_jsonschema(sub, path) for sub in value]
+        else:
+            out[key] = value
+    if node.get("nullable"):
+        out.pop("nullable")
+        out["type"] = [node["type"], "null"]
+    is_object = node.get("type") == "object"
+    open_object = node.get("x-kubernetes-preserve-unknown-fields") or path == "metadata"
+    if is_object and "additionalProperties" not in node and not open_object:
+        out["additionalProperties"] = False
+    return out
+
+
+JSON_SCHEMA = to_jsonschema(SCHEMA)
+jsonschema.Draft202012Validator.check_schema(JSON_SCHEMA)
+VALIDATOR = jsonschema.Draft202012Validator(JSON_SCHEMA)
+CEL_ENV = celpy.Environment()
+
+
+def walk_values(schema: dict[str, Any], value: Any, path: str) -> Iterator[tuple[str, dict, Any]]:
+    """Every (path, schema node, value) pair of a value, the value itself first."""
+    yield path, schema, value
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
+        for name, sub in value.items():
+            sub_schema = props.get(name, extra if isinstance(extra, dict) else None)
+            if sub_schema is not None:
+                yield from walk_values(sub_schema, sub, f"{path}.{name}".lstrip("."))
+    elif isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            yield from walk_values(schema["items"], item, f"{path}[{i}]")
+
+
+def cel_errors(obj: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, message) of every CEL rule that fails on a defaulted object."""
+    errors = []
+    for path, node, value in walk_values(SCHEMA, obj, ""):
+        for rule in node.get("x-kubernetes-validations", []):
+            program = CEL_ENV.program(CEL_ENV.compile(rule["rule"]))
+            result = program.evaluate({"self": celpy.json_to_cel(value)})
+            if isinstance(result, celpy.CELEvalError):
+                raise result
+            if not result:
+                field = path + rule.get("fieldPath", "")
+                errors.append((field, rule["message"]))
+    return errors
+
+
+def validate(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    """(field, message) of everything the API server would reject in a new InferencePool."""
+    obj = apply_defaults(SCHEMA, manifest)
+    schema_errors = [
+        (field_path(error.absolute_path), error.message) for error in VALIDATOR.iter_errors(obj)
+    ]
+    # The API server runs CEL rules only on objects that pass the schema.
+    return schema_errors or cel_errors(obj)
+
+
+def field_path(parts: Iterator[str | int]) -> str:
+    """A field as Kubernetes names it in errors: spec.engine.env[0].name."""
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return text.lstrip(".")
+
+
+def minimal_pool(**spec: Any) -> dict[str, Any]:
+    base = {"model": {"name": "demo", "weights": {"uri": "file:///models/demo", "version": "v1"}}}
+    return {
+        "apiVersion": "tandem.dev/v1alpha1",
+        "kind": "InferencePool",
+        "metadata": {"name": "demo", "namespace": "default"},
+        "spec": merge(base, spec),
+    }
+
+
+def merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch (RFC 7386): None deletes a key."""
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+# --- the resource's identity ---------------------------------------------------------------------
+
+
+def test_names_scope_and_version():
+    assert CRD["metadata"]["name"] == "inferencepools.tandem.dev"
+    spec = CRD["spec"]
+    assert spec["group"] == "tandem.dev"
+    assert spec["scope"] == "Namespaced"
+    assert spec["names"]["kind"] == "InferencePool"
+    assert spec["names"]["plural"] == "inferencepools"
+    assert spec["names"]["shortNames"] == ["ipool"]
+    assert spec["names"]["categories"] == ["tandem"]
+    assert [(v["name"], v["served"], v["storage"]) for v in spec["versions"]] == [
+        ("v1alpha1", True, True)
+    ]
+    assert VERSION["subresources"] == {"status": {}}
+
+
+def test_printer_columns():
+    columns = {c["name"]: c for c in VERSION["additionalPrinterColumns"]}
+    assert [c["name"] for c in VERSION["additionalPrinterColumns"]] == [
+        "Prefill", "Prefill-Ready", "Decode", "Decode-Ready", "Weights", "Ready", "Endpoint", "Age",
+    ]
+    assert columns["Prefill"]["jsonPath"] == ".spec.prefill.replicas"
+    assert columns["Prefill-Ready"]["jsonPath"] == ".status.prefill.ready"
+    assert columns["Decode"]["jsonPath"] == ".spec.decode.replicas"
+    assert columns["Decode-Ready"]["jsonPath"] == ".status.decode.ready"
+    assert columns["Weights"]["jsonPath"] == ".status.weights.current"
+    assert columns["Ready"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert columns["Age"] == {
+        "name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp",
+    }
+    # Every column but Age and Ready names a field the schema has, with a matching type.
+    kinds = {"integer": "integer", "string": "string"}
+    for column in columns.values():
+        if column["name"] in ("Age", "Ready"):
+            continue
+        node = SCHEMA
+        for part in column["jsonPath"].lstrip(".").split("."):
+            node = node["properties"][part]
+        assert kinds[node["type"]] == column["type"], column
+
+
+# --- structural lint -----------------------------------------------------------------------------
+
+
+def walk_schema(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path, node
+    for name, sub in node.get("properties", {}).items():
+        yield from walk_schema(sub, f"{path}.{name}".lstrip("."))
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from walk_schema(node["additionalProperties"], f"{path}.*")
+    if "items" in node:
+        yield from walk_schema(node["items"], f"{path}[]")
+
+
+def validator_for(node: dict[str, Any]) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(to_jsonschema(node))
+
+
+INT_OR_STRING_ANY_OF = [{"type": "integer"}, {"type": "string"}]
+
+
+def test_every_field_is_bounded():
+    problems = []
+    for path, node in walk_schema(SCHEMA):
+        kind = node.get("type")
+        if node.get("x-kubernetes-int-or-string"):
+            # The one shape Kubernetes allows `type` inside anyOf for; strings still bounded.
+            if node.get("anyOf") != INT_OR_STRING_ANY_OF or "type" in node:
+                problems.append(f"{path}: int-or-string must be exactly anyOf integer|string")
+            if "maxLength" not in node or "pattern" not in node:
+                problems.append(f"{path}: int-or-string needs maxLength and pattern")
+            continue
+        if "anyOf" in node or "oneOf" in node or "allOf" in node or "not" in node:
+            problems.append(f"{path}: logical junctors are not used in this schema")
+        if kind is None:
+            problems.append(f"{path}: no type (a structural schema types every node)")
+        if kind == "number":
+            problems.append(f"{path}: type number (no floats in the API)")
+        if kind == "string" and "maxLength" not in node and "enum" not in node:
+            problems.append(f"{path}: string without maxLength")
+        if kind == "array" and "maxItems" not in node:
+            problems.append(f"{path}: array without maxItems")
+        if kind == "integer" and ("minimum" not in node or "maximum" not in node):
+            problems.append(f"{path}: integer without minimum and maximum")
+        is_map = kind == "object" and isinstance(node.get("additionalProperties"), dict)
+        if is_map and "maxProperties" not in node:
+            problems.append(f"{path}: map without maxProperties")
+        for value in node.get("enum", []):
+            if not (isinstance(value, str) and re.fullmatch(r"[A-Z][A-Za-z0-9]*", value)):
+                problems.append(f"{path}: enum value {value!r} is not CamelCase")
+        if node.get("x-kubernetes-preserve-unknown-fields") and path not in PRESERVE_UNKNOWN_PATHS:
+            problems.append(f"{path}: preserves unknown fields")
+        if "default" in node:
+            try:
+                validator_for(node).validate(apply_defaults(node, node["default"]))
+            except jsonschema.ValidationError as exc:
+                problems.append(f"{path}: default {node['default']!r} is invalid: {exc.message}")
+    assert not problems, "\n".join(problems)
+
+
+def test_preserved_unknown_fields_are_exactly_the_allowed_ones():
+    preserved = {
+        path
+        for path, node in walk_schema(SCHEMA)
+        if node.get("x-kubernetes-preserve-unknown-fields")
+    }
+    assert preserved == PRESERVE_UNKNOWN_PATHS
+
+
+def all_cel_rules() -> list[dict[str, str]]:
+    return [
+        rule for _, node in walk_schema(SCHEMA) for rule in node.get("x-kubernetes-validations", [])
+    ]
+
+
+def test_every_cel_rule_compiles():
+    rules = [rule["rule"] for rule in all_cel_rules()]
+    assert len(rules) == 7
+    for rule in rules:
+        CEL_ENV.compile(rule)
+
+
+# --- defaults ------------------------------------------------------------------------------------
+
+DOCUMENTED_DEFAULTS = {
+    "engine": {
+        "image": "tandem/engine:0.1.0",
+        "imagePullPolicy": "IfNotPresent",
+        "kvCache": {"blockSize": 16},
+        "maxNumSeqs": 64,
+        "maxNumBatchedTokens": 512,
+        "threads": 1,
+    },
+    "prefill": {"replicas": 1},
+    "decode": {"replicas": 1},
+    "router": {"replicas": 1, "service": {"type": "ClusterIP", "port": 8000}},
+    "rollout": {"maxSurge": 1, "maxUnavailable": 0},
+    "refit": {
+        "strategy": "Rolling",
+        "inflight": "Drain",
+        "drainTimeoutSeconds": 120,
+        "onFailure": "Rollback",
+    },
+    "kvTransfer": {
+        "backend": "NIXL",
+        "pinTTLSeconds": 60,
+        "ucx": {"transports": "", "netDevices": ""},
+    },
+}
+
+
+def test_minimal_pool_gets_the_documented_defaults():
+    manifest = minimal_pool()
+    defaulted = apply_defaults(SCHEMA, manifest)
+    assert defaulted["spec"] == {"model": manifest["spec"]["model"], **DOCUMENTED_DEFAULTS}
+    assert validate(manifest) == []
+
+
+def test_defaults_fill_in_around_given_fields():
+    spec = apply_defaults(SCHEMA, minimal_pool(engine={"kvCache": {"numBlocks": 64}}))["spec"]
+    assert spec["engine"]["kvCache"] == {"numBlocks": 64, "blockSize": 16}
+    assert spec["engine"]["maxNumSeqs"] == 64
+    spec = apply_defaults(SCHEMA, minimal_pool(router={"service": {"port": 80}}))["spec"]
+    assert spec["router"] == {"replicas": 1, "service": {"type": "ClusterIP", "port": 80}}
+
+
+def test_defaulting_is_idempotent_and_pure():
+    manifest = minimal_pool()
+    before = copy.deepcopy(manifest)
+    once = apply_defaults(SCHEMA, manifest)
+    assert manifest == before
+    assert apply_defaults(SCHEMA, once) == once
+
+
+# --- the examples --------------------------------------------------------------------------------
+
+
+def load_example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "examples" / name).read_text())
+
+
+def test_examples_exist():
+    assert [p.name for p in EXAMPLES] == [
+        "inferencepool-mixed.yaml", "inferencepool-rl.yaml", "inferencepool.yaml",
+    ]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_is_a_valid_pool(path: Path):
+    manifest = yaml.safe_load(path.read_text())
+    assert manifest["apiVersion"] == "tandem.dev/v1alpha1"
+    assert manifest["kind"] == "InferencePool"
+    assert validate(manifest) == []
+
+
+def test_disaggregated_example():
+    spec = apply_defaults(SCHEMA, load_example("inferencepool.yaml"))["spec"]
+    replicas = [spec[role]["replicas"] for role in ("prefill", "decode", "router")]
+    assert replicas == [1, 1, 1]
+    assert spec["model"]["weights"]["uri"] == "file:///models/demo"
+
+
+def test_mixed_example_is_colocated():
+    spec = apply_defaults(SCHEMA, load_example("inferencepool-mixed.yaml"))["spec"]
+    assert spec["prefill"]["replicas"] == 0
+    assert spec["decode"]["replicas"] >= 1
+
+
+def test_rl_example_refits_all_at_once_and_recomputes():
+    spec = apply_defaults(SCHEMA, load_example("inferencepool-rl.yaml"))["spec"]
+    assert spec["refit"]["strategy"] == "AllAtOnce"
+    assert spec["refit"]["inflight"] == "Recompute"
+
+
+# --- rejected manifests --------------------------------------------------------------------------
+
+SCHEMA_REJECTS = [
+    # out-of-bounds integers
+    ({"prefill": {"replicas": 65}}, "spec.prefill.replicas", "maximum of 64"),
+    ({"decode": {"replicas": -1}}, "spec.decode.replicas", "minimum of 0"),
+    ({"router": {"replicas": 0}}, "spec.router.replicas", "minimum of 1"),
+    ({"router": {"service": {"port": 70000}}}, "spec.router.service.port", "maximum of 65535"),
+    ({"engine": {"maxNumSeqs": 0}}, "spec.engine.maxNumSeqs", "minimum of 1"),
+    ({"engine": {"kvCache": {"blockSize": 512}}}, "spec.engine.kvCache.blockSize", "maximum"),
+    ({"engine": {"kvCache": {"memoryMiB": 8}}}, "spec.engine.kvCache.memoryMiB", "minimum"),
+    ({"refit": {"drainTimeoutSeconds": 0}}, "spec.refit.drainTimeoutSeconds", "minimum of 1"),
+    ({"kvTransfer": {"pinTTLSeconds": 3601}}, "spec.kvTransfer.pinTTLSeconds", "maximum"),
+    ({"rollout": {"maxSurge": 65}}, "spec.rollout.maxSurge", "maximum of 64"),
+    # no floats
+    ({"prefill": {"replicas": 1.5}}, "spec.prefill.replicas", "is not of type 'integer'"),
+    # bad enums (CamelCase is part of the value)
+    ({"refit": {"strategy": "rolling"}}, "spec.refit.strategy", "is not one of"),
+    ({"refit": {"inflight": "Abort"}}, "spec.refit.inflight", "is not one of"),
+    ({"refit": {"onFailure": "Retry"}}, "spec.refit.onFailure", "is not one of"),
+    ({"engine": {"imagePullPolicy": "always"}}, "spec.engine.imagePullPolicy", "is not one of"),
+    ({"router": {"service": {"type": "ExternalName"}}},
+     "spec.router.service.type", "is not one of"),
+    ({"kvTransfer": {"backend": "TCP"}}, "spec.kvTransfer.backend", "is not one of"),
+    # the weights version
+    ({"model": {"weights": {"version": "v1 beta"}}}, "spec.model.weights.version", "match"),
+    ({"model": {"weights": {"version": "-v1"}}}, "spec.model.weights.version", "match"),
+    ({"model": {"weights": {"version": "v1."}}}, "spec.model.weights.version", "match"),
+    ({"model": {"weights": {"version": "v" * 64}}}, "spec.model.weights.version", "too long"),
+    ({"model": {"weights": {"version": ""}}}, "spec.model.weights.version", "should be non-empty"),
+    # required fields
+    ({"model": {"weights": None}}, "spec.model", "'weights' is a required property"),
+    ({"model": {"name": None}}, "spec.model", "'name' is a required property"),
+    ({"model": {"weights": {"uri": "file://"}}}, "spec.model.weights.uri", "is too short"),
+    # unknown fields: the schema is structural, typos are errors, not silently dropped
+    ({"prefil": {"replicas": 2}}, "spec", "'prefil' was unexpected"),
+    ({"engine": {"imagePullPolicyy": "Always"}},
+     "spec.engine", "'imagePullPolicyy' was unexpected"),
+    ({"model": {"weights": {"sha256": "ab"}}}, "spec.model.weights", "'sha256' was unexpected"),
+    ({"refit": {"strategy": "Rolling", "waves": 2}}, "spec.refit", "'waves' was unexpected"),
+    # strings, lists and maps are bounded
+    ({"engine": {"args": ["--x"] * 65}}, "spec.engine.args", "is too long"),
+    ({"engine": {"args": ["x" * 257]}}, "spec.engine.args[0]", "is too long"),
+    ({"prefill": {"nodeSelector": {f"k{i}": "v" for i in range(33)}}},
+     "spec.prefill.nodeSelector", "too many properties"),
+    ({"engine": {"env": [{"name": "1BAD", "value": "x"}]}}, "spec.engine.env[0].name", "match"),
+    ({"decode": {"tolerations": [{"operator": "In"}]}},
+     "spec.decode.tolerations[0].operator", "is not one of"),
+    # resource quantities are int-or-string with a quantity pattern
+    ({"engine": {"resources": {"limits": {"cpu": "2 cores"}}}},
+     "spec.engine.resources.limits.cpu", "match"),
+    ({"engine": {"resources": {"limit": {"cpu": "2"}}}}, "spec.engine.resources", "unexpected"),
+    ({"decode": {"resources": {"requests": {"memory": 1.5}}}},
+     "spec.decode.resources.requests.memory", "is not valid under any of the given schemas"),
+]
+
+
+@pytest.mark.parametrize(("patch", "field", "message"), SCHEMA_REJECTS)
+def test_schema_rejects(patch: dict[str, Any], field: str, message: str):
+    errors = validate(minimal_pool(**patch))
+    assert any(f == field and message in m for f, m in errors), errors
+
+
+def test_schema_accepts_what_it_should():
+    accepted = [
+        {"engine": {"resources": {"limits": {"cpu": 2, "memory": "4Gi", "nvidia.com/gpu": "1"},
+                                  "requests": {"cpu": "500m"}}}},
+        {"engine": {"env": [
+            {"name": "HF_HOME", "value": "/tmp/hf"},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+            {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        ]}},
+        {"prefill": {"affinity": {"nodeAffinity": {"anything": ["goes", "here"]}}}},
+        {"decode": {"tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]}},
+        {"model": {"weights": {"version": "step-1200.ckpt_2"}}},
+        {"model": {"weights": {"version": "7"}}},
+        {"prefill": {"replicas": 0}, "decode": {"replicas": 1}},
+        {"rollout": {"maxSurge": 0, "maxUnavailable": 1}},
+    ]
+    for patch in accepted:
+        assert validate(minimal_pool(**patch)) == [], patch
+
+
+def test_pool_name_fits_every_derived_name():
+    for name in ("a" * 41, "Demo", "1pool", "my.pool", "pool-"):
+        manifest = minimal_pool()
+        manifest["metadata"]["name"] = name
+        assert [f for f, _ in validate(manifest)] == ["metadata.name"], name
+    manifest = minimal_pool()
+    manifest["metadata"]["name"] = "a" * 40
+    assert validate(manifest) == []
+
+
+def test_status_is_bounded_too():
+    manifest = minimal_pool()
+    manifest["status"] = {
+        "observedGeneration": 3,
+        "conditions": [{"type": "Ready", "status": "True", "reason": "AllEnginesReady",
+                        "message": "", "observedGeneration": 3,
+                        "lastTransitionTime": "2025-01-01T00:00:00Z"}],
+        "prefill": {"replicas": 1, "ready": 1, "updated": 1},
+        "weights": {"current": "v1", "target": "v1", "epoch": 0},
+        "routerEndpoint": "http://demo.default.svc:8000/v1",
+        "refit": {"phase": "Idle", "waves": [{"engines": ["a"]}]},
+    }
+    assert validate(manifest) == []
+    manifest["status"]["conditions"][0]["type"] = "Healthy"
+    manifest["status"]["conditions"][0]["reason"] = "all engines ready"
+    assert {f for f, _ in validate(manifest)} == {
+        "status.conditions[0].type", "status.conditions[0].reason",
+    }
+
+
+# --- CEL rules -----------------------------------------------------------------------------------
+
+VALUE_FROM_ONE_SOURCE = (
+    "env valueFrom needs exactly one of fieldRef, secretKeyRef, configMapKeyRef, resourceFieldRef"
+)
+CEL_REJECTS = [
+    ({"prefill": {"replicas": 2}, "decode": {"replicas": 0}},
+     "spec.decode.replicas", "decode.replicas must be at least 1 when prefill.replicas > 0"),
+    ({"prefill": {"replicas": 0}, "decode": {"replicas": 0}},
+     "spec.decode.replicas", "the pool needs at least one engine"),
+    ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}},
+     "spec.rollout", "rollout.maxSurge and rollout.maxUnavailable must not both be 0"),
+    ({"engine": {"kvCache": {"numBlocks": 1024, "memoryMiB": 512}}},
+     "spec.engine.kvCache", "set kvCache.numBlocks or kvCache.memoryMiB, not both"),
+    ({"model": {"weights": {"uri": "s3://bucket/models/demo"}}},
+     "spec.model.weights.uri", "weights.uri must be a file:// URI"),
+    ({"model": {"weights": {"uri": "/models/demo/file://"}}},
+     "spec.model.weights.uri", "weights.uri must be a file:// URI"),
+    ({"engine": {"env": [
+        {"name": "A", "value": "x", "valueFrom": {"fieldRef": {"fieldPath": "x"}}},
+    ]}},
+     "spec.engine.env[0]", "set env value or valueFrom, not both"),
+    ({"engine": {"env": [{"name": "A", "valueFrom": {}}]}},
+     "spec.engine.env[0].valueFrom", VALUE_FROM_ONE_SOURCE),
+    ({"engine": {"env": [{"name": "A", "valueFrom": {
+        "fieldRef": {"fieldPath": "metadata.name"},
+        "secretKeyRef": {"name": "s", "key": "k"}}}]}},
+     "spec.engine.env[0].valueFrom", VALUE_FROM_ONE_SOURCE),
+]
+
+
+@pytest.mark.parametrize(("patch", "field", "message"), CEL_REJECTS)
+def test_cel_rejects(patch: dict[str, Any], field: str, message: str):
+    assert validate(minimal_pool(**patch)) == [(field, message)]
+
+
+def test_every_cel_rule_has_a_failing_case():
+    messages = {rule["message"] for rule in all_cel_rules()}
+    assert messages == {message for _, _, message in CEL_REJECTS}
+
+
+def test_cel_rules_see_defaults():
+    # prefill defaults to 1 replica, so decode 0 alone breaks the first rule.
+    assert validate(minimal_pool(decode={"replicas": 0})) == [
+        ("spec.decode.replicas", "decode.replicas must be at least 1 when prefill.replicas > 0"),
+    ]
+    # maxUnavailable defaults to 0, so maxSurge 0 alone breaks the rollout rule.
+    assert [m for _, m in validate(minimal_pool(rollout={"maxSurge": 0}))] == [
+        "rollout.maxSurge and rollout.maxUnavailable must not both be 0",
+    ]
