@@ -95,6 +95,16 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
         authorize(authorization)
         return signal(engine.unpause)
 
+    @app.post("/v1/drain")
+    def drain(authorization: str | None = Header(None)) -> dict[str, Any]:
+        """Stop admitting new requests (they get 503 and the router places them on another
+        engine); running ones finish. The operator polls /v1/state until none is left,
+        then deletes the pod. Not readiness-ready from now on."""
+        authorize(authorization)
+        worker.draining = True
+        worker.announce_state()
+        return state()
+
     @app.post("/v1/suspend")
     def suspend(body: SuspendBody | None = None,
                 authorization: str | None = Header(None)) -> dict[str, Any]:

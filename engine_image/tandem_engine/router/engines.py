@@ -13,8 +13,8 @@ send that cannot be queued fails at once (`EngineUnavailable`), never waits. An
 `Output` for a request this router no longer tracks (it failed over, or the client
 left) is answered with an `Abort`, so an engine never computes for nobody for long.
 
-`EnginePool` is the static list of engines (Kubernetes discovery replaces the list
-later, not this interface).
+`EnginePool` holds the engines: a static list, or a changing set when Kubernetes
+discovery (`discovery.DiscoveredEnginePool`) adds and removes them while it runs.
 """
 
 from __future__ import annotations
@@ -103,14 +103,14 @@ class EngineClient:
                        asyncio.create_task(self._watch(), name=f"watch {self.key}"),
                        asyncio.create_task(self._monitor(monitor), name=f"mon {self.key}")]
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "the router is shutting down") -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.connected = False
-        self._fail_all("the router is shutting down")
+        self._fail_all(reason)
         if self._socket is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.disable_monitor()
@@ -315,11 +315,13 @@ class EngineClient:
 
 
 class EnginePool:
-    """The router's engines, from a static list of addresses."""
+    """The router's engines: a static list of addresses, or (`allow_empty`, then `add` and
+    `remove`) a set that changes while the router runs."""
 
     def __init__(self, addresses: Sequence[str], *, router_id: str | None = None,
-                 heartbeat_deadline: float = 2.0, handshake_timeout: float = 1.0) -> None:
-        if not addresses:
+                 heartbeat_deadline: float = 2.0, handshake_timeout: float = 1.0,
+                 allow_empty: bool = False) -> None:
+        if not addresses and not allow_empty:
             raise ValueError("the router needs at least one engine address (--engine)")
         keys = [parse_address(a) for a in addresses]
         if len(set(keys)) != len(keys):
@@ -327,20 +329,48 @@ class EnginePool:
         if heartbeat_deadline <= 0:
             raise ValueError(f"heartbeat deadline {heartbeat_deadline} must be > 0 s")
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
+        self.heartbeat_deadline = heartbeat_deadline
+        self.handshake_timeout = handshake_timeout
         self._context = zmq.asyncio.Context()
-        self.clients = [EngineClient(a, router_id=self.router_id, context=self._context,
-                                     heartbeat_deadline=heartbeat_deadline,
-                                     handshake_timeout=handshake_timeout) for a in addresses]
+        self._started = False
+        self.clients = [self._client(a) for a in addresses]
         self.by_key = {c.key: c for c in self.clients}
 
+    def _client(self, address: str) -> EngineClient:
+        return EngineClient(address, router_id=self.router_id, context=self._context,
+                            heartbeat_deadline=self.heartbeat_deadline,
+                            handshake_timeout=self.handshake_timeout)
+
     async def start(self) -> None:
+        self._started = True
         for client in self.clients:
             await client.start()
 
     async def close(self) -> None:
-        for client in self.clients:
+        self._started = False
+        for client in list(self.clients):
             await client.close()
         self._context.destroy(linger=0)
+
+    async def add(self, address: str) -> EngineClient:
+        """Connect to one more engine (the existing client if its address is known)."""
+        key = parse_address(address).removeprefix("tcp://")
+        if key in self.by_key:
+            return self.by_key[key]
+        client = self._client(address)
+        self.clients.append(client)
+        self.by_key[client.key] = client
+        if self._started:
+            await client.start()
+        return client
+
+    async def remove(self, key: str) -> None:
+        """Drop an engine ('HOST:PORT'); its in-flight requests get `EngineLost`."""
+        client = self.by_key.pop(key, None)
+        if client is None:
+            return
+        self.clients.remove(client)
+        await client.close(f"engine {key} left the pool")
 
     def views(self) -> list[EngineView]:
         return [c.view() for c in self.clients]

@@ -1,6 +1,10 @@
-"""`tandem-router`: the OpenAI-compatible router in front of a static list of engines.
+"""`tandem-router`: the OpenAI-compatible router in front of a pool of engines.
 
     tandem-router --engine 127.0.0.1:5555 --engine 127.0.0.1:5556 --model DIR
+    tandem-router --discover-pool NAME [--namespace NS] --model DIR   # in Kubernetes
+
+The engines are a static list (`--engine`), or the Ready engine pods of an InferencePool,
+followed through the Kubernetes API (`--discover-pool`, see `router/discovery.py`).
 
 `--model` is read for the tokenizer and the chat template only (no weights, no torch).
 SIGTERM or SIGINT stops accepting connections, gives open requests
@@ -21,6 +25,7 @@ from pathlib import Path
 import uvicorn
 
 from tandem_engine.errors import TandemError
+from tandem_engine.router import discovery
 from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
 from tandem_engine.router.engines import EnginePool
 from tandem_engine.router.openai_api import build_app
@@ -31,8 +36,15 @@ log = logging.getLogger("tandem_engine.router")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem-router", description=__doc__.split("\n")[0])
-    p.add_argument("--engine", action="append", required=True, metavar="HOST:PORT",
-                   help="an engine's ZMQ address (repeat for every engine)")
+    engines = p.add_mutually_exclusive_group(required=True)
+    engines.add_argument("--engine", action="append", metavar="HOST:PORT",
+                         help="an engine's ZMQ address (repeat for every engine)")
+    engines.add_argument("--discover-pool", metavar="NAME",
+                         help="follow the engine pods of this InferencePool (label "
+                              "tandem.dev/pool=NAME) through the Kubernetes API")
+    p.add_argument("--namespace", default=None,
+                   help="the pool's namespace, with --discover-pool (default: $POD_NAMESPACE, "
+                        "else the service account's namespace, else default)")
     p.add_argument("--model", required=True, type=Path,
                    help="checkpoint folder: its tokenizer and chat template are used")
     p.add_argument("--served-model-name", default=None,
@@ -59,13 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.namespace is not None and args.discover_pool is None:
+        parser.error("--namespace goes with --discover-pool, not --engine")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Kubernetes API call
     try:
         tokenizer = Tokenizer.from_dir(args.model)
-        pool = EnginePool(args.engine, heartbeat_deadline=args.heartbeat_deadline,
-                          handshake_timeout=args.handshake_timeout)
+        pool, engines = _engine_pool(args)
         config = DispatchConfig(first_output_timeout=args.first_output_timeout,
                                 output_timeout=args.output_timeout,
                                 failover_timeout=args.failover_timeout)
@@ -79,12 +94,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=max(1, round(args.shutdown_grace))))
     log.info("router %s serving %r on http://%s:%d for engines %s", pool.router_id, served,
-             args.host, args.port, ", ".join(args.engine))
+             args.host, args.port, engines)
     # SIGTERM/SIGINT: stop listening, finish or cut open requests after the grace period,
     # then run the lifespan's shutdown (closing every engine socket), and exit 0.
     server.run()
     log.info("router stopped")
     return 0
+
+
+def _engine_pool(args: argparse.Namespace) -> tuple[EnginePool, str]:
+    """The pool the flags ask for, and how to name its engines in the log."""
+    timing = {"heartbeat_deadline": args.heartbeat_deadline,
+              "handshake_timeout": args.handshake_timeout}
+    if args.engine:
+        return EnginePool(args.engine, **timing), ", ".join(args.engine)
+    namespace = discovery.resolve_namespace(args.namespace)
+    pool = discovery.DiscoveredEnginePool(args.discover_pool, namespace,
+                                          discovery.load_kube_config(), **timing)
+    return pool, f"of pool {args.discover_pool} in namespace {namespace} (discovered)"
 
 
 class _Server(uvicorn.Server):

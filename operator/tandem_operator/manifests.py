@@ -1,0 +1,318 @@
+"""Every object the operator creates for a pool, as pure functions of the `PoolSpec`.
+
+No I/O here: reconcile decides *whether* to create something, these functions say *what* it
+is, so the exact pod a spec produces is testable without an API server. `template_hash` names
+a pod template: pods whose hash differs from the spec's are rolled. The weights are not part of
+it (a weights change is refit in place, never a new pod), nor is the drain timeout (it bounds
+how a pod is stopped, not what runs in it).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from typing import Any
+
+from tandem_operator.spec import API_VERSION, KIND, Group, PoolSpec, Weights
+
+ENGINE_ZMQ_PORT = 5555
+ENGINE_ADMIN_PORT = 8080
+ROUTER_HTTP_PORT = 8000
+
+POOL_LABEL = "tandem.dev/pool"
+ROLE_LABEL = "tandem.dev/role"
+ENGINE_LABEL = "tandem.dev/engine"  # "true" on prefill/decode/mixed pods: the headless Service
+COMPONENT_LABEL = "app.kubernetes.io/component"
+TEMPLATE_HASH = "tandem.dev/template-hash"
+WEIGHTS_VERSION = "tandem.dev/weights-version"
+WEIGHTS_URI = "tandem.dev/weights-uri"
+DRAINING_SINCE = "tandem.dev/draining-since"  # set by the operator when it starts a drain
+ADMIN_TOKEN_KEY = "token"
+MANAGER = "tandem-operator"
+
+# What the template hash sees instead of the weights and the drain timeout.
+_HASH_WEIGHTS = Weights(uri="file:///weights", version="weights")
+_HASH_DRAIN_SECONDS = 0
+
+
+def admin_secret_name(pool: str) -> str:
+    return f"{pool}-admin-token"
+
+
+def router_account_name(pool: str) -> str:
+    return f"{pool}-router"
+
+
+def engines_service_name(pool: str) -> str:
+    return f"{pool}-engines"
+
+
+def router_endpoint(spec: PoolSpec) -> str:
+    return f"http://{spec.name}.{spec.namespace}.svc:{spec.router.service_port}/v1"
+
+
+# ---- metadata -----------------------------------------------------------------------------------
+
+
+def common_labels(spec: PoolSpec) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": spec.name,
+            "app.kubernetes.io/managed-by": MANAGER, "app.kubernetes.io/part-of": "tandem",
+            POOL_LABEL: spec.name}
+
+
+def group_labels(spec: PoolSpec, group: Group) -> dict[str, str]:
+    """Labels of the objects of one group: component prefill|decode|router, role as run."""
+    role = "router" if group == "router" else spec.engine_role(group)
+    return {**common_labels(spec), COMPONENT_LABEL: group, ROLE_LABEL: role}
+
+
+def owner_reference(spec: PoolSpec) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": spec.name, "uid": spec.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(spec: PoolSpec, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": spec.namespace, "labels": labels,
+            "ownerReferences": [owner_reference(spec)]}
+
+
+# ---- pods ---------------------------------------------------------------------------------------
+
+
+def _field_env(name: str, field_path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def _pod_env() -> list[dict[str, Any]]:
+    return [_field_env("POD_IP", "status.podIP"), _field_env("POD_NAME", "metadata.name"),
+            _field_env("POD_NAMESPACE", "metadata.namespace")]
+
+
+def _http_probe(path: str, port: str, **timing: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, **timing}
+
+
+def engine_args(spec: PoolSpec, group: Group, weights: Weights, drain_seconds: int
+                ) -> list[str]:
+    e = spec.engine
+    args = ["--role", spec.engine_role(group), "--model", weights.path,
+            "--served-model-name", spec.model_name,
+            "--host", "$(POD_IP)", "--port", str(ENGINE_ZMQ_PORT),
+            "--admin-port", str(ENGINE_ADMIN_PORT), "--engine-id", "$(POD_NAME)",
+            "--weight-version", weights.version,
+            "--max-num-seqs", str(e.max_num_seqs),
+            "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+            "--threads", str(e.threads),
+            "--kv-pin-ttl", str(spec.kv_transfer.pin_ttl_seconds)]
+    if e.kv_cache.num_blocks is not None:
+        args += ["--num-blocks", str(e.kv_cache.num_blocks)]
+    elif e.kv_cache.memory_mib is not None:
+        args += ["--kv-cache-memory-bytes", str(e.kv_cache.memory_mib * 1024 * 1024)]
+    # SIGTERM makes an engine stop admitting and finish what it runs: let it take as long as
+    # an operator drain may (the pod's grace period leaves 10 s on top).
+    args += ["--shutdown-grace", str(drain_seconds)]
+    return [*args, *e.args]
+
+
+def _engine_env(spec: PoolSpec) -> list[dict[str, Any]]:
+    env = _pod_env()
+    env.append({"name": "TANDEM_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": admin_secret_name(spec.name), "key": ADMIN_TOKEN_KEY}}})
+    ucx = spec.kv_transfer
+    if ucx.ucx_transports:
+        env.append({"name": "UCX_TLS", "value": ucx.ucx_transports})
+    if ucx.ucx_net_devices:
+        env.append({"name": "UCX_NET_DEVICES", "value": ucx.ucx_net_devices})
+    return [*env, *(dict(v) for v in spec.engine.env)]
+
+
+def _pod_spec(spec: PoolSpec, group: Group, weights: Weights, drain_seconds: int
+              ) -> dict[str, Any]:
+    e = spec.engine
+    if group == "router":
+        container: dict[str, Any] = {
+            "name": "router", "image": e.image, "imagePullPolicy": e.image_pull_policy,
+            "command": ["tandem-router"],
+            "args": ["--discover-pool", spec.name, "--namespace", "$(POD_NAMESPACE)",
+                     "--model", weights.path, "--served-model-name", spec.model_name,
+                     "--host", "$(POD_IP)", "--port", str(ROUTER_HTTP_PORT)],
+            "env": _pod_env(),
+            "ports": [{"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}],
+            "readinessProbe": _http_probe("/readyz", "http", periodSeconds=2),
+            "livenessProbe": _http_probe("/healthz", "http", initialDelaySeconds=10,
+                                         periodSeconds=10, failureThreshold=6)}
+        return {"restartPolicy": "Always", "serviceAccountName": router_account_name(spec.name),
+                "containers": [container]}
+    role = spec.role(group)
+    container = {
+        "name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy,
+        "command": ["tandem-engine"], "args": engine_args(spec, group, weights, drain_seconds),
+        "env": _engine_env(spec),
+        "ports": [{"name": "zmq", "containerPort": ENGINE_ZMQ_PORT, "protocol": "TCP"},
+                  {"name": "admin", "containerPort": ENGINE_ADMIN_PORT, "protocol": "TCP"}],
+        "readinessProbe": _http_probe("/readyz", "admin", periodSeconds=2),
+        "livenessProbe": _http_probe("/healthz", "admin", initialDelaySeconds=30,
+                                     periodSeconds=10, failureThreshold=6)}
+    resources = role.resources if role.resources is not None else e.resources
+    if resources:
+        container["resources"] = {k: dict(v) for k, v in resources.items()}
+    pod: dict[str, Any] = {"restartPolicy": "Always",
+                           "terminationGracePeriodSeconds": drain_seconds + 10,
+                           "containers": [container]}
+    if role.node_selector:
+        pod["nodeSelector"] = dict(role.node_selector)
+    if role.tolerations:
+        pod["tolerations"] = [dict(t) for t in role.tolerations]
+    if role.affinity:
+        pod["affinity"] = dict(role.affinity)
+    return pod
+
+
+def _pod_labels(spec: PoolSpec, group: Group) -> dict[str, str]:
+    labels = group_labels(spec, group)
+    if group != "router":
+        labels[ENGINE_LABEL] = "true"
+    return labels
+
+
+def template_hash(spec: PoolSpec, group: Group) -> str:
+    """A stable name for what defines the group's pods (image, pull policy, resources, env,
+    args, KV cache and limits, threads, role and placement); never the weights."""
+    template = {"labels": _pod_labels(spec, group),
+                "spec": _pod_spec(spec, group, _HASH_WEIGHTS, _HASH_DRAIN_SECONDS)}
+    canonical = json.dumps(template, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def pod(spec: PoolSpec, group: Group, weights: Weights) -> dict[str, Any]:
+    """A new pod of `group` (created with generateName `<pool>-<group>-`) on `weights`."""
+    meta = _meta(spec, "", _pod_labels(spec, group))
+    del meta["name"]
+    meta["generateName"] = f"{spec.name}-{group}-"
+    meta["annotations"] = {TEMPLATE_HASH: template_hash(spec, group),
+                           WEIGHTS_VERSION: weights.version, WEIGHTS_URI: weights.uri}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": _pod_spec(spec, group, weights, spec.refit.drain_timeout_seconds)}
+
+
+# ---- the pool's other objects -------------------------------------------------------------------
+
+
+def admin_secret(spec: PoolSpec, token: str) -> dict[str, Any]:
+    """The engines' admin bearer token; created once, never rotated by reconcile."""
+    labels = {**common_labels(spec), COMPONENT_LABEL: "engine"}
+    return {"apiVersion": "v1", "kind": "Secret",
+            "metadata": _meta(spec, admin_secret_name(spec.name), labels),
+            "type": "Opaque",
+            "data": {ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode()}}
+
+
+def secret_token(secret: dict[str, Any]) -> str | None:
+    raw = (secret.get("data") or {}).get(ADMIN_TOKEN_KEY)
+    if raw:
+        return base64.b64decode(raw).decode()
+    return (secret.get("stringData") or {}).get(ADMIN_TOKEN_KEY)
+
+
+def router_service(spec: PoolSpec) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(spec, spec.name, group_labels(spec, "router")),
+            "spec": {"type": spec.router.service_type,
+                     "selector": {POOL_LABEL: spec.name, ROLE_LABEL: "router"},
+                     "ports": [{"name": "http", "port": spec.router.service_port,
+                                "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def engines_service(spec: PoolSpec) -> dict[str, Any]:
+    labels = {**common_labels(spec), COMPONENT_LABEL: "engine"}
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(spec, engines_service_name(spec.name), labels),
+            "spec": {"type": "ClusterIP", "clusterIP": "None", "publishNotReadyAddresses": False,
+                     "selector": {POOL_LABEL: spec.name, ENGINE_LABEL: "true"},
+                     "ports": [{"name": "zmq", "port": ENGINE_ZMQ_PORT, "targetPort": "zmq",
+                                "protocol": "TCP"},
+                               {"name": "admin", "port": ENGINE_ADMIN_PORT,
+                                "targetPort": "admin", "protocol": "TCP"}]}}
+
+
+def pod_disruption_budget(spec: PoolSpec, group: Group) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(spec, f"{spec.name}-{group}", group_labels(spec, group)),
+            "spec": {"maxUnavailable": max(1, spec.rollout.max_unavailable),
+                     "selector": {"matchLabels": {POOL_LABEL: spec.name,
+                                                  COMPONENT_LABEL: group}}}}
+
+
+def router_service_account(spec: PoolSpec) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": _meta(spec, router_account_name(spec.name),
+                              group_labels(spec, "router"))}
+
+
+def router_role(spec: PoolSpec) -> dict[str, Any]:
+    """Routers watch their pool's pods to find engines (namespace-scoped, read-only)."""
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": _meta(spec, router_account_name(spec.name),
+                              group_labels(spec, "router")),
+            "rules": [{"apiGroups": [""], "resources": ["pods"],
+                       "verbs": ["get", "list", "watch"]}]}
+
+
+def router_role_binding(spec: PoolSpec) -> dict[str, Any]:
+    name = router_account_name(spec.name)
+    return {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": _meta(spec, name, group_labels(spec, "router")),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name,
+                          "namespace": spec.namespace}]}
+
+
+def support_objects(spec: PoolSpec) -> list[dict[str, Any]]:
+    """Everything but pods and the admin Secret, in the order to create them."""
+    return [router_service_account(spec), router_role(spec), router_role_binding(spec),
+            router_service(spec), engines_service(spec),
+            pod_disruption_budget(spec, "prefill"), pod_disruption_budget(spec, "decode")]
+
+
+# Fields of each kind the operator keeps equal to the spec (the rest is the API server's).
+MANAGED_FIELDS: dict[str, tuple[str, ...]] = {
+    "Service": ("spec.type", "spec.selector", "spec.ports"),
+    "PodDisruptionBudget": ("spec.maxUnavailable", "spec.selector"),
+    "Role": ("rules",),
+    "RoleBinding": ("subjects",),
+    "ServiceAccount": (),
+}
+
+
+def _get(obj: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(part)  # type: ignore[assignment]
+    return obj
+
+
+def _ports_equal(desired: list[dict[str, Any]], observed: list[dict[str, Any]] | None) -> bool:
+    if not observed or len(desired) != len(observed):
+        return False
+    # The API server adds nodePorts, defaults the protocol: compare what we set.
+    return all(all(o.get(k, "TCP" if k == "protocol" else None) == v for k, v in d.items())
+               for d, o in zip(desired, observed, strict=True))
+
+
+def drift_patch(desired: dict[str, Any], observed: dict[str, Any]) -> dict[str, Any] | None:
+    """A merge patch bringing `observed`'s managed fields back to `desired`, or None."""
+    patch: dict[str, Any] = {}
+    for dotted in MANAGED_FIELDS.get(desired["kind"], ()):
+        want, have = _get(desired, dotted), _get(observed, dotted)
+        if want is None:
+            continue  # not ours to set: whatever the server chose stands
+        same = _ports_equal(want, have) if dotted == "spec.ports" else want == have
+        if not same:
+            node = patch
+            *parents, leaf = dotted.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = want
+    return patch or None

@@ -1,0 +1,398 @@
+"""What to do next for one pool: desired state versus observed pods and objects, as data.
+
+`plan(spec, observed)` is pure and idempotent: given the same observation it returns the same
+steps, and each step is safe to repeat (a create of something that now exists is planned no
+more once it is observed). Reconcile carries the steps out, so the rules that keep a pool
+serving live here, where they are tested exhaustively without an API server:
+
+* scale-up creates pods on the weights the engines serve now (`serving_weights`), never on a
+  weights change still to be refit;
+* scale-down drains first, picking not-ready pods, then the newest;
+* a pod whose template hash differs from the spec's is rolled within maxSurge/maxUnavailable
+  (per role, counted in pods; draining pods still count towards the surge), both engine roles
+  progressing in the same steps; the last ready pod of a role is never taken — when maxSurge is
+  0 and that rule would stall a rollout, one pod is surged anyway;
+* decode pods leave only while a prefill pod is ready (new decode engines need one), and
+  prefill pods scaled to zero leave only once decode pods run as mixed engines;
+* failed pods are deleted and replaced, missing pods and objects are (re)created.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem_operator import manifests as m
+from tandem_operator.spec import ENGINE_GROUPS, GROUPS, Group, PoolSpec, Weights
+
+# ---- what is observed ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PodView:
+    """The facts about one of the pool's pods that planning needs."""
+
+    name: str
+    group: Group
+    role: str = ""  # the engine role it runs (prefill, decode, mixed) or "router"
+    template_hash: str = ""
+    weights: Weights | None = None
+    phase: str = "Pending"
+    ready: bool = False
+    deleting: bool = False
+    draining_since: str | None = None
+    created: str = ""
+    ip: str | None = None
+    uid: str = ""
+
+    @property
+    def failed(self) -> bool:
+        # restartPolicy Always: a pod that ended at all will not serve again.
+        return self.phase in ("Failed", "Succeeded")
+
+    @property
+    def live(self) -> bool:
+        """Counts towards the group's replicas: not going away for any reason."""
+        return not (self.deleting or self.failed or self.draining_since)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> PodView | None:
+        meta = body.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        group = labels.get(m.COMPONENT_LABEL)
+        if group not in GROUPS:
+            return None
+        ann = meta.get("annotations") or {}
+        status = body.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in status.get("conditions") or ())
+        weights = None
+        if ann.get(m.WEIGHTS_VERSION) and ann.get(m.WEIGHTS_URI):
+            weights = Weights(uri=ann[m.WEIGHTS_URI], version=ann[m.WEIGHTS_VERSION])
+        phase = status.get("phase") or "Pending"
+        return cls(name=meta.get("name", ""), group=group, uid=meta.get("uid", ""),
+                   role=labels.get(m.ROLE_LABEL, ""),
+                   template_hash=ann.get(m.TEMPLATE_HASH, ""), weights=weights, phase=phase,
+                   ready=ready and phase == "Running",
+                   deleting=bool(meta.get("deletionTimestamp")),
+                   draining_since=ann.get(m.DRAINING_SINCE) or None,
+                   created=meta.get("creationTimestamp") or "", ip=status.get("podIP") or None)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One observation of a pool: its pods, its other objects (by (kind, name)), the status it
+    had, and whether its weights are unreachable (checked when no engine runs yet)."""
+
+    pods: tuple[PodView, ...] = ()
+    objects: Mapping[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)
+    previous: Mapping[str, Any] = field(default_factory=dict)
+    weights_error: str | None = None
+
+    def group(self, group: Group) -> list[PodView]:
+        return [p for p in self.pods if p.group == group and not p.deleting]
+
+    def engine_pods(self) -> list[PodView]:
+        return [p for p in self.pods if p.group in ENGINE_GROUPS
+                and not p.deleting and not p.failed]
+
+
+# ---- the steps ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CreateObject:
+    body: Mapping[str, Any]
+
+    @property
+    def kind(self) -> str:
+        return self.body["kind"]
+
+    @property
+    def name(self) -> str:
+        return self.body["metadata"]["name"]
+
+
+@dataclass(frozen=True)
+class CreateAdminSecret:
+    """The token is generated when acting: plans stay deterministic."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class PatchObject:
+    kind: str
+    name: str
+    patch: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class CreatePod:
+    group: Group
+    body: Mapping[str, Any]
+    reason: str  # ScaleUp | Replace | RollingUpdate
+
+
+@dataclass(frozen=True)
+class DrainPod:
+    """Start (or continue) draining a pod, then delete it."""
+
+    pod: PodView
+    reason: str  # ScaleDown | RollingUpdate | Draining (already started)
+
+
+@dataclass(frozen=True)
+class DeletePod:
+    pod: PodView
+    reason: str  # Failed
+
+
+Action = CreateObject | CreateAdminSecret | PatchObject | CreatePod | DrainPod | DeletePod
+
+
+# ---- planning -----------------------------------------------------------------------------------
+
+
+def serving_weights(spec: PoolSpec, observed: Observed) -> Weights:
+    """The weights new pods load: what most engines serve now; the spec's when none runs (or
+    when the spec's ties for most)."""
+    counts = Counter(p.weights for p in observed.engine_pods() if p.weights is not None)
+    if not counts:
+        return spec.weights
+    most = max(counts.values())
+    candidates = [w for w, n in counts.items() if n == most]
+    if spec.weights in candidates:
+        return spec.weights
+    return min(candidates, key=lambda w: (w.version, w.uri))
+
+
+def scale_down_order(pods: list[PodView]) -> list[PodView]:
+    """Which pods to take first: not ready, then the newest (name breaks ties)."""
+    return sorted(pods, key=lambda p: (p.ready, _neg(p.created), _neg(p.name)))
+
+
+def _neg(s: str) -> tuple[int, ...]:
+    return tuple(-ord(c) for c in s)
+
+
+def plan(spec: PoolSpec, observed: Observed) -> list[Action]:
+    if observed.weights_error is not None:
+        return []  # nothing half-way: the pool waits for weights it can load
+    actions: list[Action] = _plan_objects(spec, observed)
+    weights = serving_weights(spec, observed)
+    for group in GROUPS:
+        actions += _plan_group(spec, group, observed, weights)
+    return actions
+
+
+def _plan_objects(spec: PoolSpec, observed: Observed) -> list[Action]:
+    actions: list[Action] = []
+    secret = m.admin_secret_name(spec.name)
+    if ("Secret", secret) not in observed.objects:
+        actions.append(CreateAdminSecret(secret))
+    for body in m.support_objects(spec):
+        have = observed.objects.get((body["kind"], body["metadata"]["name"]))
+        if have is None:
+            actions.append(CreateObject(body))
+            continue
+        patch = m.drift_patch(body, dict(have))
+        if patch is not None:
+            actions.append(PatchObject(body["kind"], body["metadata"]["name"], patch))
+    return actions
+
+
+def _ready(pods: list[PodView]) -> int:
+    return sum(p.ready for p in pods)
+
+
+def _partner_allows(spec: PoolSpec, group: Group, observed: Observed, old: list[PodView]
+                    ) -> bool:
+    """May ready pods of `group` leave now, as far as the other engine role is concerned?
+
+    Mixed decode engines make way for decode-only ones only while a prefill engine is ready;
+    prefill engines scaled to zero leave only once the decode engines run mixed."""
+    if group == "decode" and any(p.role == "mixed" for p in old) \
+            and spec.engine_role("decode") == "decode":
+        return _ready([p for p in observed.group("prefill") if p.live]) >= 1
+    if group == "prefill" and spec.prefill.replicas == 0:
+        want = m.template_hash(spec, "decode")
+        decode = [p for p in observed.group("decode") if p.live]
+        return (_ready(decode) >= 1 and all(p.template_hash == want for p in decode))
+    return True
+
+
+def _create_reason(spec: PoolSpec, group: Group, observed: Observed, failed: bool,
+                   rolling: bool, present: int) -> str:
+    if failed:
+        return "Replace"
+    if rolling:
+        return "RollingUpdate"
+    previous = (observed.previous.get(group) or {}).get("replicas", 0)
+    unchanged = observed.previous.get("observedGeneration") == spec.generation
+    if unchanged and previous >= spec.replicas(group) > present:
+        return "Replace"  # deleted out from under us
+    return "ScaleUp"
+
+
+def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: Weights
+                ) -> list[Action]:
+    replicas = spec.replicas(group)
+    surge, unavailable = spec.rollout.max_surge, spec.rollout.max_unavailable
+    want = m.template_hash(spec, group)
+    mine = observed.group(group)
+    failed = [p for p in mine if p.failed]
+    draining = [p for p in mine if not p.failed and p.draining_since]
+    live = [p for p in mine if p.live]
+    new = [p for p in live if p.template_hash == want]
+    old = [p for p in live if p.template_hash != want]
+
+    actions: list[Action] = [DeletePod(p, "Failed") for p in failed]
+    actions += [DrainPod(p, "Draining") for p in draining]
+    reason = _create_reason(spec, group, observed, bool(failed), bool(old),
+                            len(live) + len(draining))
+    partner_ok = _partner_allows(spec, group, observed, old)
+
+    def create(n: int) -> list[Action]:
+        return [CreatePod(group, m.pod(spec, group, weights), reason) for _ in range(n)]
+
+    if not old:
+        if len(new) < replicas:
+            return actions + create(replicas - len(new))
+        extra = scale_down_order(new)[:len(new) - replicas]
+        if not partner_ok:
+            extra = [p for p in extra if not p.ready]
+        return actions + [DrainPod(p, "ScaleDown") for p in extra]
+
+    # A rollout: new pods up to replicas (+ surge), old ones out within the availability floor.
+    floor = max(replicas - unavailable, 1) if replicas >= 1 else 0
+    total = len(live) + len(draining)
+    creates = max(0, min(replicas - len(new), replicas + surge - total))
+    leaving = [p for p in old if not p.ready]  # costs no availability
+    extra_new = scale_down_order(new)[:max(0, len(new) - replicas)]
+    budget = max(0, _ready(live) - floor) if partner_ok else 0
+    extra_new_ready = [p for p in extra_new if p.ready][:budget]
+    budget -= len(extra_new_ready)
+    leaving += [p for p in scale_down_order(old) if p.ready][:budget]
+    removals = [*[p for p in extra_new if not p.ready], *extra_new_ready]
+    stalled = (surge == 0 and creates == 0 and not leaving and not removals and not draining
+               and len(new) < replicas and all(p.ready for p in new))
+    if stalled:  # honour "never the last ready pod" by surging one pod instead
+        creates = max(0, min(replicas - len(new), replicas + 1 - total))
+    actions += create(creates)
+    actions += [DrainPod(p, "ScaleDown") for p in removals]
+    actions += [DrainPod(p, "RollingUpdate") for p in leaving]
+    return actions
+
+
+# ---- status -------------------------------------------------------------------------------------
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Refitting")
+
+
+def condition(previous: Mapping[str, Any], type_: str, status: bool, reason: str,
+              message: str, generation: int, now: str) -> dict[str, Any]:
+    """A condition whose lastTransitionTime moves only when its status does."""
+    value = "True" if status else "False"
+    before = next((c for c in previous.get("conditions") or () if c.get("type") == type_), None)
+    since = now
+    if before is not None and before.get("status") == value and before.get("lastTransitionTime"):
+        since = before["lastTransitionTime"]
+    return {"type": type_, "status": value, "reason": reason, "message": message[:4000],
+            "observedGeneration": generation, "lastTransitionTime": since}
+
+
+def group_status(spec: PoolSpec, group: Group, observed: Observed) -> dict[str, int]:
+    pods = [p for p in observed.group(group) if not p.failed]
+    want = m.template_hash(spec, group)
+    return {"replicas": len(pods), "ready": _ready(pods),
+            "updated": sum(p.template_hash == want for p in pods)}
+
+
+def current_version(observed: Observed) -> str:
+    """The weights version every engine serves; empty when they differ or none runs."""
+    versions = {p.weights.version if p.weights else "" for p in observed.engine_pods()}
+    return versions.pop() if len(versions) == 1 else ""
+
+
+def _counts(groups: Mapping[str, Mapping[str, int]], spec: PoolSpec, key: str) -> str:
+    return ", ".join(f"{g} {groups[g][key]}/{spec.replicas(g)}" for g in GROUPS)
+
+
+def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, ...] = ()
+           ) -> dict[str, Any]:
+    """The status block for this observation (plus the errors met acting on it)."""
+    prev, gen = observed.previous, spec.generation
+    groups = {g: group_status(spec, g, observed) for g in GROUPS}
+    current = current_version(observed)
+    failed = [p.name for p in observed.pods if p.failed and not p.deleting]
+
+    if observed.weights_error is not None:
+        degraded = (True, "WeightsUnreachable", observed.weights_error)
+    elif errors:
+        degraded = (True, "ApplyFailed", "; ".join(errors))
+    elif failed:
+        degraded = (True, "PodFailed", f"pods failed and are being replaced: "
+                                       f"{', '.join(sorted(failed))}")
+    else:
+        degraded = (False, "AsExpected", "every step of the last reconcile succeeded")
+
+    missing = [g for g in GROUPS if spec.replicas(g) > 0 and groups[g]["ready"] == 0]
+    if observed.weights_error is not None:
+        ready = (False, "WeightsUnreachable", observed.weights_error)
+    elif missing:
+        ready = (False, f"{missing[0].capitalize()}NotReady",
+                 f"no ready {' or '.join(missing)} pod; ready: {_counts(groups, spec, 'ready')}")
+    else:
+        ready = (True, "Serving", f"serving {spec.model_name} at {m.router_endpoint(spec)}; "
+                                  f"ready: {_counts(groups, spec, 'ready')}")
+
+    outdated = any(groups[g]["updated"] < groups[g]["replicas"] for g in GROUPS)
+    draining = any(p.draining_since for p in observed.pods if not p.deleting and not p.failed)
+    if observed.weights_error is not None:
+        progressing = (False, "WeightsUnreachable", "waiting for a spec with loadable weights")
+    elif outdated:
+        progressing = (True, "RollingUpdate", f"updated: {_counts(groups, spec, 'updated')}")
+    elif failed:
+        progressing = (True, "Replacing", f"replacing failed pods: {', '.join(sorted(failed))}")
+    elif any(groups[g]["replicas"] < spec.replicas(g) for g in GROUPS):
+        progressing = (True, "ScalingUp", f"pods: {_counts(groups, spec, 'replicas')}")
+    elif draining or any(groups[g]["replicas"] > spec.replicas(g) for g in GROUPS):
+        progressing = (True, "ScalingDown", f"pods: {_counts(groups, spec, 'replicas')}")
+    elif any(groups[g]["ready"] < spec.replicas(g) for g in GROUPS):
+        progressing = (True, "PodsStarting", f"ready: {_counts(groups, spec, 'ready')}")
+    else:
+        progressing = (False, "Complete", f"every pod is updated and ready: "
+                                          f"{_counts(groups, spec, 'ready')}")
+
+    target = spec.weights.version
+    if not observed.engine_pods():
+        refitting = (False, "NoEngines", f"no engine runs yet; new engines load {target}")
+    elif current == target:
+        refitting = (False, "WeightsCurrent", f"every engine serves {target}")
+    else:
+        refitting = (False, "RefitPending", f"weights {target} requested; engines serve "
+                                            f"{current or 'mixed versions'}")
+
+    conditions = [condition(prev, t, *c, gen, now) for t, c in zip(
+        CONDITION_TYPES, (ready, progressing, degraded, refitting), strict=True)]
+    epoch = (prev.get("weights") or {}).get("epoch", 0)
+    return {"observedGeneration": gen, "conditions": conditions, **groups,
+            "weights": {"current": current, "target": target, "epoch": epoch},
+            "routerEndpoint": m.router_endpoint(spec)}
+
+
+def invalid_status(previous: Mapping[str, Any], generation: int, message: str, now: str
+                   ) -> dict[str, Any]:
+    """The status of a pool whose spec the operator cannot parse (nothing is acted on)."""
+    reason = "InvalidSpec"
+    conditions = [
+        condition(previous, "Ready", False, reason, message, generation, now),
+        condition(previous, "Progressing", False, reason, "waiting for a valid spec",
+                  generation, now),
+        condition(previous, "Degraded", True, reason, message, generation, now),
+        condition(previous, "Refitting", False, reason, "waiting for a valid spec",
+                  generation, now)]
+    return {**previous, "observedGeneration": generation, "conditions": conditions}

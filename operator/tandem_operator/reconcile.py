@@ -1,0 +1,342 @@
+"""One idempotent pass over one pool: observe -> plan -> act (one batch of steps) -> status.
+
+Level-triggered: every call starts from what the cluster says, never from memory, so the
+operator may be killed and restarted at any moment and the next pass picks up where the last
+one left. Even a drain keeps its progress in the cluster (the pod's `tandem.dev/draining-since`
+annotation, whose time bounds the drain); the asyncio task polling the engine is only the
+in-memory half, started again after a restart. A spec the schema accepts but the operator
+cannot serve (weights it cannot find at first load) creates nothing and says why in the
+`Degraded` condition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem_operator import manifests as m
+from tandem_operator import metrics
+from tandem_operator.engines import EngineAdmin, EngineAdminError, admin_url
+from tandem_operator.kube import Kube, KubeError, now, parse_time
+from tandem_operator.plan import (
+    Action,
+    CreateAdminSecret,
+    CreateObject,
+    CreatePod,
+    DeletePod,
+    DrainPod,
+    Observed,
+    PatchObject,
+    PodView,
+    invalid_status,
+    plan,
+    status,
+)
+from tandem_operator.spec import ENGINE_GROUPS, PoolSpec, SpecError, Weights
+
+log = logging.getLogger("tandem_operator.reconcile")
+
+_EVENT_REASONS = {"ScaleUp": "Created", "Replace": "Replaced", "RollingUpdate": "RollingUpdate"}
+
+
+@dataclass
+class Drains:
+    """The engine drains in flight in this process, by pod uid (their state is in the pods)."""
+
+    tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    def start(self, key: str, work: Awaitable[None]) -> None:
+        if key in self.tasks:
+            return
+
+        async def run() -> None:
+            try:
+                await work
+            finally:
+                self.tasks.pop(key, None)
+
+        self.tasks[key] = asyncio.get_running_loop().create_task(run(), name=f"drain {key}")
+
+    async def close(self) -> None:
+        tasks = list(self.tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class Context:
+    """What a reconcile needs besides the pool: clients and operator-wide settings."""
+
+    kube: Kube
+    admin: EngineAdmin = field(default_factory=EngineAdmin)
+    check_weights: bool = True  # look for <weights path>/config.json before the first pods
+    drains: Drains = field(default_factory=Drains)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    actions: tuple[Action, ...] = ()
+    errors: tuple[str, ...] = ()
+    status: Mapping[str, Any] = field(default_factory=dict)
+
+
+def weights_problem(weights: Weights) -> str | None:
+    """Why the operator cannot serve these weights, or None when it can."""
+    folder = Path(weights.path)
+    if not (folder / "config.json").is_file():
+        where = "folder does not exist" if not folder.is_dir() else "has no config.json"
+        return (f"weights {weights.version} at {weights.uri}: {folder} {where} on the "
+                f"operator's filesystem; point spec.model.weights.uri at a checkpoint folder "
+                f"(config.json, *.safetensors, tokenizer.json)")
+    return None
+
+
+def _owned(body: Mapping[str, Any], uid: str) -> bool:
+    refs = (body.get("metadata") or {}).get("ownerReferences") or ()
+    return not uid or any(r.get("uid") == uid and r.get("controller") for r in refs)
+
+
+async def observe(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any]) -> Observed:
+    ns = spec.namespace
+    pods = await ctx.kube.list("Pod", ns, {m.POOL_LABEL: spec.name})
+    views = tuple(v for p in pods if _owned(p, spec.uid)
+                  if (v := PodView.from_body(p)) is not None)
+    wanted = [("Secret", m.admin_secret_name(spec.name)),
+              *((o["kind"], o["metadata"]["name"]) for o in m.support_objects(spec))]
+    found = await asyncio.gather(*(ctx.kube.get(kind, ns, name) for kind, name in wanted))
+    objects = {key: body for key, body in zip(wanted, found, strict=True)
+               if body is not None and _owned(body, spec.uid)}
+    engines_run = any(v.group in ENGINE_GROUPS and not v.deleting and not v.failed
+                      for v in views)
+    problem = None
+    if ctx.check_weights and not engines_run:
+        problem = await asyncio.to_thread(weights_problem, spec.weights)
+    return Observed(pods=views, objects=objects, previous=pool.get("status") or {},
+                    weights_error=problem)
+
+
+async def reconcile(pool: Mapping[str, Any], ctx: Context) -> Outcome:
+    """Bring one pool one step closer to its spec and write what was observed to status."""
+    meta = pool.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return Outcome()  # the finalizer drains; garbage collection removes the rest
+    started = time.monotonic()
+    metrics.RECONCILES.inc()
+    previous = pool.get("status") or {}
+    try:
+        spec = PoolSpec.from_body(pool)
+    except SpecError as exc:
+        new = invalid_status(previous, int(meta.get("generation") or 0), str(exc), now())
+        metrics.RECONCILE_ERRORS.inc()
+        try:
+            await _write_status(ctx, pool, previous, new)
+        except KubeError as write_error:
+            return Outcome(errors=(str(exc), f"status: {write_error}"), status=new)
+        return Outcome(errors=(str(exc),), status=new)
+    try:
+        observed = await observe(ctx, spec, pool)
+    except KubeError as exc:
+        metrics.RECONCILE_ERRORS.inc()
+        log.warning("%s/%s: cannot observe the pool: %s", spec.namespace, spec.name, exc)
+        return Outcome(errors=(str(exc),))
+    actions = plan(spec, observed)
+    errors = await act(ctx, spec, pool, actions)
+    new = status(spec, observed, now=now(), errors=tuple(errors))
+    try:
+        await _write_status(ctx, pool, previous, new)
+    except KubeError as exc:
+        errors.append(f"status: {exc}")
+    if errors:
+        metrics.RECONCILE_ERRORS.inc()
+    metrics.record_pods(spec.namespace, spec.name,
+                        ((p.group, p.phase) for p in observed.pods if not p.deleting))
+    metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+    return Outcome(tuple(actions), tuple(errors), new)
+
+
+# ---- acting -------------------------------------------------------------------------------------
+
+
+async def act(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], actions: list[Action]
+              ) -> list[str]:
+    """Carry out one batch: objects first (pods need the Secret and the ServiceAccount), then
+    every pod step at once. Returns the errors met; nothing raises."""
+    objects = [a for a in actions if isinstance(a, CreateObject | CreateAdminSecret | PatchObject)]
+    pods = [a for a in actions if not isinstance(a, CreateObject | CreateAdminSecret | PatchObject)]
+    errors: list[str] = []
+    created: list[str] = []
+    for batch in (objects, pods):
+        results = await asyncio.gather(*(_act(ctx, spec, pool, a) for a in batch),
+                                       return_exceptions=True)
+        for action, result in zip(batch, results, strict=True):
+            metrics.ACTIONS.labels(type(action).__name__).inc()
+            if isinstance(result, BaseException):
+                if not isinstance(result, KubeError | EngineAdminError):
+                    log.error("%s/%s: %s failed", spec.namespace, spec.name, action,
+                              exc_info=result)
+                errors.append(f"{_describe(action)}: {result}")
+            elif isinstance(action, CreateObject | CreateAdminSecret):
+                created.append(_describe(action).removeprefix("create "))
+        if created:  # one event for the pool's plumbing; the pods get one each
+            await _event(ctx, pool, "Created", f"created {', '.join(created)}")
+            created = []
+    return errors
+
+
+def _describe(action: Action) -> str:
+    if isinstance(action, CreatePod):
+        return f"create {action.group} pod"
+    if isinstance(action, DrainPod | DeletePod):
+        return f"{type(action).__name__.removesuffix('Pod').lower()} pod {action.pod.name}"
+    if isinstance(action, CreateObject):
+        return f"create {action.kind} {action.name}"
+    if isinstance(action, CreateAdminSecret):
+        return f"create Secret {action.name}"
+    return f"patch {action.kind} {action.name}"
+
+
+async def _act(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], action: Action) -> None:
+    kube, ns = ctx.kube, spec.namespace
+    if isinstance(action, CreateObject):
+        await kube.create(action.body)
+    elif isinstance(action, CreateAdminSecret):
+        await kube.create(m.admin_secret(spec, secrets.token_urlsafe(32)))
+    elif isinstance(action, PatchObject):
+        await kube.patch(action.kind, ns, action.name, action.patch)
+        await _event(ctx, pool, "Updated", f"updated {action.kind} {action.name} to the spec")
+    elif isinstance(action, CreatePod):
+        created = await kube.create(action.body)
+        name = (created.get("metadata") or {}).get("name", "?")
+        what = {"ScaleUp": "", "Replace": " to replace a missing or failed pod",
+                "RollingUpdate": " on the new pod template"}[action.reason]
+        await _event(ctx, pool, _EVENT_REASONS[action.reason],
+                     f"created {action.group} pod {name}{what}")
+    elif isinstance(action, DeletePod):
+        await kube.delete("Pod", ns, action.pod.name, uid=action.pod.uid or None)
+        await _event(ctx, pool, "Deleted",
+                     f"deleted {action.pod.group} pod {action.pod.name} ({action.pod.phase}); "
+                     "a replacement follows")
+    elif isinstance(action, DrainPod):
+        await _start_drain(ctx, spec, pool, action)
+
+
+async def _event(ctx: Context, pool: Mapping[str, Any], reason: str, message: str,
+                 type_: str = "Normal") -> None:
+    meta = pool.get("metadata") or {}
+    log.log(logging.WARNING if type_ == "Warning" else logging.INFO, "%s/%s: %s: %s",
+            meta.get("namespace"), meta.get("name"), reason, message)
+    try:
+        await ctx.kube.event(pool, reason, message, type_)
+    except KubeError as exc:  # an event is worth a log line, never a failed step
+        log.warning("event %s (%s) not posted: %s", reason, message, exc)
+
+
+# ---- drains -------------------------------------------------------------------------------------
+
+
+async def _start_drain(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], action: DrainPod
+                       ) -> None:
+    pod = action.pod
+    since = pod.draining_since
+    if since is None:
+        since = now()
+        await ctx.kube.annotate("Pod", spec.namespace, pod.name, {m.DRAINING_SINCE: since})
+        why = "scale down" if action.reason == "ScaleDown" else "rolling update"
+        await _event(ctx, pool, "Draining",
+                     f"draining {pod.group} pod {pod.name} ({why}, at most "
+                     f"{spec.refit.drain_timeout_seconds} s)")
+    try:
+        deadline = parse_time(since).timestamp() + spec.refit.drain_timeout_seconds
+    except ValueError:
+        deadline = time.time()  # an annotation we did not write: do not wait on it
+    ctx.drains.start(pod.uid or f"{spec.namespace}/{pod.name}",
+                     _drain_then_delete(ctx, spec, pool, pod, deadline))
+
+
+async def admin_token(ctx: Context, spec: PoolSpec) -> str | None:
+    secret = await ctx.kube.get("Secret", spec.namespace, m.admin_secret_name(spec.name))
+    return m.secret_token(secret) if secret else None
+
+
+async def _drain_then_delete(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any],
+                             pod: PodView, deadline: float) -> None:
+    outcome, note = "skipped", "it ran no engine"
+    remaining = deadline - time.time()
+    if pod.group != "router" and pod.ip and pod.phase == "Running" and remaining > 0:
+        try:
+            token = await admin_token(ctx, spec)
+            result = await ctx.admin.drain(admin_url(pod.ip), token, remaining)
+            if not result.supported:
+                outcome, note = "delegated", "the engine drains itself on SIGTERM"
+            elif result.drained:
+                outcome, note = "drained", f"drained in {result.seconds:.1f} s"
+            else:
+                outcome = "timeout"
+                note = (f"drain timed out with {result.num_running} running, "
+                        f"{result.num_waiting} waiting")
+        except (EngineAdminError, KubeError) as exc:
+            outcome, note = "failed", f"admin API: {exc}"
+    elif pod.group != "router" and remaining <= 0:
+        outcome, note = "timeout", "drain timed out"
+    try:
+        if await ctx.kube.delete("Pod", spec.namespace, pod.name, uid=pod.uid or None):
+            await _event(ctx, pool, "Deleted", f"deleted {pod.group} pod {pod.name} ({note})")
+    except KubeError as exc:
+        log.warning("%s/%s: pod %s not deleted after its drain: %s", spec.namespace, spec.name,
+                    pod.name, exc)
+        outcome = "failed"
+    metrics.DRAINS.labels(outcome).inc()
+
+
+async def drain_pool(pool: Mapping[str, Any], ctx: Context) -> None:
+    """Before a pool goes: drain every running engine at once, best effort, bounded by the
+    pool's drain timeout. Pods are left to garbage collection afterwards."""
+    try:
+        spec = PoolSpec.from_body(pool)
+    except SpecError:
+        return
+    pods = await ctx.kube.list("Pod", spec.namespace, {m.POOL_LABEL: spec.name})
+    views = [v for p in pods if _owned(p, spec.uid) if (v := PodView.from_body(p)) is not None]
+    engines = [v for v in views if v.group in ENGINE_GROUPS and v.ip and v.phase == "Running"
+               and not v.deleting]
+    if not engines:
+        return
+    token = await admin_token(ctx, spec)
+    await _event(ctx, pool, "Draining",
+                 f"pool deleted: draining {len(engines)} engines (at most "
+                 f"{spec.refit.drain_timeout_seconds} s)")
+    results = await asyncio.gather(
+        *(ctx.admin.drain(admin_url(v.ip or ""), token, spec.refit.drain_timeout_seconds)
+          for v in engines), return_exceptions=True)
+    for v, r in zip(engines, results, strict=True):
+        if isinstance(r, BaseException):
+            log.info("%s/%s: drain of %s: %s", spec.namespace, spec.name, v.name, r)
+
+
+# ---- status -------------------------------------------------------------------------------------
+
+
+def _degraded(st: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    return next((c for c in st.get("conditions") or () if c.get("type") == "Degraded"), None)
+
+
+async def _write_status(ctx: Context, pool: Mapping[str, Any], previous: Mapping[str, Any],
+                        new: Mapping[str, Any]) -> None:
+    if {k: v for k, v in previous.items() if k != "refit"} == dict(new):
+        return  # unchanged: no write, no watch event, no reconcile storm
+    meta = pool.get("metadata") or {}
+    await ctx.kube.patch_pool_status(meta["namespace"], meta["name"], new)
+    before, after = _degraded(previous), _degraded(new)
+    if after and after["status"] == "True" and (
+            not before or before.get("status") != "True"
+            or before.get("reason") != after["reason"]):
+        await _event(ctx, pool, "Degraded", f"{after['reason']}: {after['message']}", "Warning")
+    elif before and before.get("status") == "True" and after and after["status"] != "True":
+        await _event(ctx, pool, "Recovered", "the pool is no longer degraded")

@@ -1,0 +1,425 @@
+"""The operator's pure halves: parsing an InferencePool (the CRD's defaults and rules) and the
+manifests built from it, checked field by field and against Kubernetes' own schemas."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from tandem_operator import manifests as m
+from tandem_operator.spec import PoolSpec, SpecError, Weights, weights_path
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD = ROOT / "crds" / "inferencepools.tandem.dev.yaml"
+
+
+def body(**spec: Any) -> dict[str, Any]:
+    full: dict[str, Any] = {"model": {"name": "llama",
+                                      "weights": {"uri": "file:///models/llama", "version": "v1"}}}
+    for key, value in spec.items():
+        full[key] = value
+    return {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool",
+            "metadata": {"name": "pool", "namespace": "ns", "uid": "uid-1", "generation": 3},
+            "spec": full}
+
+
+def parse(**spec: Any) -> PoolSpec:
+    return PoolSpec.from_body(body(**spec))
+
+
+def container(pod: dict[str, Any]) -> dict[str, Any]:
+    (c,) = pod["spec"]["containers"]
+    return c
+
+
+# ---- spec: defaults and rules -------------------------------------------------------------------
+
+
+def _schema_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Apply a structural schema's defaults the way the API server does."""
+    if isinstance(value, dict) and "properties" in schema:
+        for key, sub in schema["properties"].items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = _schema_defaults(sub, value[key])
+    return value
+
+
+def _crd_schema() -> dict[str, Any]:
+    crd = yaml.safe_load(CRD.read_text())
+    (version,) = crd["spec"]["versions"]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def test_the_operator_defaults_are_the_crds() -> None:
+    raw = body()
+    defaulted = _schema_defaults(_crd_schema(), copy.deepcopy(raw))
+    assert defaulted["spec"]["engine"]["kvCache"]["blockSize"] == 16  # defaults did apply
+    assert PoolSpec.from_body(defaulted) == PoolSpec.from_body(raw)
+
+
+def test_identity_and_spec_fields() -> None:
+    s = parse(prefill={"replicas": 2}, decode={"replicas": 3}, router={"replicas": 2},
+              engine={"kvCache": {"numBlocks": 256}, "threads": 2, "args": ["--seed", "7"]},
+              rollout={"maxSurge": 0, "maxUnavailable": 1},
+              refit={"drainTimeoutSeconds": 30}, kvTransfer={"pinTTLSeconds": 9})
+    assert (s.name, s.namespace, s.uid, s.generation) == ("pool", "ns", "uid-1", 3)
+    assert s.weights == Weights("file:///models/llama", "v1")
+    assert (s.replicas("prefill"), s.replicas("decode"), s.replicas("router")) == (2, 3, 2)
+    assert s.engine.kv_cache.num_blocks == 256 and s.engine.threads == 2
+    assert s.engine.args == ("--seed", "7")
+    assert (s.rollout.max_surge, s.rollout.max_unavailable) == (0, 1)
+    assert s.refit.drain_timeout_seconds == 30 and s.kv_transfer.pin_ttl_seconds == 9
+
+
+def test_decode_runs_mixed_without_prefill() -> None:
+    assert parse().engine_role("decode") == "decode"
+    assert parse(prefill={"replicas": 0}).engine_role("decode") == "mixed"
+    assert parse(prefill={"replicas": 0}).engine_role("prefill") == "prefill"
+    with pytest.raises(ValueError, match="not an engine group"):
+        parse().engine_role("router")
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"prefill": {"replicas": 1}, "decode": {"replicas": 0}},
+     "decode.replicas must be at least 1 when prefill.replicas > 0"),
+    ({"prefill": {"replicas": 0}, "decode": {"replicas": 0}}, "at least one engine"),
+    ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "must not both be 0"),
+    ({"engine": {"kvCache": {"numBlocks": 64, "memoryMiB": 64}}}, "not both"),
+    ({"prefill": {"replicas": 65}}, r"spec.prefill.replicas = 65 is outside 0..64"),
+    ({"prefill": {"replicas": "2"}}, "must be an integer"),
+    ({"engine": {"imagePullPolicy": "Sometimes"}}, "is not one of Always, IfNotPresent, Never"),
+    ({"router": {"service": {"type": "ExternalName"}}}, "spec.router.service.type"),
+    ({"engine": {"args": ["x"] * 65}}, "at most 64"),
+    ({"engine": "big"}, "spec.engine must be an object"),
+])
+def test_rules_of_the_crd_are_rechecked(spec: dict[str, Any], message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        parse(**spec)
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ({}, "spec.model.weights.uri is required"),
+    ({"name": "x", "weights": {"uri": "s3://bucket/model", "version": "v1"}},
+     "must be a file:// URI"),
+    ({"name": "x", "weights": {"uri": "file://host/models/x", "version": "v1"}},
+     "must not name a host"),
+    ({"name": "x", "weights": {"uri": "file:///models/x"}}, "version is required"),
+    ({"weights": {"uri": "file:///models/x", "version": "v1"}}, "spec.model.name is required"),
+])
+def test_model_errors_name_the_field(model: dict[str, Any], message: str) -> None:
+    b = body()
+    b["spec"]["model"] = model
+    with pytest.raises(SpecError, match=message):
+        PoolSpec.from_body(b)
+
+
+def test_no_spec_at_all() -> None:
+    with pytest.raises(SpecError, match="spec is required"):
+        PoolSpec.from_body({"metadata": {"name": "x"}})
+
+
+def test_weights_path() -> None:
+    assert weights_path("file:///models/llama%203") == "/models/llama 3"
+    assert weights_path("file://localhost/m") == "/m"
+    with pytest.raises(SpecError, match="absolute checkpoint folder"):
+        weights_path("file:///")
+
+
+# ---- pods ---------------------------------------------------------------------------------------
+
+
+def test_engine_pod_for_each_role() -> None:
+    s = parse(engine={"kvCache": {"memoryMiB": 512}, "maxNumSeqs": 8,
+                      "maxNumBatchedTokens": 256, "threads": 2, "args": ["--seed", "1"]},
+              refit={"drainTimeoutSeconds": 50}, kvTransfer={"pinTTLSeconds": 30})
+    for group, role in (("prefill", "prefill"), ("decode", "decode")):
+        pod = m.pod(s, group, s.weights)
+        meta = pod["metadata"]
+        assert meta["generateName"] == f"pool-{group}-" and "name" not in meta
+        assert meta["namespace"] == "ns"
+        assert meta["labels"] == {
+            "app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": "pool",
+            "app.kubernetes.io/component": group, "app.kubernetes.io/managed-by":
+            "tandem-operator", "app.kubernetes.io/part-of": "tandem",
+            "tandem.dev/pool": "pool", "tandem.dev/role": role, "tandem.dev/engine": "true"}
+        assert meta["annotations"] == {"tandem.dev/template-hash": m.template_hash(s, group),
+                                       "tandem.dev/weights-version": "v1",
+                                       "tandem.dev/weights-uri": "file:///models/llama"}
+        assert meta["ownerReferences"] == [{
+            "apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool", "name": "pool",
+            "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}]
+        c = container(pod)
+        assert c["name"] == "engine" and c["command"] == ["tandem-engine"]
+        assert c["args"] == [
+            "--role", role, "--model", "/models/llama", "--served-model-name", "llama",
+            "--host", "$(POD_IP)", "--port", "5555", "--admin-port", "8080",
+            "--engine-id", "$(POD_NAME)", "--weight-version", "v1", "--max-num-seqs", "8",
+            "--max-num-batched-tokens", "256", "--threads", "2", "--kv-pin-ttl", "30",
+            "--kv-cache-memory-bytes", str(512 * 1024 * 1024), "--shutdown-grace", "50",
+            "--seed", "1"]
+        assert c["ports"] == [{"name": "zmq", "containerPort": 5555, "protocol": "TCP"},
+                              {"name": "admin", "containerPort": 8080, "protocol": "TCP"}]
+        assert c["readinessProbe"] == {"httpGet": {"path": "/readyz", "port": "admin"},
+                                       "periodSeconds": 2}
+        assert c["livenessProbe"] == {"httpGet": {"path": "/healthz", "port": "admin"},
+                                      "initialDelaySeconds": 30, "periodSeconds": 10,
+                                      "failureThreshold": 6}
+        assert pod["spec"]["terminationGracePeriodSeconds"] == 60
+        assert pod["spec"]["restartPolicy"] == "Always"
+    mixed = parse(prefill={"replicas": 0})
+    pod = m.pod(mixed, "decode", mixed.weights)
+    assert container(pod)["args"][:2] == ["--role", "mixed"]
+    assert pod["metadata"]["labels"]["tandem.dev/role"] == "mixed"
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "decode"
+
+
+def test_kv_cache_sizing_flags() -> None:
+    blocks = parse(engine={"kvCache": {"numBlocks": 1024}})
+    args = container(m.pod(blocks, "decode", blocks.weights))["args"]
+    assert args[args.index("--num-blocks") + 1] == "1024"
+    assert "--kv-cache-memory-bytes" not in args
+    neither = parse()
+    args = container(m.pod(neither, "decode", neither.weights))["args"]
+    assert "--num-blocks" not in args and "--kv-cache-memory-bytes" not in args
+
+
+def test_engine_env_token_ucx_then_user_env() -> None:
+    s = parse(engine={"env": [{"name": "A", "value": "1"},
+                              {"name": "B", "valueFrom": {"fieldRef": {"fieldPath":
+                                                                       "spec.nodeName"}}}]},
+              kvTransfer={"ucx": {"transports": "rc,cuda_copy", "netDevices": "mlx5_0:1"}})
+    env = container(m.pod(s, "prefill", s.weights))["env"]
+    assert [e["name"] for e in env] == ["POD_IP", "POD_NAME", "POD_NAMESPACE",
+                                        "TANDEM_ADMIN_TOKEN", "UCX_TLS", "UCX_NET_DEVICES",
+                                        "A", "B"]
+    assert env[0]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env[3]["valueFrom"] == {"secretKeyRef": {"name": "pool-admin-token", "key": "token"}}
+    assert env[4]["value"] == "rc,cuda_copy" and env[5]["value"] == "mlx5_0:1"
+    plain = parse()
+    assert "UCX_TLS" not in [e["name"] for e in container(m.pod(plain, "decode",
+                                                                 plain.weights))["env"]]
+
+
+def test_resources_and_placement_per_role() -> None:
+    engine_res = {"requests": {"cpu": "1"}, "limits": {"memory": "4Gi"}}
+    prefill_res = {"limits": {"nvidia.com/gpu": 1}}
+    s = parse(engine={"resources": engine_res},
+              prefill={"replicas": 1, "resources": prefill_res,
+                       "nodeSelector": {"gpu": "h100"},
+                       "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                       "affinity": {"nodeAffinity": {}}})
+    prefill = m.pod(s, "prefill", s.weights)
+    decode = m.pod(s, "decode", s.weights)
+    assert container(prefill)["resources"] == prefill_res  # replaces engine.resources
+    assert container(decode)["resources"] == engine_res
+    assert prefill["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert prefill["spec"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+    assert prefill["spec"]["affinity"] == {"nodeAffinity": {}}
+    for key in ("nodeSelector", "tolerations", "affinity"):
+        assert key not in decode["spec"]
+    assert "resources" not in container(m.pod(parse(), "decode", s.weights))
+
+
+def test_router_pod() -> None:
+    s = parse()
+    pod = m.pod(s, "router", s.weights)
+    assert pod["metadata"]["generateName"] == "pool-router-"
+    assert pod["metadata"]["labels"]["tandem.dev/role"] == "router"
+    assert "tandem.dev/engine" not in pod["metadata"]["labels"]
+    assert pod["spec"]["serviceAccountName"] == "pool-router"
+    c = container(pod)
+    assert c["command"] == ["tandem-router"]
+    assert c["args"] == ["--discover-pool", "pool", "--namespace", "$(POD_NAMESPACE)",
+                         "--model", "/models/llama", "--served-model-name", "llama",
+                         "--host", "$(POD_IP)", "--port", "8000"]
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert [e["name"] for e in c["env"]] == ["POD_IP", "POD_NAME", "POD_NAMESPACE"]
+
+
+# ---- the template hash --------------------------------------------------------------------------
+
+
+def test_the_template_hash_is_stable_across_processes() -> None:
+    code = ("from tandem_operator.spec import PoolSpec; from tandem_operator import manifests;"
+            "import json, sys; s = PoolSpec.from_body(json.loads(sys.argv[1]));"
+            "print(*(manifests.template_hash(s, g) for g in ('prefill', 'decode', 'router')))")
+    import json
+    b = body(engine={"env": [{"name": "Z", "value": "1"}, {"name": "A", "value": "2"}]})
+    runs = {subprocess.run([sys.executable, "-c", code, json.dumps(b)], capture_output=True,
+                           text=True, check=True,
+                           env={"PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(runs) == 1
+    s = PoolSpec.from_body(b)
+    assert runs.pop().split() == [m.template_hash(s, g) for g in ("prefill", "decode", "router")]
+
+
+@pytest.mark.parametrize(("change", "groups"), [
+    ({"engine": {"image": "tandem/engine:0.2.0"}}, {"prefill", "decode", "router"}),
+    ({"engine": {"imagePullPolicy": "Always"}}, {"prefill", "decode", "router"}),
+    ({"engine": {"resources": {"limits": {"cpu": "3"}}}}, {"prefill", "decode"}),
+    ({"engine": {"env": [{"name": "X", "value": "1"}]}}, {"prefill", "decode"}),
+    ({"engine": {"args": ["--seed", "3"]}}, {"prefill", "decode"}),
+    ({"engine": {"kvCache": {"numBlocks": 64}}}, {"prefill", "decode"}),
+    ({"engine": {"maxNumSeqs": 3}}, {"prefill", "decode"}),
+    ({"engine": {"maxNumBatchedTokens": 64}}, {"prefill", "decode"}),
+    ({"engine": {"threads": 4}}, {"prefill", "decode"}),
+    ({"kvTransfer": {"pinTTLSeconds": 5}}, {"prefill", "decode"}),
+    ({"kvTransfer": {"ucx": {"transports": "tcp"}}}, {"prefill", "decode"}),
+    ({"prefill": {"replicas": 1, "nodeSelector": {"a": "b"}}}, {"prefill"}),
+    ({"decode": {"replicas": 1, "tolerations": [{"key": "k", "operator": "Exists"}]}},
+     {"decode"}),
+    ({"prefill": {"replicas": 0}}, {"decode"}),  # decode engines now run mixed
+    ({"model": {"name": "other", "weights": {"uri": "file:///models/llama", "version": "v1"}}},
+     {"prefill", "decode", "router"}),
+    # Not part of any pod template: weights (refit in place), counts, rollout, drain timeout.
+    ({"model": {"name": "llama", "weights": {"uri": "file:///models/v2", "version": "v2"}}},
+     set()),
+    ({"prefill": {"replicas": 5}, "decode": {"replicas": 7}, "router": {"replicas": 3}}, set()),
+    ({"rollout": {"maxSurge": 3, "maxUnavailable": 2}}, set()),
+    ({"refit": {"drainTimeoutSeconds": 7, "strategy": "AllAtOnce"}}, set()),
+    ({"router": {"replicas": 1, "service": {"type": "NodePort", "port": 80}}}, set()),
+])
+def test_what_the_template_hash_covers(change: dict[str, Any], groups: set[str]) -> None:
+    base, changed = parse(), parse(**change)
+    differs = {g for g in ("prefill", "decode", "router")
+               if m.template_hash(base, g) != m.template_hash(changed, g)}
+    assert differs == groups
+
+
+def test_the_hash_differs_by_group() -> None:
+    s = parse()
+    assert len({m.template_hash(s, g) for g in ("prefill", "decode", "router")}) == 3
+
+
+# ---- the pool's other objects -------------------------------------------------------------------
+
+
+def test_admin_secret_round_trip() -> None:
+    secret = m.admin_secret(parse(), "s3cr3t")
+    assert secret["metadata"]["name"] == "pool-admin-token"
+    assert base64.b64decode(secret["data"]["token"]) == b"s3cr3t"
+    assert m.secret_token(secret) == "s3cr3t"
+    assert m.secret_token({"stringData": {"token": "plain"}}) == "plain"
+    assert m.secret_token({}) is None
+
+
+def test_services() -> None:
+    s = parse(router={"service": {"type": "NodePort", "port": 9000}})
+    svc = m.router_service(s)
+    assert svc["metadata"]["name"] == "pool"
+    assert svc["spec"] == {"type": "NodePort",
+                           "selector": {"tandem.dev/pool": "pool", "tandem.dev/role": "router"},
+                           "ports": [{"name": "http", "port": 9000, "targetPort": "http",
+                                      "protocol": "TCP"}]}
+    headless = m.engines_service(s)
+    assert headless["metadata"]["name"] == "pool-engines"
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"] == {"tandem.dev/pool": "pool", "tandem.dev/engine": "true"}
+    assert [p["name"] for p in headless["spec"]["ports"]] == ["zmq", "admin"]
+    assert m.router_endpoint(s) == "http://pool.ns.svc:9000/v1"
+
+
+@pytest.mark.parametrize(("unavailable", "expected"), [(0, 1), (1, 1), (3, 3)])
+def test_pod_disruption_budgets(unavailable: int, expected: int) -> None:
+    s = parse(rollout={"maxSurge": 1, "maxUnavailable": unavailable})
+    for group in ("prefill", "decode"):
+        pdb = m.pod_disruption_budget(s, group)
+        assert pdb["metadata"]["name"] == f"pool-{group}"
+        assert pdb["spec"] == {"maxUnavailable": expected, "selector": {"matchLabels": {
+            "tandem.dev/pool": "pool", "app.kubernetes.io/component": group}}}
+
+
+def test_router_rbac() -> None:
+    s = parse()
+    assert m.router_service_account(s)["metadata"]["name"] == "pool-router"
+    role = m.router_role(s)
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"],
+                              "verbs": ["get", "list", "watch"]}]
+    binding = m.router_role_binding(s)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "pool-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pool-router",
+                                    "namespace": "ns"}]
+
+
+def _every_object(s: PoolSpec) -> list[dict[str, Any]]:
+    return [*m.support_objects(s), m.admin_secret(s, "t"),
+            *(m.pod(s, g, s.weights) for g in ("prefill", "decode", "router"))]
+
+
+def test_every_object_is_labelled_and_owned() -> None:
+    s = parse()
+    objects = _every_object(s)
+    assert sorted(o["kind"] for o in objects) == sorted([
+        "ServiceAccount", "Role", "RoleBinding", "Service", "Service", "PodDisruptionBudget",
+        "PodDisruptionBudget", "Secret", "Pod", "Pod", "Pod"])
+    for obj in objects:
+        meta = obj["metadata"]
+        assert meta["namespace"] == "ns"
+        assert meta["ownerReferences"][0]["uid"] == "uid-1"
+        assert meta["ownerReferences"][0]["controller"] is True
+        labels = meta["labels"]
+        assert labels["tandem.dev/pool"] == "pool"
+        assert labels["app.kubernetes.io/managed-by"] == "tandem-operator"
+        assert labels["app.kubernetes.io/instance"] == "pool"
+        assert labels["app.kubernetes.io/component"] in ("prefill", "decode", "router", "engine")
+
+
+@pytest.mark.parametrize("variant", [
+    {},
+    {"prefill": {"replicas": 0}},
+    {"engine": {"resources": {"limits": {"cpu": "500m", "nvidia.com/gpu": 1}},
+                "env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+                "kvCache": {"numBlocks": 64}},
+     "decode": {"replicas": 2, "tolerations": [{"key": "g", "operator": "Exists",
+                                                "effect": "NoSchedule"}],
+                "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [
+                        {"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}}},
+     "router": {"service": {"type": "LoadBalancer", "port": 80}}},
+], ids=["default", "mixed", "everything"])
+def test_every_object_passes_the_kubernetes_schema(variant: dict[str, Any]) -> None:
+    version = kubernetes_validate.latest_version()
+    for obj in _every_object(parse(**variant)):
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+# ---- drift of existing objects ------------------------------------------------------------------
+
+
+def test_drift_ignores_what_the_server_adds() -> None:
+    s = parse(router={"service": {"type": "NodePort"}})
+    desired = m.router_service(s)
+    observed = copy.deepcopy(desired)
+    observed["metadata"].update(uid="x", resourceVersion="5")
+    observed["spec"]["clusterIP"] = "10.0.0.9"
+    observed["spec"]["ports"][0]["nodePort"] = 31234
+    del observed["spec"]["ports"][0]["protocol"]
+    assert m.drift_patch(desired, observed) is None
+    for obj in m.support_objects(s):
+        assert m.drift_patch(obj, copy.deepcopy(obj)) is None
+
+
+def test_drift_patches_only_managed_fields() -> None:
+    before, after = parse(), parse(router={"service": {"type": "LoadBalancer", "port": 80}},
+                                   rollout={"maxSurge": 1, "maxUnavailable": 2})
+    assert m.drift_patch(m.router_service(after), m.router_service(before)) == {"spec": {
+        "type": "LoadBalancer",
+        "ports": [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]}}
+    assert m.drift_patch(m.pod_disruption_budget(after, "decode"),
+                         m.pod_disruption_budget(before, "decode")) == {
+        "spec": {"maxUnavailable": 2}}
+    role = m.router_role(before)
+    role["rules"] = []
+    assert m.drift_patch(m.router_role(before), role) == {"rules": m.router_role(before)["rules"]}

@@ -1,0 +1,247 @@
+"""The test kubelet (`kcluster.podrunner.PodRunner`) on the test API server: pods become
+local processes on their own loopback addresses, with kubelet's env, status, probes,
+restarts and graceful deletion."""
+
+from __future__ import annotations
+
+import base64
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import kubernetes.client
+import pytest
+from kcluster.fixtures import test_cluster  # noqa: F401
+from kcluster.podrunner import PodRunner, expand, field_ref
+
+NS = "default"
+
+# Answers every GET with its environment, argv and working directory as JSON.
+ENV_SERVER = """
+import http.server, json, os, sys
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"env": dict(os.environ), "argv": sys.argv[1:],
+                           "cwd": os.getcwd()}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer((os.environ["POD_IP"], 8000), Handler).serve_forever()
+"""
+
+
+@pytest.fixture
+def runner(test_cluster) -> Iterator[PodRunner]:  # noqa: F811
+    with PodRunner(test_cluster, restart_backoff=(0.2, 1.0)) as r:
+        yield r
+
+
+@pytest.fixture
+def core(test_cluster) -> kubernetes.client.CoreV1Api:  # noqa: F811
+    return kubernetes.client.CoreV1Api(test_cluster.api())
+
+
+def pod_body(name: str, command: list[str], **spec: Any) -> dict[str, Any]:
+    container = {"name": "main", "image": "local", "command": command,
+                 **spec.pop("container", {})}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {"app": "demo"}},
+            "spec": {"containers": [container], **spec}}
+
+
+def python(code: str) -> list[str]:
+    return ["python", "-c", code]
+
+
+def read(core: kubernetes.client.CoreV1Api, name: str) -> dict[str, Any] | None:
+    try:
+        pod = core.read_namespaced_pod(name, NS)
+    except kubernetes.client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+    return core.api_client.sanitize_for_serialization(pod)
+
+
+def wait_for(core: kubernetes.client.CoreV1Api, runner: PodRunner, name: str,
+             check: Callable[[dict[str, Any] | None], bool], what: str,
+             timeout: float = 20.0) -> dict[str, Any] | None:
+    deadline = time.monotonic() + timeout
+    while True:
+        pod = read(core, name)
+        if check(pod):
+            return pod
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pod {name} never {what} in {timeout} s; last: "
+                                 f"{(pod or {}).get('status')}\nrunner errors: "
+                                 f"{runner.errors}\n{runner.logs(name)}")
+        time.sleep(0.1)
+
+
+def condition(pod: dict[str, Any] | None, kind: str) -> str | None:
+    for c in ((pod or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == kind:
+            return c["status"]
+    return None
+
+
+def container_status(pod: dict[str, Any] | None) -> dict[str, Any]:
+    return (((pod or {}).get("status") or {}).get("containerStatuses") or [{}])[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_pure_helpers() -> None:
+    env = {"A": "1", "B": "two"}
+    assert expand("$(A)-$(B)", env) == "1-two"
+    assert expand("$$(A) $(C) $(A", env) == "$(A) $(C) $(A"
+    assert expand("cost: $5 $", env) == "cost: $5 $"
+    pod = {"metadata": {"name": "p", "namespace": "n", "labels": {"app": "x"}},
+           "status": {"podIP": "127.1.2.3", "podIPs": [{"ip": "127.1.2.3"}]}}
+    assert field_ref(pod, "metadata.labels['app']") == "x"
+    assert field_ref(pod, "status.podIPs") == "127.1.2.3"
+    with pytest.raises(ValueError, match="not supported"):
+        field_ref(pod, "spec.containers")
+
+
+def test_a_pod_runs_on_its_own_address_with_kubelets_environment(
+        test_cluster, core, runner) -> None:  # noqa: F811
+    core.create_namespaced_secret(NS, {"metadata": {"name": "creds"},
+                                       "data": {"token": base64.b64encode(b"s3cret").decode()}})
+    env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "POD_NAMESPACE",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+           {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+           {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+           {"name": "MISSING", "valueFrom": {"secretKeyRef": {
+               "name": "nope", "key": "x", "optional": True}}},
+           {"name": "GREETING", "value": "hello $(POD_NAME) in $(POD_NAMESPACE)"}]
+    core.create_namespaced_pod(NS, pod_body("web", python(ENV_SERVER), container={
+        "args": ["$(POD_NAME)", "$$(POD_NAME)", "$(NOT_DEFINED)", "<$(GREETING)>"],
+        "env": env, "ports": [{"name": "http", "containerPort": 8000}],
+        "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1}}))
+    pod = wait_for(core, runner, "web", lambda p: condition(p, "Ready") == "True", "got ready")
+    assert pod is not None
+    status = pod["status"]
+    ip = status["podIP"]
+    assert ip.startswith("127.") and ip != "127.0.0.1"
+    assert status["phase"] == "Running" and status["podIPs"] == [{"ip": ip}]
+    assert status["hostIP"] and pod["spec"]["nodeName"]
+    assert condition(pod, "ContainersReady") == "True"
+    assert container_status(pod)["ready"] and container_status(pod)["restartCount"] == 0
+    assert "running" in container_status(pod)["state"]
+
+    seen = httpx.get(f"http://{ip}:8000/", timeout=5).json()
+    e = seen["env"]
+    assert (e["POD_IP"], e["POD_NAME"], e["POD_NAMESPACE"], e["APP"]) == (ip, "web", NS, "demo")
+    assert e["TOKEN"] == "s3cret" and "MISSING" not in e
+    assert e["GREETING"] == "hello web in default"
+    assert seen["argv"] == ["web", "$(POD_NAME)", "$(NOT_DEFINED)", "<hello web in default>"]
+    assert e["KUBECONFIG"] == str(test_cluster.kubeconfig)
+    assert e["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)
+    assert runner.pod_ip("web") == ip
+
+    pids = runner.pids("web")
+    assert len(pids) == 1 and alive(pids[0])
+    runner.stop()  # stop() kills every process
+    assert not alive(pids[0])
+
+
+def test_crashing_containers_restart_per_policy(core, runner) -> None:
+    crash = python("import sys; print('crashing', flush=True); sys.exit(3)")
+    core.create_namespaced_pod(NS, pod_body("crasher", crash))
+    core.create_namespaced_pod(NS, pod_body("once-bad", crash, restartPolicy="Never"))
+    core.create_namespaced_pod(NS, pod_body("once-ok", python("pass"), restartPolicy="Never"))
+    core.create_namespaced_pod(NS, pod_body("retry-ok", python("pass"),
+                                            restartPolicy="OnFailure"))
+
+    pod = wait_for(core, runner, "crasher",
+                   lambda p: container_status(p).get("restartCount", 0) >= 2,
+                   "restarted twice")
+    status = container_status(pod)
+    assert pod is not None and pod["status"]["phase"] == "Running"
+    assert status["lastState"]["terminated"]["exitCode"] == 3
+    assert not status["ready"] and condition(pod, "Ready") == "False"
+    assert runner.logs("crasher").count("crashing") >= 2
+
+    bad = wait_for(core, runner, "once-bad", lambda p: p["status"]["phase"] == "Failed",
+                   "failed")
+    assert container_status(bad)["state"]["terminated"]["exitCode"] == 3
+    assert container_status(bad)["restartCount"] == 0
+    for name in ("once-ok", "retry-ok"):
+        ok = wait_for(core, runner, name, lambda p: p["status"]["phase"] == "Succeeded",
+                      "succeeded")
+        assert container_status(ok)["state"]["terminated"]["exitCode"] == 0
+        assert container_status(ok)["restartCount"] == 0
+
+
+def test_readiness_and_liveness_follow_their_probes(core, runner, tmp_path) -> None:
+    ready, live = tmp_path / "ready", tmp_path / "live"
+    ready.touch()
+    live.touch()
+    core.create_namespaced_pod(NS, pod_body(
+        "flappy", python("import time; time.sleep(600)"), terminationGracePeriodSeconds=1,
+        container={
+            "readinessProbe": {"exec": {"command": ["test", "-e", str(ready)]},
+                               "periodSeconds": 1, "failureThreshold": 1},
+            "livenessProbe": {"exec": {"command": ["test", "-e", str(live)]},
+                              "periodSeconds": 1, "failureThreshold": 2}}))
+    wait_for(core, runner, "flappy", lambda p: condition(p, "Ready") == "True", "got ready")
+    ready.unlink()
+    wait_for(core, runner, "flappy", lambda p: condition(p, "Ready") == "False",
+             "lost readiness")
+    ready.touch()
+    wait_for(core, runner, "flappy", lambda p: condition(p, "Ready") == "True",
+             "got ready again")
+    assert container_status(read(core, "flappy"))["restartCount"] == 0
+    pid = runner.pids("flappy")[0]
+    live.unlink()  # two failed liveness probes: killed and started again
+    wait_for(core, runner, "flappy", lambda p: container_status(p)["restartCount"] == 1,
+             "restarted")
+    live.touch()
+    assert not alive(pid)
+    wait_for(core, runner, "flappy", lambda p: condition(p, "Ready") == "True",
+             "got ready after the restart")
+
+
+def test_deletion_terminates_within_the_grace_period(core, runner) -> None:
+    polite = python("import signal, sys, time\n"
+                    "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+                    "print('up', flush=True); time.sleep(600)")
+    stubborn = python("import signal, time\n"
+                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "print('up', flush=True); time.sleep(600)")
+    core.create_namespaced_pod(NS, pod_body("polite", polite))  # grace 30 s by default
+    core.create_namespaced_pod(NS, pod_body("stubborn", stubborn,
+                                            terminationGracePeriodSeconds=1))
+    for name in ("polite", "stubborn"):
+        wait_for(core, runner, name, lambda p: container_status(p).get("started"), "started")
+    pids = {name: runner.pids(name)[0] for name in ("polite", "stubborn")}
+    time.sleep(0.3)  # let the scripts install their SIGTERM handlers
+
+    started = time.monotonic()
+    core.delete_namespaced_pod("polite", NS)
+    pod = read(core, "polite")
+    assert pod is None or pod["metadata"]["deletionTimestamp"]  # terminating, or gone
+    wait_for(core, runner, "polite", lambda p: p is None, "went away", timeout=10)
+    assert time.monotonic() - started < 10 and not alive(pids["polite"])
+
+    started = time.monotonic()
+    core.delete_namespaced_pod("stubborn", NS)
+    time.sleep(0.5)
+    assert alive(pids["stubborn"])  # it ignores SIGTERM: it gets its grace period
+    wait_for(core, runner, "stubborn", lambda p: p is None, "went away", timeout=10)
+    assert 1.0 <= time.monotonic() - started < 10 and not alive(pids["stubborn"])
