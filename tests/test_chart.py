@@ -353,7 +353,7 @@ def test_operator_deployment(cluster_wide: list[dict[str, Any]]):
     peering = one(cluster_wide, "ClusterKopfPeering")["metadata"]["name"]
     assert container["args"] == [
         "--all-namespaces", "--peering", peering, "--metrics-port", "9090",
-        "--liveness-port", "8081",
+        "--liveness-port", "8081", "--skip-weights-check",
     ]
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_ID"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
@@ -376,9 +376,101 @@ def test_ports_and_peering_follow_values(helm: Path):
     container = operator_container(objects)
     assert container["args"] == [
         "--all-namespaces", "--peering", "gpu-fleet", "--metrics-port", "9100",
-        "--liveness-port", "8082",
+        "--liveness-port", "8082", "--skip-weights-check",
     ]
     assert {p["containerPort"] for p in container["ports"]} == {9100, 8082}
     assert one(objects, "ClusterKopfPeering")["metadata"]["name"] == "gpu-fleet"
     assert one(objects, "Service")["spec"]["ports"][0]["port"] == 9100
     assert one(objects, "Deployment")["spec"]["replicas"] == 3
+
+
+# --- the weights check ---------------------------------------------------------------------------
+
+MODELS_VOLUME = {"name": "models", "persistentVolumeClaim": {"claimName": "models",
+                                                             "readOnly": True}}
+WEIGHTS_CHECK = {"weightsCheck": {"enabled": True, "volumes": [MODELS_VOLUME],
+                                  "volumeMounts": [{"name": "models", "mountPath": "/models"}]}}
+
+
+def values_file(tmp_path: Path, values: dict[str, Any]) -> list[str]:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return ["--values", str(path)]
+
+
+def test_weights_check_is_skipped_by_default(cluster_wide: list[dict[str, Any]]):
+    # The operator pod cannot see model files it does not mount: without the volume it would
+    # find no config.json and start no pool.
+    container = operator_container(cluster_wide)
+    assert "--skip-weights-check" in container["args"]
+    assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    pod = one(cluster_wide, "Deployment")["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]
+
+
+def test_weights_check_mounts_the_model_volume_read_only(helm: Path, tmp_path: Path):
+    objects = render(helm, *values_file(tmp_path, WEIGHTS_CHECK))
+    container = operator_container(objects)
+    assert "--skip-weights-check" not in container["args"]
+    # The engines' path (file:///models/... -> /models/...), never writable by the operator.
+    assert container["volumeMounts"] == [
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "models", "mountPath": "/models", "readOnly": True},
+    ]
+    pod = one(objects, "Deployment")["spec"]["template"]["spec"]
+    assert pod["volumes"][1:] == [MODELS_VOLUME]
+    for obj in objects:
+        if not obj["apiVersion"].startswith("kopf.dev/"):
+            kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    done = run_helm(helm, "lint", "--strict", str(CHART), *values_file(tmp_path, WEIGHTS_CHECK))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_weights_check_volumes_are_left_out_while_disabled(helm: Path, tmp_path: Path):
+    values = {"weightsCheck": {**WEIGHTS_CHECK["weightsCheck"], "enabled": False}}
+    container = operator_container(render(helm, *values_file(tmp_path, values)))
+    assert "--skip-weights-check" in container["args"]
+    assert [m["name"] for m in container["volumeMounts"]] == ["tmp"]
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"volumeMounts": []}, ["/weightsCheck/volumeMounts", "minItems"]),
+        ({"volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": False}]},
+         ["/weightsCheck/volumeMounts/0/readOnly"]),
+        ({"volumeMounts": [{"name": "models"}]}, ["/weightsCheck/volumeMounts/0", "mountPath"]),
+        ({"volumeMounts": [{"name": "models", "mountPath": "models"}]},
+         ["/weightsCheck/volumeMounts/0/mountPath", "pattern"]),
+        ({"volumes": [{"persistentVolumeClaim": {"claimName": "models"}}]},
+         ["/weightsCheck/volumes/0", "name"]),
+        ({"enable": True}, ["enable"]),  # a typo of enabled is not ignored
+    ],
+)
+def test_weights_check_schema_rejects(helm: Path, tmp_path: Path, change: dict[str, Any],
+                                      expected: list[str]):
+    values = {"weightsCheck": {**WEIGHTS_CHECK["weightsCheck"], **change}}
+    done = run_helm(helm, "template", RELEASE, str(CHART), *values_file(tmp_path, values))
+    assert done.returncode != 0
+    assert "values don't meet the specifications of the schema" in done.stderr
+    for text in expected:
+        assert text in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"volumeMounts": [{"name": "model", "mountPath": "/models"}]},
+         'weightsCheck.volumeMounts: "model" names no volume in weightsCheck.volumes [models]'),
+        ({"volumes": [{**MODELS_VOLUME, "name": "tmp"}],
+          "volumeMounts": [{"name": "tmp", "mountPath": "/models"}]},
+         'weightsCheck.volumes: the name "tmp" is taken'),
+    ],
+    ids=["unknown-volume", "tmp-clash"],
+)
+def test_weights_check_mounts_must_name_their_volumes(helm: Path, tmp_path: Path,
+                                                      change: dict[str, Any], expected: str):
+    values = {"weightsCheck": {**WEIGHTS_CHECK["weightsCheck"], **change}}
+    done = run_helm(helm, "template", RELEASE, str(CHART), *values_file(tmp_path, values))
+    assert done.returncode != 0
+    assert expected in done.stderr, done.stderr

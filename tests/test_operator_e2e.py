@@ -87,7 +87,7 @@ def helm(cluster: TestCluster, *args: str) -> str:
     done = subprocess.run([str(helm_binary()), *args, "--namespace", "default",
                            "--kubeconfig", str(cluster.kubeconfig)],
                           capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", **homes})
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(cluster.folder), **homes})
     assert done.returncode == 0, f"helm {' '.join(args)} failed:\n{done.stderr}"
     return done.stdout
 

@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pydantic import BaseModel, Field
 
 from tandem_engine.engine_state import EngineState, EngineStateError, KVMode
-from tandem_engine.errors import CheckpointError
+from tandem_engine.errors import CheckpointError, RequestRejected
 from tandem_engine.worker import EngineWorker
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -34,6 +34,14 @@ class SuspendBody(BaseModel):
 class RefitBody(BaseModel):
     uri: str = Field(min_length=1, max_length=4096)
     version: str | None = Field(default=None, max_length=253)
+    epoch: int | None = Field(default=None, ge=0, le=2**62)
+
+
+class CanaryBody(BaseModel):
+    prompt_token_ids: list[int] = Field(default=[1, 2, 3, 4, 5, 6, 7, 8], min_length=1,
+                                        max_length=256)
+    max_tokens: int = Field(default=4, ge=1, le=64)
+    timeout: float = Field(default=30.0, gt=0, le=600)
 
 
 def checkpoint_path(uri: str) -> Path:
@@ -105,6 +113,39 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
         worker.announce_state()
         return state()
 
+    @app.post("/v1/undrain")
+    def undrain(authorization: str | None = Header(None)) -> dict[str, Any]:
+        """Admit new requests again (after a refit's verification, or a cancelled
+        scale-down). An engine shutting down (SIGTERM) stays draining: 409."""
+        authorize(authorization)
+        if worker.shutting_down:
+            raise HTTPException(409, f"engine {worker.engine_id} is shutting down; it "
+                                     "cannot admit new requests again")
+        worker.draining = False
+        worker.announce_state()
+        return state()
+
+    @app.post("/v1/canary")
+    def canary(body: CanaryBody | None = None,
+               authorization: str | None = Header(None)) -> dict[str, Any]:
+        """A short greedy generation that no router sees: a refit's verification. Needs a
+        RUNNING engine (unpause it while it still drains, so routers send nothing)."""
+        authorize(authorization)
+        body = body or CanaryBody()
+        vocab = engine.model_config.vocab_size
+        if max(body.prompt_token_ids) >= vocab or min(body.prompt_token_ids) < 0:
+            raise HTTPException(400, f"canary prompt token ids must be in [0, {vocab})")
+        try:
+            tokens = worker.canary(body.prompt_token_ids, body.max_tokens, body.timeout)
+        except RuntimeError as exc:
+            raise HTTPException(409, str(exc)) from exc
+        except TimeoutError as exc:
+            raise HTTPException(504, str(exc)) from exc
+        except RequestRejected as exc:
+            raise HTTPException(400, str(exc)) from exc
+        return {"token_ids": tokens, "weight_version": engine.weight_version,
+                "weight_epoch": engine.weight_epoch}
+
     @app.post("/v1/suspend")
     def suspend(body: SuspendBody | None = None,
                 authorization: str | None = Header(None)) -> dict[str, Any]:
@@ -121,7 +162,7 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
         authorize(authorization)
         try:
             path = checkpoint_path(body.uri)
-            engine.refit(path, body.version or body.uri)
+            engine.refit(path, body.version or body.uri, body.epoch)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
         except CheckpointError as exc:

@@ -446,10 +446,13 @@ class LLMEngine:
                 raise TimeoutError(f"engine still {self._state} after {timeout} s, "
                                    f"not {target}")
 
-    def refit(self, source: str | Path, version: str | None = None) -> int:
+    def refit(self, source: str | Path, version: str | None = None,
+              epoch: int | None = None) -> int:
         """Swap in the weights of checkpoint folder `source` (PAUSED, SUSPENDED or
         RESUMED only). Everything is validated before any parameter changes; on error the
-        old weights keep serving. Returns the new weight epoch."""
+        old weights keep serving. Returns the new weight epoch: `epoch` when given (a
+        fleet's orchestrator numbers its refits pool-wide, so every engine on the same
+        refit has the same epoch), else the current one + 1."""
         with self._lock:
             if self._state not in REFIT_STATES:
                 raise EngineStateError(
@@ -459,7 +462,7 @@ class LLMEngine:
             config, tensors = load_checkpoint(source, dtype, reference=self.model_config)
             self.runner.load_weights(tensors)
             self.model_config = config
-            self.weight_epoch += 1
+            self.weight_epoch = self.weight_epoch + 1 if epoch is None else epoch
             self.weight_version = version or str(source)
             # Requests holding no KV yet compute everything under the new weights; the
             # ones with KV keep their salt (their leading blocks are old-weight KV).

@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weight-version", default="initial",
                    help="the version name of the weights at --model (the pool's weights.version)")
+    p.add_argument("--weight-epoch", type=int, default=0,
+                   help="the pool-wide number of the weights at --model (routers prefer the "
+                        "highest); refits set it from then on")
     return p
 
 
@@ -86,6 +89,7 @@ async def _run(args: argparse.Namespace) -> int:
     log.info("loading %s", args.model)
     engine = await asyncio.to_thread(LLMEngine.from_checkpoint, args.model, config)
     engine.weight_version = args.weight_version
+    engine.weight_epoch = args.weight_epoch
     engine_id = args.engine_id or f"{socket.gethostname()}:{args.port}"
     transfer = None
     if args.role != "mixed":  # prefill and decode engines hand KV over with NIXL

@@ -75,6 +75,7 @@ class Load(msgspec.Struct, frozen=True):
     kv_usage: float  # 0..1 of the KV pool in use
     weight_version: str
     weight_epoch: int
+    draining: bool = False  # refusing new requests (a drain, a refit's verification)
 
 
 class KVTransferInfo(msgspec.Struct, frozen=True):

@@ -127,7 +127,9 @@ class EngineWorker:
         self.role = role
         self.heartbeat_interval = heartbeat_interval
         self.stats = WorkerStats()
-        self.draining = False  # SIGTERM: no new requests
+        self.draining = False  # no new requests: a drain, a refit, or SIGTERM
+        self.shutting_down = False  # SIGTERM: draining for good
+        self._canaries: dict[str, tuple[threading.Event, list[RequestOutput]]] = {}
         self._routers: set[bytes] = set()
         self._streams: dict[str, _Stream] = {}  # engine request id -> stream
         self._wake = threading.Event()
@@ -187,7 +189,7 @@ class EngineWorker:
         e = self.engine
         return p.Load(state=str(e.state), num_running=e.num_running, num_waiting=e.num_waiting,
                       kv_usage=e.kv.usage, weight_version=e.weight_version,
-                      weight_epoch=e.weight_epoch)
+                      weight_epoch=e.weight_epoch, draining=self.draining)
 
     def announce_state(self) -> None:
         """Tell every router about a lifecycle change now (thread-safe)."""
@@ -235,7 +237,7 @@ class EngineWorker:
     def drain(self, grace_seconds: float) -> None:
         """Stop admitting; let in-flight requests finish for up to `grace_seconds`, then
         abort the rest (their routers get final `abort` outputs). Blocking."""
-        self.draining = True
+        self.draining = self.shutting_down = True
         deadline = time.monotonic() + grace_seconds
         while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -383,6 +385,33 @@ class EngineWorker:
             for message in messages:
                 self.engine.unpin(message.decode(errors="replace"))
 
+    # ---- verification ---------------------------------------------------------------------------
+
+    def canary(self, prompt_token_ids: list[int], max_tokens: int, timeout: float) -> list[int]:
+        """A short greedy generation outside any router's traffic (it runs while the engine
+        refuses new requests): a refit is verified with it before the engine serves. Raises
+        TimeoutError, or RuntimeError when the engine is not RUNNING."""
+        if self.engine.state is not EngineState.RUNNING:
+            raise RuntimeError(f"a canary needs a RUNNING engine; this one is "
+                               f"{self.engine.state} (unpause it first)")
+        rid = f"canary-{uuid.uuid4().hex}"
+        done, result = threading.Event(), []
+        self._canaries[rid] = (done, result)
+        try:
+            self.engine.add_request(rid, prompt_token_ids, SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            self._wake.set()
+            if not done.wait(timeout):
+                self.engine.abort(rid)
+                raise TimeoutError(f"canary of {max_tokens} tokens not done in {timeout} s")
+        finally:
+            del self._canaries[rid]
+        out = result[0].outputs[0]
+        if out.finish_reason != "length" or len(out.token_ids) != max_tokens:
+            raise RuntimeError(f"canary ended with {out.finish_reason!r} after "
+                               f"{len(out.token_ids)} of {max_tokens} tokens")
+        return list(out.token_ids)
+
     # ---- the stepping thread ----------------------------------------------------------------
 
     def _step_loop(self) -> None:
@@ -412,6 +441,10 @@ class EngineWorker:
     def _emit(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is None:
+            canary = self._canaries.get(out.request_id)
+            if canary is not None and out.finished:
+                canary[1].append(out)
+                canary[0].set()
             return
         delta = stream_delta(stream, out)
         self.stats.generation_tokens += len(delta.token_ids)

@@ -148,6 +148,18 @@ class Dispatcher:
     def ready(self) -> bool:
         return serving_version(self.pool.views()) is not None
 
+    async def wait_until_serving(self) -> bool:
+        """Whether an engine serves, waiting up to the failover timeout while engines are
+        only away for now (paused, suspended, refitting, verifying: an all-at-once refit's
+        window) rather than failing the request."""
+        deadline = time.monotonic() + self.config.failover_timeout
+        while not self.ready():
+            if time.monotonic() > deadline or not any(
+                    v.coming_back for v in self.pool.views()):
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     def max_model_len(self) -> int | None:
         """The context limit of the serving version (the smallest among its engines)."""
         engines = eligible(self.pool.views())
@@ -400,6 +412,8 @@ class Dispatcher:
                                    "engine attempts; giving up")
         if not progress.generated:
             client = self.pick(prompt, cache_salt, exclude=sorted(excluded))
+            if client is None and await self.wait_until_serving():
+                client = self.pick(prompt, cache_salt, exclude=sorted(excluded))
             if client is None:
                 raise NoEngineAvailable(no_engine_message(self.pool, excluded))
             return client

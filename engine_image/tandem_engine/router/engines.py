@@ -175,7 +175,8 @@ class EngineClient:
             kv_usage=load.kv_usage if load else 0.0,
             inflight=self.inflight,
             block_size=welcome.block_size if welcome else 16,
-            max_model_len=welcome.max_model_len if welcome else 0)
+            max_model_len=welcome.max_model_len if welcome else 0,
+            draining=load.draining if load else False)
 
     def describe(self) -> dict[str, Any]:
         """What `GET /v1/engines` shows of this engine."""
@@ -184,6 +185,7 @@ class EngineClient:
         return {"address": self.key, "engine_id": w.engine_id if w else None,
                 "incarnation": w.incarnation if w else None, "role": w.role if w else None,
                 "model": w.model if w else None, "alive": v.alive, "state": v.state,
+                "draining": v.draining,
                 "weight_version": v.weight_version, "weight_epoch": v.weight_epoch,
                 "num_running": v.num_running, "num_waiting": v.num_waiting,
                 "kv_usage": v.kv_usage, "inflight": v.inflight,

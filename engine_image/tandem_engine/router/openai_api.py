@@ -175,7 +175,8 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
                                  f"serves {served_model_name!r}", "model", 404,
                                  "model_not_found")
 
-    def context_limit() -> int:
+    async def context_limit() -> int:
+        await dispatcher.wait_until_serving()
         limit = dispatcher.max_model_len()
         if limit is None:
             raise InvalidRequest(no_engine_message(pool), None, 503, "no_engine_available",
@@ -188,7 +189,7 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
         req = parse_completion(await _body(request))
         options = req.options
         check_model(options)
-        limit = context_limit()
+        limit = await context_limit()
         jobs: list[Job] = []
         prompt_tokens = 0
         for i, prompt in enumerate(req.prompts):
@@ -210,7 +211,7 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
             raise InvalidRequest(f"the model {served_model_name!r} has no chat template "
                                  "(tokenizer_config.json chat_template): use /v1/completions",
                                  "messages")
-        limit = context_limit()
+        limit = await context_limit()
         ids = tokenizer.encode(chat_template.render(req.messages), add_special_tokens=False)
         max_tokens = resolve_max_tokens(options, len(ids), limit, default=None,
                                         prompt_param="messages")

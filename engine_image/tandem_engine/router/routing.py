@@ -40,10 +40,17 @@ class EngineView:
     inflight: int  # requests this router has in flight there
     block_size: int
     max_model_len: int
+    draining: bool = False  # refusing new requests (a drain, a refit's verification)
 
     @property
     def serving(self) -> bool:
-        return self.alive and self.state == RUNNING
+        return self.alive and self.state == RUNNING and not self.draining
+
+    @property
+    def coming_back(self) -> bool:
+        """Alive but not serving for now (paused, suspended, refitting, verifying): new
+        requests may wait for it rather than fail."""
+        return self.alive and not self.serving and self.state not in ("STOPPING", "STOPPED")
 
 
 @dataclass(frozen=True)
