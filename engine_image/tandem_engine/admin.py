@@ -87,6 +87,7 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
         return {"engine_id": worker.engine_id, "incarnation": worker.incarnation,
                 "role": worker.role, "model": worker.model_name, "state": load.state,
                 "weight_version": load.weight_version, "weight_epoch": load.weight_epoch,
+                "weight_uri": engine.weight_uri,
                 "num_running": load.num_running, "num_waiting": load.num_waiting,
                 "kv_usage": load.kv_usage, "draining": worker.draining,
                 "pinned_blocks": engine.kv.num_pinned_blocks,
@@ -163,6 +164,7 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
         try:
             path = checkpoint_path(body.uri)
             engine.refit(path, body.version or body.uri, body.epoch)
+            engine.weight_uri = body.uri
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
         except CheckpointError as exc:

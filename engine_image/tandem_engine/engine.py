@@ -108,6 +108,7 @@ class LLMEngine:
         self.num_preemptions = 0
         self.weight_epoch = 0
         self.weight_version = "initial"
+        self.weight_uri = ""  # file:// URI of the checkpoint serving now (set by its loader)
         self._state = EngineState.RUNNING
         self._pulling: dict[str, Request] = {}
         self.num_pull_fallbacks = 0

@@ -90,6 +90,7 @@ async def _run(args: argparse.Namespace) -> int:
     engine = await asyncio.to_thread(LLMEngine.from_checkpoint, args.model, config)
     engine.weight_version = args.weight_version
     engine.weight_epoch = args.weight_epoch
+    engine.weight_uri = Path(args.model).resolve().as_uri()
     engine_id = args.engine_id or f"{socket.gethostname()}:{args.port}"
     transfer = None
     if args.role != "mixed":  # prefill and decode engines hand KV over with NIXL

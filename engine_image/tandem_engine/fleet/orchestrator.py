@@ -1,0 +1,237 @@
+"""Moving a refit transaction forward: observe the engines, take each one's next step,
+record what happened. The operator calls `advance` from its reconcile loop (persisting
+`tx.to_dict()` in the pool's status after each call); `tandem refit` calls `run` against
+a local stack. One function, so both behave the same way.
+
+A failure (an engine refuses the refit, its canary fails or differs from the version's
+other engines, or a step outlives its deadline) turns the transaction around: with
+`Rollback` every engine goes back to the previous weights (under a new epoch, so routers
+prefer them again); with `Halt` the engines it touched are brought back to serving on
+whatever weights they have, and the transaction stops there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from tandem_engine.fleet.admin import AdminError, FleetAdmin
+from tandem_engine.fleet.transaction import (
+    Act,
+    EngineObs,
+    EngineRecord,
+    Failure,
+    Phase,
+    Transaction,
+    Weights,
+    choose_wave,
+    finished_phase,
+    next_act,
+    suspend_mode,
+)
+
+log = logging.getLogger(__name__)
+CANARY = {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 4, "timeout": 30.0}
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something a human wants to see (a Kubernetes Event, a progress line)."""
+
+    reason: str
+    message: str
+    warning: bool = False
+
+
+async def observe(admin: FleetAdmin, engines: Sequence[tuple[str, str, str]]
+                  ) -> list[EngineObs]:
+    """(name, role, admin URL) → what each engine reports now."""
+    states = await asyncio.gather(*(admin.state(url) for _, _, url in engines))
+    return [EngineObs.from_state(name, role, url, state)
+            for (name, role, url), state in zip(engines, states, strict=True)]
+
+
+async def advance(tx: Transaction, engines: list[EngineObs], admin: FleetAdmin,
+                  now: float | None = None) -> list[Event]:
+    """One pass: start the next wave if the last one is done, take one step on every
+    engine of the wave, fail or finish the transaction. Returns the events of the pass."""
+    now = time.time() if now is None else now
+    events: list[Event] = []
+    if tx.phase.finished:
+        return events
+    if not tx.started_at:
+        tx.started_at = now
+        events.append(Event("RefitStarted", f"refit to {tx.target.version} "
+                            f"({tx.target.uri}), {tx.strategy}, in-flight requests: "
+                            f"{tx.inflight}, epoch {tx.epoch}"))
+    by_name = {e.name: e for e in engines}
+    if tx.phase in (Phase.PROGRESSING, Phase.ROLLING_BACK):
+        wave = choose_wave(tx, engines)
+        if wave:
+            tx.wave += 1
+            for name in wave:
+                tx.engines[name] = EngineRecord(version=by_name[name].version, since=now)
+            events.append(Event("RefitWave", f"wave {tx.wave}: {', '.join(wave)} → "
+                                f"{tx.goal.version}"))
+    touched = [by_name[n] for n in tx.engines if n in by_name]
+    results = await asyncio.gather(*(_step(tx, e, admin, now) for e in touched),
+                                   return_exceptions=True)
+    for engine, result in zip(touched, results, strict=True):
+        if isinstance(result, Event):
+            events.append(result)
+        elif isinstance(result, AdminError | _StepFailed):
+            events += _fail(tx, engine, result, now)
+        elif isinstance(result, BaseException):
+            raise result
+    done = finished_phase(tx, engines)
+    if done is not None:
+        tx.phase, tx.finished_at = done, now
+        took = now - tx.started_at
+        if done is Phase.SUCCEEDED:
+            events.append(Event("RefitSucceeded", f"every engine serves "
+                                f"{tx.target.version} (epoch {tx.epoch}) after {took:.1f} s"))
+        elif done is Phase.ROLLED_BACK:
+            events.append(Event("RefitRolledBack", f"every engine serves "
+                                f"{tx.previous.version} again after {took:.1f} s: "
+                                f"{_describe(tx.failure)}", warning=True))
+        else:
+            events.append(Event("RefitHalted", f"refit halted after {took:.1f} s: "
+                                f"{_describe(tx.failure)}", warning=True))
+    return events
+
+
+class _StepFailed(Exception):
+    def __init__(self, step: str, message: str) -> None:
+        super().__init__(message)
+        self.step, self.message = step, message
+
+
+async def _step(tx: Transaction, engine: EngineObs, admin: FleetAdmin,
+                now: float) -> Event | None:
+    record = tx.engines[engine.name]
+    goal = tx.goal_for(engine)
+    act = next_act(engine, goal, tx.inflight, record, tx.drain_timeout, now)
+    record.version = engine.version or record.version
+    if act is Act.DONE:
+        return None
+    limit = tx.step_timeout + (tx.drain_timeout if record.drained_at is not None else 0)
+    if act is Act.WAIT:
+        if now - record.since > limit:
+            raise _StepFailed(record.step or "start", f"no progress for {now - record.since:.0f}"
+                              f" s (state {engine.state or 'unreachable'}, deadline "
+                              f"{limit:.0f} s)")
+        return None
+    name, url = engine.name, engine.admin_url
+    if act is Act.DRAIN:
+        await admin.call(name, url, "/v1/drain")
+        record.drained_at = now
+    elif act is Act.PAUSE:
+        await admin.call(name, url, "/v1/pause")
+    elif act is Act.SUSPEND:
+        await admin.call(name, url, "/v1/suspend", {"mode": suspend_mode(engine, tx.inflight)})
+    elif act is Act.REFIT:
+        assert goal is not None
+        await admin.call(name, url, "/v1/refit", {"uri": goal.uri, "version": goal.version,
+                                                  "epoch": tx.goal_epoch},
+                         timeout=admin.refit_timeout)
+    elif act is Act.RESUME:
+        await admin.call(name, url, "/v1/resume")
+    elif act is Act.UNPAUSE:
+        if not engine.draining:  # refused traffic until verified
+            await admin.call(name, url, "/v1/drain")
+        await admin.call(name, url, "/v1/unpause")
+    elif act is Act.VERIFY:
+        await _verify(tx, engine, admin)
+        await admin.call(name, url, "/v1/undrain")
+        record.verified = True
+        record.step, record.since = str(act), now
+        return Event("EngineRefitted", f"{name} ({engine.role}) serves {engine.version} "
+                     f"(epoch {engine.epoch}), verified")
+    record.step, record.since = str(act), now
+    return None
+
+
+async def _verify(tx: Transaction, engine: EngineObs, admin: FleetAdmin) -> None:
+    """The engine reports the goal and a short greedy generation succeeds — and matches the
+    one every other engine of that version produced."""
+    goal = tx.goal_for(engine)
+    # An engine refitted by this transaction carries its epoch; one that never left the
+    # previous weights (its refit was refused) keeps its own.
+    refitted = engine.version != tx.previous.version
+    if goal is not None and (engine.version != goal.version or (
+            refitted and engine.epoch != tx.goal_epoch)):
+        raise _StepFailed("verify", f"reports {engine.version} epoch {engine.epoch}, "
+                          f"expected {goal.version} epoch {tx.goal_epoch}")
+    reply = await admin.call(engine.name, engine.admin_url, "/v1/canary", CANARY,
+                             timeout=CANARY["timeout"] + 10)
+    tokens = list(reply["token_ids"])
+    reference = tx.canary.setdefault(engine.version, tokens)
+    if tokens != reference:
+        raise _StepFailed("verify", f"canary tokens {tokens} differ from {reference}, what "
+                          f"other engines on {engine.version} produced")
+
+
+def _fail(tx: Transaction, engine: EngineObs, error: Exception, now: float) -> list[Event]:
+    step = error.call if isinstance(error, AdminError) else error.step
+    message = error.message
+    record = tx.engines[engine.name]
+    record.since = now
+    if tx.phase is not Phase.PROGRESSING:
+        # Already turning back: a second failure is reported, the way back keeps going.
+        return [Event("RefitStepFailed", f"{engine.name}: {step}: {message}", warning=True)]
+    tx.failure = Failure(engine.name, step, message)
+    if tx.on_failure == "Rollback":
+        tx.phase = Phase.ROLLING_BACK
+        tx.rollback_epoch = tx.epoch + 1
+        # Engines already on the target are refitted back in waves; the ones under way
+        # are driven back from wherever they are.
+        tx.engines = {n: r for n, r in tx.engines.items() if not r.verified}
+    else:
+        tx.phase = Phase.HALTING
+        tx.engines = {n: r for n, r in tx.engines.items() if not r.verified}
+    then = (f"rolling back to {tx.previous.version}" if tx.on_failure == "Rollback"
+            else "halting where it is")
+    return [Event("RefitFailed", f"{_describe(tx.failure)}; {then}", warning=True)]
+
+
+def _describe(failure: Failure | None) -> str:
+    if failure is None:
+        return "no failure recorded"
+    return f"engine {failure.engine} failed at {failure.step}: {failure.message}"
+
+
+async def run(tx: Transaction, engines: Sequence[tuple[str, str, str]], admin: FleetAdmin,
+              on_events: Callable[[list[Event], Transaction], Awaitable[None] | None]
+              | None = None, interval: float = 0.1, timeout: float = 3600.0) -> Transaction:
+    """Drive `tx` to its end against a fixed set of engines (a local stack)."""
+    deadline = time.monotonic() + timeout
+    while not tx.phase.finished:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"refit not finished within {timeout:.0f} s (phase "
+                               f"{tx.phase}, wave {tx.wave})")
+        events = await advance(tx, await observe(admin, engines), admin)
+        if on_events is not None:
+            maybe = on_events(events, tx)
+            if maybe is not None:
+                await maybe
+        if not tx.phase.finished:
+            await asyncio.sleep(interval)
+    return tx
+
+
+def new_transaction(target: Weights, engines: list[EngineObs], *, epoch: int | None = None,
+                    **options) -> Transaction:
+    """A transaction from what the engines serve now: the previous weights are the ones
+    most of them run (every engine must report a version)."""
+    live = [e for e in engines if e.state is not None]
+    if not live:
+        raise ValueError("no engine answers: nothing to refit")
+    versions = [e.version for e in live]
+    previous_version = max(sorted(set(versions)), key=versions.count)
+    previous_uri = next(e.uri for e in live if e.version == previous_version)
+    top = max(e.epoch for e in live)
+    return Transaction(target=target, previous=Weights(previous_uri, previous_version),
+                       epoch=epoch if epoch is not None else top + 1, **options)

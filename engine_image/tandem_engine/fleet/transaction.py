@@ -1,0 +1,277 @@
+"""A fleet-wide refit as data: the transaction record and the pure rules that move it.
+
+One refit changes every engine of a pool (or of a local stack) to new weights in place:
+pause → drain → suspend → refit → resume → verify → unpause, engine by engine in waves
+(`Rolling`) or all together (`AllAtOnce`). Everything here is pure and torch-free: the
+operator and `tandem refit` both call it, and the record (`Transaction.to_dict`) is what
+the operator keeps in the pool's status, so a restarted operator continues exactly where
+the last one stopped.
+
+Each engine's next step is a function of what the engine reports (state, weight version,
+draining) and the goal, never of remembered progress — so a step that was taken but not
+recorded is simply not taken again. What is recorded per engine is only when its current
+step started (for deadlines and the drain timeout), its verification, and failures.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+STRATEGIES = ("Rolling", "AllAtOnce")
+INFLIGHT = ("Drain", "Recompute")
+ON_FAILURE = ("Rollback", "Halt")
+TRANSIENT = frozenset({"PAUSING", "UNPAUSING", "SUSPENDING", "RESUMING", "STOPPING"})
+
+
+class Phase(str, enum.Enum):
+    PROGRESSING = "Progressing"  # moving every engine to the target
+    ROLLING_BACK = "RollingBack"  # a failure: moving every engine back to the previous weights
+    HALTING = "Halting"  # a failure with onFailure Halt: bringing touched engines back to serving
+    SUCCEEDED = "Succeeded"
+    ROLLED_BACK = "RolledBack"
+    HALTED = "Halted"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def finished(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.ROLLED_BACK, Phase.HALTED)
+
+
+class Act(str, enum.Enum):
+    """What to do to one engine now (one admin API call, or nothing yet)."""
+
+    DRAIN = "drain"  # stop admitting new requests; in-flight ones finish
+    PAUSE = "pause"
+    SUSPEND = "suspend"
+    REFIT = "refit"
+    RESUME = "resume"
+    UNPAUSE = "unpause"  # still draining: no router traffic until verified
+    VERIFY = "verify"  # canary generation, then undrain
+    WAIT = "wait"  # a transition in progress, a drain not done, an unreachable engine
+    DONE = "done"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Weights:
+    uri: str
+    version: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"uri": self.uri, "version": self.version}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Weights:
+        return cls(str(data["uri"]), str(data["version"]))
+
+
+@dataclass(frozen=True)
+class EngineObs:
+    """One engine as observed now (`GET /v1/state` of its admin API)."""
+
+    name: str  # unique in the fleet: the pod name, or the local engine id
+    role: str  # prefill, decode or mixed
+    admin_url: str
+    state: str | None  # an EngineState name; None when the engine does not answer
+    version: str = ""
+    epoch: int = 0
+    draining: bool = False
+    num_running: int = 0
+    num_waiting: int = 0
+    uri: str = ""
+
+    @property
+    def serving(self) -> bool:
+        return self.state == "RUNNING" and not self.draining
+
+    @classmethod
+    def from_state(cls, name: str, role: str, admin_url: str,
+                   state: dict[str, Any] | None) -> EngineObs:
+        if state is None:
+            return cls(name, role, admin_url, None)
+        return cls(name, role, admin_url, state["state"], state["weight_version"],
+                   int(state["weight_epoch"]), bool(state.get("draining")),
+                   int(state["num_running"]), int(state["num_waiting"]),
+                   str(state.get("weight_uri", "")))
+
+
+@dataclass
+class EngineRecord:
+    """What the transaction remembers of one engine it touched."""
+
+    step: str = ""  # the last Act taken
+    since: float = 0.0  # when that step was taken (wall clock, seconds)
+    version: str = ""  # the engine's version when last observed
+    drained_at: float | None = None  # when it started draining (Drain mode)
+    verified: bool = False
+
+
+@dataclass
+class Failure:
+    engine: str
+    step: str
+    message: str
+
+
+@dataclass
+class Transaction:
+    """A refit of a fleet from `previous` to `target`; `epoch` numbers it pool-wide."""
+
+    target: Weights
+    previous: Weights
+    epoch: int
+    strategy: str = "Rolling"
+    inflight: str = "Drain"
+    drain_timeout: float = 120.0
+    on_failure: str = "Rollback"
+    max_unavailable: int = 1
+    step_timeout: float = 300.0  # any one step of one engine (beyond the drain)
+    phase: Phase = Phase.PROGRESSING
+    wave: int = 0
+    started_at: float = 0.0
+    finished_at: float | None = None
+    engines: dict[str, EngineRecord] = field(default_factory=dict)
+    canary: dict[str, list[int]] = field(default_factory=dict)  # version -> tokens
+    failure: Failure | None = None
+    rollback_epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("strategy", self.strategy, STRATEGIES),
+                                     ("inflight", self.inflight, INFLIGHT),
+                                     ("on_failure", self.on_failure, ON_FAILURE)):
+            if value not in allowed:
+                raise ValueError(f"refit {name} {value!r} is not one of {', '.join(allowed)}")
+        self.phase = Phase(self.phase)
+
+    # ---- where it is going ---------------------------------------------------------------------
+
+    @property
+    def goal(self) -> Weights:
+        return self.previous if self.phase is Phase.ROLLING_BACK else self.target
+
+    @property
+    def goal_epoch(self) -> int:
+        if self.phase is Phase.ROLLING_BACK and self.rollback_epoch is not None:
+            return self.rollback_epoch
+        return self.epoch
+
+    def goal_for(self, engine: EngineObs) -> Weights | None:
+        """The weights `engine` must end on; while halting, whatever it has (it only has
+        to serve again)."""
+        if self.phase is Phase.HALTING:
+            return None
+        return self.goal
+
+    # ---- persistence (the operator's status.refit) -----------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["phase"] = str(self.phase)
+        data["target"], data["previous"] = self.target.to_dict(), self.previous.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Transaction:
+        data = dict(data)
+        data["target"] = Weights.from_dict(data["target"])
+        data["previous"] = Weights.from_dict(data["previous"])
+        data["engines"] = {k: EngineRecord(**v) for k, v in (data.get("engines") or {}).items()}
+        failure = data.get("failure")
+        data["failure"] = Failure(**failure) if failure else None
+        data["canary"] = {k: list(v) for k, v in (data.get("canary") or {}).items()}
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# ---- one engine ---------------------------------------------------------------------------------
+
+
+def next_act(engine: EngineObs, goal: Weights | None, inflight: str, record: EngineRecord,
+             drain_timeout: float, now: float) -> Act:
+    """The next step for `engine` toward serving `goal` (None: toward serving whatever it
+    has). Decided from what the engine reports, so repeating it after a crash is safe."""
+    state, on_goal = engine.state, goal is None or engine.version == goal.version
+    if state is None or state in TRANSIENT:
+        return Act.WAIT  # unreachable, or a transition (PAUSING, SUSPENDING, ...) under way
+    if state == "RUNNING":
+        if on_goal:
+            if not engine.draining:
+                return Act.DONE
+            return Act.VERIFY  # refitted and unpaused, still refusing traffic
+        if not engine.draining:
+            return Act.DRAIN if inflight == "Drain" else Act.PAUSE
+        drained = engine.num_running + engine.num_waiting == 0
+        started = record.drained_at if record.drained_at is not None else now
+        return Act.PAUSE if drained or now - started >= drain_timeout else Act.WAIT
+    if state in ("PAUSED", "RESUMED"):
+        return Act.UNPAUSE if on_goal else Act.SUSPEND
+    if state == "SUSPENDED":
+        return Act.RESUME if on_goal else Act.REFIT
+    return Act.WAIT  # STOPPED: the engine is leaving; the fleet no longer counts it
+
+
+def suspend_mode(engine: EngineObs, inflight: str) -> str:
+    """Recompute keeps in-flight requests (they finish on the new weights); a drained
+    engine has none, so its KV stays where it is."""
+    busy = engine.num_running + engine.num_waiting > 0
+    return "recompute" if inflight == "Recompute" or busy else "persist"
+
+
+# ---- waves --------------------------------------------------------------------------------------
+
+
+def choose_wave(tx: Transaction, engines: list[EngineObs]) -> list[str]:
+    """Engines to start now (none while a wave is in progress).
+
+    Rolling: up to `max_unavailable` per role, prefill and decode together, never taking
+    a role's last serving engine of the old weights while the goal weights have no
+    serving engine of that role — so each version keeps a prefill and a decode serving
+    while both exist. When no wave keeps that (a 1 prefill + 1 decode pool), one engine
+    per role goes anyway: the router waits out the short window instead of failing.
+    AllAtOnce: every engine not on the goal."""
+    goal = tx.goal
+    behind = [e for e in engines if e.state is not None and e.version != goal.version
+              and e.name not in tx.engines]
+    if not behind or any(not _settled(tx, e) for e in engines if e.name in tx.engines):
+        return []
+    if tx.strategy == "AllAtOnce":
+        return sorted(e.name for e in behind)
+    wave: list[str] = []
+    roles = sorted({e.role for e in behind})
+    for role in roles:
+        old = sorted((e for e in behind if e.role == role and e.serving), key=lambda e: e.name)
+        goal_serving = sum(1 for e in engines if e.role == role and e.serving
+                           and e.version == goal.version)
+        keep = 0 if goal_serving else 1
+        n = max(0, min(max(1, tx.max_unavailable), len(old) - keep))
+        wave += [e.name for e in old[:n]]
+    if not wave:  # nothing keeps the invariant: the smallest wave that makes progress
+        for role in roles:
+            first = min((e for e in behind if e.role == role), key=lambda e: e.name)
+            wave.append(first.name)
+    return wave
+
+
+def _settled(tx: Transaction, engine: EngineObs) -> bool:
+    """Whether a touched engine is done (serving its goal)."""
+    goal = tx.goal_for(engine)
+    return engine.serving and (goal is None or engine.version == goal.version)
+
+
+def finished_phase(tx: Transaction, engines: list[EngineObs]) -> Phase | None:
+    """The phase the transaction ends in, once every engine is where it must be."""
+    if tx.phase is Phase.HALTING:
+        touched = [e for e in engines if e.name in tx.engines]
+        return Phase.HALTED if all(e.serving for e in touched) else None
+    goal = tx.goal
+    live = [e for e in engines if e.state is not None]
+    if live and all(e.serving and e.version == goal.version for e in live) and len(
+            live) == len(engines):
+        return Phase.ROLLED_BACK if tx.phase is Phase.ROLLING_BACK else Phase.SUCCEEDED
+    return None
