@@ -15,6 +15,7 @@ sent with the final output or dropped with the stop string.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
 import time
@@ -130,6 +131,7 @@ class EngineWorker:
         self.draining = False  # no new requests: a drain, a refit, or SIGTERM
         self.shutting_down = False  # SIGTERM: draining for good
         self._canaries: dict[str, tuple[threading.Event, list[RequestOutput]]] = {}
+        self._unpins: collections.deque[str] = collections.deque()  # pins to release
         self._routers: set[bytes] = set()
         self._streams: dict[str, _Stream] = {}  # engine request id -> stream
         self._wake = threading.Event()
@@ -217,6 +219,11 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._step_loop, name="engine-steps",
                                         daemon=True)
         self._thread.start()
+        progress = None
+        if self.transfer is not None:
+            progress = threading.Thread(target=self._progress_loop, name="kv-progress",
+                                        daemon=True)
+            progress.start()
         tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._send()),
                  asyncio.create_task(self._heartbeat())]
         try:
@@ -225,6 +232,8 @@ class EngineWorker:
             self._closing.set()
             self._wake.set()
             self._thread.join(timeout=10)
+            if progress is not None:
+                progress.join(timeout=10)
             if self._pulls is not None:
                 self._pulls.shutdown(wait=True, cancel_futures=True)
             if self.transfer is not None:
@@ -379,11 +388,29 @@ class EngineWorker:
         self.engine.complete_pull(rid, ok)
         self._wake.set()
 
+    def _progress_loop(self) -> None:
+        """The passive side of transfers must make progress, or pulls from it stall — also
+        while a long prefill step runs. While pins exist (pulls may be under way) this
+        thread polls NIXL every millisecond (it sleeps in between: no busy spin), else
+        every 20 ms; the pin ids of finished pulls go to the stepping thread, which
+        unpins them between steps."""
+        assert self.transfer is not None
+        while not self._closing.is_set():
+            try:
+                notes = self.transfer.new_notifications()
+            except TransferError as exc:
+                log.warning("polling KV transfer notifications failed: %s", exc)
+                notes = {}
+            for messages in notes.values():
+                self._unpins.extend(m.decode(errors="replace") for m in messages)
+            if self._unpins:
+                self._wake.set()
+            time.sleep(0.001 if self.engine.kv.num_pinned_blocks else 0.02)
+
     def _unpin_notified(self) -> None:
-        """Prefill side: every decode engine that finished a pull names the pin."""
-        for messages in self.transfer.new_notifications().values():
-            for message in messages:
-                self.engine.unpin(message.decode(errors="replace"))
+        """Prefill side: every decode engine that finished a pull named the pin."""
+        while self._unpins:
+            self.engine.unpin(self._unpins.popleft())
 
     # ---- verification ---------------------------------------------------------------------------
 
@@ -421,9 +448,7 @@ class EngineWorker:
             if self.transfer is not None:
                 self._unpin_notified()
             if not busy:
-                # A prefill engine is a transfer's passive side: it must make progress
-                # often, or pulls from it stall.
-                self._wake.wait(timeout=0.002 if self.transfer is not None else 0.05)
+                self._wake.wait(timeout=0.05)
                 self._wake.clear()
             try:
                 outputs = engine.step()
