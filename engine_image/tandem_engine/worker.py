@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -132,6 +134,8 @@ class EngineWorker:
         self.shutting_down = False  # SIGTERM: draining for good
         self._canaries: dict[str, tuple[threading.Event, list[RequestOutput]]] = {}
         self._unpins: collections.deque[str] = collections.deque()  # pins to release
+        # Work for the stepping thread from the socket loop (admissions, aborts).
+        self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._routers: set[bytes] = set()
         self._streams: dict[str, _Stream] = {}  # engine request id -> stream
         self._wake = threading.Event()
@@ -248,7 +252,8 @@ class EngineWorker:
         abort the rest (their routers get final `abort` outputs). Blocking."""
         self.draining = self.shutting_down = True
         deadline = time.monotonic() + grace_seconds
-        while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        while ((self._inbox or self.engine.has_unfinished_requests())
+               and time.monotonic() < deadline):
             time.sleep(0.05)
         for request_id in list(self._streams):
             self.engine.abort(request_id)
@@ -285,12 +290,15 @@ class EngineWorker:
         elif isinstance(msg, p.Submit):
             self._submit(router, msg)
         elif isinstance(msg, p.Abort):
-            rid = self._engine_id(router, msg.request_id)
-            self.engine.abort(rid)
-            self.engine.unpin(rid)  # a finished prefill whose KV no decode engine will pull
+            self._inbox.append(functools.partial(self._abort, self._engine_id(
+                router, msg.request_id)))
             self._wake.set()
         else:
             log.warning("dropped a %s: engines do not accept it", type(msg).__name__)
+
+    def _abort(self, rid: str) -> None:
+        self.engine.abort(rid)
+        self.engine.unpin(rid)  # a finished prefill whose KV no decode engine will pull
 
     def _welcome(self) -> p.Welcome:
         e = self.engine
@@ -307,13 +315,25 @@ class EngineWorker:
             self._queue(router, p.Reject(msg.request_id, status, message))
 
         if self.draining:
-            return reject(503, f"engine {self.engine_id} is shutting down")
+            why = "shutting down" if self.shutting_down else "draining (refusing new requests)"
+            return reject(503, f"engine {self.engine_id} is {why}")
         try:
             params = SamplingParams(**msg.sampling)
         except TypeError as exc:
             return reject(400, f"unknown sampling parameter: {exc}")
         except RequestRejected as exc:
             return reject(400, str(exc))
+        # The engine is changed only on the stepping thread, between steps: a long step
+        # holds the engine's lock, and the socket loop must never wait for it (heartbeats
+        # and outputs would stop).
+        self._inbox.append(lambda: self._admit(router, msg, params))
+        self._wake.set()
+
+    def _admit(self, router: bytes, msg: p.Submit, params: SamplingParams) -> None:
+        """On the stepping thread: hand a validated SUBMIT to the engine."""
+        def reject(status: int, message: str) -> None:
+            self._send_threadsafe(router, p.encode(p.Reject(msg.request_id, status, message)))
+
         rid = self._engine_id(router, msg.request_id)
         hold = max((len(s) for s in params.stop), default=1) - 1
         if params.include_stop_str_in_output:
@@ -444,6 +464,11 @@ class EngineWorker:
     def _step_loop(self) -> None:
         engine = self.engine
         while not self._closing.is_set():
+            while self._inbox:
+                try:
+                    self._inbox.popleft()()
+                except Exception:  # one bad message must not stop the engine
+                    log.exception("failed to admit a message")
             busy = engine.has_unfinished_requests() and engine.state is EngineState.RUNNING
             if self.transfer is not None:
                 self._unpin_notified()
