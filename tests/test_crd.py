@@ -191,13 +191,16 @@ def test_names_scope_and_version():
 def test_printer_columns():
     columns = {c["name"]: c for c in VERSION["additionalPrinterColumns"]}
     assert [c["name"] for c in VERSION["additionalPrinterColumns"]] == [
-        "Prefill", "Prefill-Ready", "Decode", "Decode-Ready", "Weights", "Ready", "Endpoint", "Age",
+        "Prefill", "Prefill-Ready", "Decode", "Decode-Ready", "Weights", "Target", "Refit", "Ready",
+        "Endpoint", "Age",
     ]
     assert columns["Prefill"]["jsonPath"] == ".spec.prefill.replicas"
     assert columns["Prefill-Ready"]["jsonPath"] == ".status.prefill.ready"
     assert columns["Decode"]["jsonPath"] == ".spec.decode.replicas"
     assert columns["Decode-Ready"]["jsonPath"] == ".status.decode.ready"
     assert columns["Weights"]["jsonPath"] == ".status.weights.current"
+    assert columns["Target"]["jsonPath"] == ".status.weights.target"
+    assert columns["Refit"]["jsonPath"] == ".status.refit.phase"
     assert columns["Ready"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'
     assert columns["Age"] == {
         "name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp",
@@ -489,13 +492,21 @@ def test_status_is_bounded_too():
         "prefill": {"replicas": 1, "ready": 1, "updated": 1},
         "weights": {"current": "v1", "target": "v1", "epoch": 0},
         "routerEndpoint": "http://demo.default.svc:8000/v1",
-        "refit": {"phase": "Idle", "waves": [{"engines": ["a"]}]},
+        # The operator's transaction record: named fields are checked, the rest is kept.
+        "refit": {"phase": "Progressing", "epoch": 2, "wave": 1, "strategy": "Rolling",
+                  "target": {"uri": "file:///models/v2", "version": "v2"},
+                  "previous": {"uri": "file:///models/v1", "version": "v1"},
+                  "progress": "1/2 engines serve v2", "started_at": 1700000000.5,
+                  "engines": {"demo-prefill-abcde": {"step": "refit", "since": 1700000001.25,
+                                                     "version": "v1", "verified": False}},
+                  "canary": {"v2": [5, 6, 7, 8]}},
     }
     assert validate(manifest) == []
     manifest["status"]["conditions"][0]["type"] = "Healthy"
     manifest["status"]["conditions"][0]["reason"] = "all engines ready"
+    manifest["status"]["refit"]["phase"] = "Idle"
     assert {f for f, _ in validate(manifest)} == {
-        "status.conditions[0].type", "status.conditions[0].reason",
+        "status.conditions[0].type", "status.conditions[0].reason", "status.refit.phase",
     }
 
 

@@ -227,12 +227,13 @@ def test_apply_creates_the_pool_with_owned_objects_and_printer_columns(
 
     table = cluster.kubectl("get", "ipool").stdout.splitlines()
     assert table[0].split() == ["NAME", "PREFILL", "PREFILL-READY", "DECODE", "DECODE-READY",
-                                "WEIGHTS", "READY", "AGE"]
-    assert table[1].split()[:7] == ["demo", "1", "0", "1", "0", "v1", "False"]
+                                "WEIGHTS", "TARGET", "REFIT", "READY", "AGE"]
+    # Refit stays blank until the first weights edit.
+    assert table[1].split()[:8] == ["demo", "1", "0", "1", "0", "v1", "v1", "False"]
 
     wait_serving(cluster, {"prefill": 1, "decode": 1, "router": 1})
     row = cluster.kubectl("get", "ipool", "demo", "--no-headers").stdout.split()
-    assert row[:7] == ["demo", "1", "1", "1", "1", "v1", "True"]
+    assert row[:8] == ["demo", "1", "1", "1", "1", "v1", "v1", "True"]
     wide = cluster.kubectl("get", "ipool", "demo", "-o", "wide").stdout
     assert "http://demo.default.svc:8000/v1" in wide
     status = pool(cluster)["status"]

@@ -135,8 +135,8 @@ def test_helm_install_apply_a_pool_and_get_disaggregated_completions(
         raise
     assert pool["status"]["prefill"]["ready"] == 1 and pool["status"]["decode"]["ready"] == 2
     table = cluster.kubectl("get", "ipool", "demo").stdout
-    assert table.split()[:7] == ["NAME", "PREFILL", "PREFILL-READY", "DECODE",
-                                 "DECODE-READY", "WEIGHTS", "READY"], table
+    assert table.split()[:9] == ["NAME", "PREFILL", "PREFILL-READY", "DECODE",
+                                 "DECODE-READY", "WEIGHTS", "TARGET", "REFIT", "READY"], table
 
     router_ip = kubelet.pod_ip(live_pods(cluster, "router")[0]["metadata"]["name"])
     client = openai.OpenAI(base_url=f"http://{router_ip}:8000/v1", api_key="x",

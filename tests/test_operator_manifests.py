@@ -142,7 +142,7 @@ def test_engine_pod_for_each_role() -> None:
                       "maxNumBatchedTokens": 256, "threads": 2, "args": ["--seed", "1"]},
               refit={"drainTimeoutSeconds": 50}, kvTransfer={"pinTTLSeconds": 30})
     for group, role in (("prefill", "prefill"), ("decode", "decode")):
-        pod = m.pod(s, group, s.weights)
+        pod = m.pod(s, group, s.weights, epoch=3)
         meta = pod["metadata"]
         assert meta["generateName"] == f"pool-{group}-" and "name" not in meta
         assert meta["namespace"] == "ns"
@@ -153,7 +153,8 @@ def test_engine_pod_for_each_role() -> None:
             "tandem.dev/pool": "pool", "tandem.dev/role": role, "tandem.dev/engine": "true"}
         assert meta["annotations"] == {"tandem.dev/template-hash": m.template_hash(s, group),
                                        "tandem.dev/weights-version": "v1",
-                                       "tandem.dev/weights-uri": "file:///models/llama"}
+                                       "tandem.dev/weights-uri": "file:///models/llama",
+                                       "tandem.dev/weights-epoch": "3"}
         assert meta["ownerReferences"] == [{
             "apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool", "name": "pool",
             "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}]
@@ -162,7 +163,8 @@ def test_engine_pod_for_each_role() -> None:
         assert c["args"] == [
             "--role", role, "--model", "/models/llama", "--served-model-name", "llama",
             "--host", "$(POD_IP)", "--port", "5555", "--admin-port", "8080",
-            "--engine-id", "$(POD_NAME)", "--weight-version", "v1", "--max-num-seqs", "8",
+            "--engine-id", "$(POD_NAME)", "--weight-version", "v1", "--weight-epoch", "3",
+            "--max-num-seqs", "8",
             "--max-num-batched-tokens", "256", "--threads", "2", "--kv-pin-ttl", "30",
             "--kv-cache-memory-bytes", str(512 * 1024 * 1024), "--shutdown-grace", "50",
             "--seed", "1"]

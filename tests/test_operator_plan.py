@@ -24,6 +24,7 @@ from tandem_operator.plan import (
     Observed,
     PatchObject,
     PodView,
+    RefitReport,
     invalid_status,
     plan,
     scale_down_order,
@@ -232,6 +233,30 @@ def test_new_pods_load_the_weights_the_engines_serve() -> None:
     assert serving_weights(on_v1, most) == V2
 
 
+def test_new_pods_carry_the_epoch_of_their_weights() -> None:
+    spec = make_spec(decode={"replicas": 2})
+    observed = Observed(pods=(replace(pod(spec, "prefill", weights=V2), epoch=4),
+                              replace(pod(spec, "decode", weights=V1), epoch=1)),
+                        previous={"weights": {"epoch": 6}})
+    (create,) = creates(plan(spec, observed), "decode")
+    args = create.body["spec"]["containers"][0]["args"]
+    assert args[args.index("--weight-epoch") + 1] == "1"  # on the spec's v1, like its engine
+    assert create.body["metadata"]["annotations"]["tandem.dev/weights-epoch"] == "1"
+    # A refit transaction decides the weights instead; their engines' epoch comes along.
+    (create,) = creates(plan(spec, replace(observed, pod_weights=V2)), "decode")
+    annotations = create.body["metadata"]["annotations"]
+    assert (annotations["tandem.dev/weights-version"], annotations["tandem.dev/weights-epoch"]
+            ) == ("v2", "4")
+    # No engine on those weights: the pool-wide epoch in status.
+    lone = Observed(previous={"weights": {"epoch": 6}})
+    assert {a.body["metadata"]["annotations"].get("tandem.dev/weights-epoch")
+            for a in creates(plan(spec, lone))} == {"6", None}  # routers carry none
+    body = m.pod(spec, "decode", V2, epoch=4)
+    body["metadata"].update(name="pool-decode-x", uid="u1")
+    view = PodView.from_body(body)
+    assert view is not None and (view.weights, view.epoch) == (V2, 4)
+
+
 def test_the_weights_change_alone_rolls_nothing() -> None:
     on_v1 = make_spec()
     wants_v2 = make_spec(generation=2, model={"name": "llama", "weights": {
@@ -431,7 +456,8 @@ def test_pod_view_from_a_pod_body() -> None:
     view = PodView.from_body(body)
     assert view == PodView(name="pool-decode-abcde", group="decode", role="decode",
                            template_hash=m.template_hash(spec, "decode"), weights=V1,
-                           phase="Running", ready=True, created="2025-01-01T00:00:00Z",
+                           epoch=0, phase="Running", ready=True,
+                           created="2025-01-01T00:00:00Z",
                            ip="10.1.2.3", uid="u9")
     body["status"]["phase"] = "Pending"  # a Ready condition left over is not readiness
     assert PodView.from_body(body).ready is False  # type: ignore[union-attr]
@@ -537,6 +563,38 @@ def test_status_weights_and_refitting() -> None:
     st = status(spec, Observed(), now=NOW)
     assert st["weights"]["current"] == ""
     assert conditions(st)["Refitting"]["reason"] == "NoEngines"
+
+
+def test_status_from_a_refit_report() -> None:
+    spec = make_spec(generation=2, model={"name": "llama", "weights": {
+        "uri": V2.uri, "version": V2.version}})
+    split = Observed(pods=(pod(spec, "prefill", weights=V1),
+                           replace(pod(spec, "decode", weights=V2, ready=False), epoch=4),
+                           pod(spec, "router")),
+                     previous={"weights": {"epoch": 3}, "refit": {"phase": "Progressing"}})
+    running = RefitReport(record={"phase": "Progressing", "epoch": 4},
+                          refitting=(True, "Rolling", "refit v1 → v2: wave 1"))
+    st = status(spec, split, now=NOW, refit=running)
+    c = conditions(st)
+    assert (c["Refitting"]["status"], c["Refitting"]["reason"]) == ("True", "Rolling")
+    assert c["Progressing"]["reason"] == "Refitting"
+    assert c["Degraded"]["status"] == "False"
+    # the epoch new pods get: that of the v2 engine (a tie goes to the spec's weights)
+    assert st["weights"] == {"current": "", "target": "v2", "epoch": 4}
+    assert st["refit"] == {"phase": "Progressing", "epoch": 4}
+    failed = RefitReport(record={"phase": "RolledBack"},
+                         refitting=(False, "RefitRolledBack", "rolled back"),
+                         degraded=(True, "RefitRolledBack", "engine e failed at refit: 422"),
+                         current="v1")
+    st = status(spec, replace(split, pod_weights=V1), now=NOW, refit=failed)
+    c = conditions(st)
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "RefitRolledBack")
+    # v1's engine carries no epoch annotation (created before they existed): status's
+    assert st["weights"] == {"current": "v1", "target": "v2", "epoch": 3}
+    # An apply error still comes first; without a report the record stays as it was.
+    c = conditions(status(spec, split, now=NOW, errors=("boom",), refit=failed))
+    assert c["Degraded"]["reason"] == "ApplyFailed"
+    assert status(spec, split, now=NOW)["refit"] == {"phase": "Progressing"}
 
 
 def test_invalid_status_keeps_what_was_observed() -> None:

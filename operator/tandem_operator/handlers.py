@@ -1,11 +1,12 @@
 """The kopf wiring: thin handlers that only decide *when* a pool is reconciled.
 
 One daemon per pool owns that pool's reconciles, so two never run at once for one pool. It
-reconciles, then sleeps until woken or until the resync interval passes. Everything else only
-wakes it: the pool's create/update/resume handlers and any event on a pod labelled with the
-pool's name. A burst of events while a reconcile runs costs one more reconcile, not one each.
-Deleting a pool stops its daemon; the finalizer (the delete handler) drains the engines,
-best effort, then garbage collection removes the pods.
+reconciles, then sleeps until woken or until the resync interval passes (sooner while a refit
+runs: the reconcile asks for it). Everything else only wakes it: the pool's
+create/update/resume handlers and any event on a pod labelled with the pool's name. A burst
+of events while a reconcile runs costs one more reconcile, not one each. Deleting a pool
+stops its daemon; the finalizer (the delete handler) drains the engines, best effort, then
+garbage collection removes the pods.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 30
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        # httpx (the refit's admin calls) logs every request at INFO; a refit polls each
+        # engine on every pass. Our events say what happened.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     kube = Kube.from_configuration(load_configuration(ours.kubeconfig))
     memo.tandem = Runtime(ours, Context(kube=kube, admin=EngineAdmin(),
                                         check_weights=ours.check_weights))
@@ -81,6 +86,7 @@ async def close(memo: Any, **_: Any) -> None:
     rt: Runtime | None = getattr(memo, "tandem", None)
     if rt is not None:
         await rt.ctx.drains.close()
+        await rt.ctx.fleet.close()
         await rt.ctx.admin.close()
         rt.ctx.kube.close()
 
@@ -123,6 +129,7 @@ async def pool_daemon(namespace: str, name: str, body: Any, stopped: Any, memo: 
     try:
         while not stopped:
             waker.clear()
+            requeue: float | None = None
             try:
                 pool = await rt.ctx.kube.get_pool(namespace, name)
             except KubeError as exc:
@@ -131,24 +138,27 @@ async def pool_daemon(namespace: str, name: str, body: Any, stopped: Any, memo: 
             if pool is None or (pool.get("metadata") or {}).get("deletionTimestamp"):
                 break
             try:
-                await reconcile(pool, rt.ctx)
+                requeue = (await reconcile(pool, rt.ctx)).requeue_after
             except Exception:  # a bug in one pass must not end the pool's reconciles
                 log.exception("%s/%s: reconcile failed", namespace, name)
                 metrics.RECONCILE_ERRORS.inc()
-            await _sleep(waker, stopped, rt.settings)
+            await _sleep(waker, stopped, rt.settings, requeue)
     finally:
+        await rt.ctx.fleet.forget(namespace, name)
         metrics.POOLS.dec()
         metrics.forget_pool(namespace, name)
         rt.wakers.pop((namespace, name), None)
 
 
-async def _sleep(waker: asyncio.Event, stopped: Any, settings: Settings) -> None:
-    """Until woken, stopped, or the resync interval passes."""
+async def _sleep(waker: asyncio.Event, stopped: Any, settings: Settings,
+                 requeue: float | None = None) -> None:
+    """Until woken, stopped, or the resync interval (or the sooner `requeue`) passes."""
     wake = asyncio.ensure_future(waker.wait())
     stop = asyncio.ensure_future(stopped.wait())
+    timeout = settings.resync_seconds if requeue is None else min(requeue,
+                                                                   settings.resync_seconds)
     try:
-        await asyncio.wait({wake, stop}, timeout=settings.resync_seconds,
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({wake, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         wake.cancel()
         stop.cancel()

@@ -3,8 +3,8 @@
 No I/O here: reconcile decides *whether* to create something, these functions say *what* it
 is, so the exact pod a spec produces is testable without an API server. `template_hash` names
 a pod template: pods whose hash differs from the spec's are rolled. The weights are not part of
-it (a weights change is refit in place, never a new pod), nor is the drain timeout (it bounds
-how a pod is stopped, not what runs in it).
+it (a weights change is refit in place, never a new pod), nor is the weight epoch, nor the
+drain timeout (it bounds how a pod is stopped, not what runs in it).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ COMPONENT_LABEL = "app.kubernetes.io/component"
 TEMPLATE_HASH = "tandem.dev/template-hash"
 WEIGHTS_VERSION = "tandem.dev/weights-version"
 WEIGHTS_URI = "tandem.dev/weights-uri"
+WEIGHTS_EPOCH = "tandem.dev/weights-epoch"  # the pool-wide refit number of those weights
 DRAINING_SINCE = "tandem.dev/draining-since"  # set by the operator when it starts a drain
 ADMIN_TOKEN_KEY = "token"
 MANAGER = "tandem-operator"
@@ -93,14 +94,17 @@ def _http_probe(path: str, port: str, **timing: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, **timing}
 
 
-def engine_args(spec: PoolSpec, group: Group, weights: Weights, drain_seconds: int
-                ) -> list[str]:
+def engine_args(spec: PoolSpec, group: Group, weights: Weights, drain_seconds: int,
+                epoch: int | None = None) -> list[str]:
+    """The engine's command line; `epoch` None leaves --weight-epoch out (the template
+    hash, which a refit never changes)."""
     e = spec.engine
     args = ["--role", spec.engine_role(group), "--model", weights.path,
             "--served-model-name", spec.model_name,
             "--host", "$(POD_IP)", "--port", str(ENGINE_ZMQ_PORT),
             "--admin-port", str(ENGINE_ADMIN_PORT), "--engine-id", "$(POD_NAME)",
             "--weight-version", weights.version,
+            *(("--weight-epoch", str(epoch)) if epoch is not None else ()),
             "--max-num-seqs", str(e.max_num_seqs),
             "--max-num-batched-tokens", str(e.max_num_batched_tokens),
             "--threads", str(e.threads),
@@ -127,8 +131,8 @@ def _engine_env(spec: PoolSpec) -> list[dict[str, Any]]:
     return [*env, *(dict(v) for v in spec.engine.env)]
 
 
-def _pod_spec(spec: PoolSpec, group: Group, weights: Weights, drain_seconds: int
-              ) -> dict[str, Any]:
+def _pod_spec(spec: PoolSpec, group: Group, weights: Weights, drain_seconds: int,
+              epoch: int | None = None) -> dict[str, Any]:
     e = spec.engine
     if group == "router":
         container: dict[str, Any] = {
@@ -147,7 +151,8 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: Weights, drain_seconds: int
     role = spec.role(group)
     container = {
         "name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy,
-        "command": ["tandem-engine"], "args": engine_args(spec, group, weights, drain_seconds),
+        "command": ["tandem-engine"],
+        "args": engine_args(spec, group, weights, drain_seconds, epoch),
         "env": _engine_env(spec),
         "ports": [{"name": "zmq", "containerPort": ENGINE_ZMQ_PORT, "protocol": "TCP"},
                   {"name": "admin", "containerPort": ENGINE_ADMIN_PORT, "protocol": "TCP"}],
@@ -185,15 +190,19 @@ def template_hash(spec: PoolSpec, group: Group) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
 
-def pod(spec: PoolSpec, group: Group, weights: Weights) -> dict[str, Any]:
-    """A new pod of `group` (created with generateName `<pool>-<group>-`) on `weights`."""
+def pod(spec: PoolSpec, group: Group, weights: Weights, epoch: int = 0) -> dict[str, Any]:
+    """A new pod of `group` (created with generateName `<pool>-<group>-`) on `weights`, whose
+    pool-wide weight epoch is `epoch` (engines start with it; routers prefer the highest)."""
     meta = _meta(spec, "", _pod_labels(spec, group))
     del meta["name"]
     meta["generateName"] = f"{spec.name}-{group}-"
     meta["annotations"] = {TEMPLATE_HASH: template_hash(spec, group),
                            WEIGHTS_VERSION: weights.version, WEIGHTS_URI: weights.uri}
+    if group != "router":
+        meta["annotations"][WEIGHTS_EPOCH] = str(epoch)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-            "spec": _pod_spec(spec, group, weights, spec.refit.drain_timeout_seconds)}
+            "spec": _pod_spec(spec, group, weights, spec.refit.drain_timeout_seconds,
+                              None if group == "router" else epoch)}
 
 
 # ---- the pool's other objects -------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 One registry of its own (not the process-global default), so tests that run the operator
 in-process see exactly these series: reconciles and their errors and duration, the pools being
-reconciled, their pods by role and phase, the steps taken by kind, and the process's memory.
+reconciled, their pods by role and phase, the steps taken by kind, refit transactions by how
+they ended and how long they took, and the process's memory.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ ACTIONS = Counter("tandem_operator_actions", "Steps taken, by kind",
                   ["kind"], registry=REGISTRY)
 DRAINS = Counter("tandem_operator_drains", "Engine drains finished, by outcome",
                  ["outcome"], registry=REGISTRY)
+
+REFITS = Counter("tandem_operator_refits", "Refit transactions ended, by outcome (Succeeded, "
+                 "RolledBack, Halted, Superseded)", ["outcome"], registry=REGISTRY)
+REFIT_SECONDS = Histogram(
+    "tandem_operator_refit_seconds", "Time from a refit's first step to every engine settled "
+    "(succeeded, rolled back or halted)",
+    buckets=(1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0),
+    registry=REGISTRY)
 
 _pod_series: dict[tuple[str, str], set[tuple[str, str]]] = {}
 

@@ -6,7 +6,9 @@ more once it is observed). Reconcile carries the steps out, so the rules that ke
 serving live here, where they are tested exhaustively without an API server:
 
 * scale-up creates pods on the weights the engines serve now (`serving_weights`), never on a
-  weights change still to be refit;
+  weights change still to be refit; while a refit runs, its transaction decides instead
+  (`Observed.pod_weights`, from `refit`), and each new pod carries the pool-wide epoch of
+  those weights;
 * scale-down drains first, picking not-ready pods, then the newest;
 * a pod whose template hash differs from the spec's is rolled within maxSurge/maxUnavailable
   (per role, counted in pods; draining pods still count towards the surge), both engine roles
@@ -39,6 +41,7 @@ class PodView:
     role: str = ""  # the engine role it runs (prefill, decode, mixed) or "router"
     template_hash: str = ""
     weights: Weights | None = None
+    epoch: int | None = None  # the weight epoch of `weights` (tandem.dev/weights-epoch)
     phase: str = "Pending"
     ready: bool = False
     deleting: bool = False
@@ -72,9 +75,14 @@ class PodView:
         if ann.get(m.WEIGHTS_VERSION) and ann.get(m.WEIGHTS_URI):
             weights = Weights(uri=ann[m.WEIGHTS_URI], version=ann[m.WEIGHTS_VERSION])
         phase = status.get("phase") or "Pending"
+        try:
+            epoch = max(0, int(ann[m.WEIGHTS_EPOCH])) if m.WEIGHTS_EPOCH in ann else None
+        except ValueError:
+            epoch = None  # an annotation we did not write
         return cls(name=meta.get("name", ""), group=group, uid=meta.get("uid", ""),
                    role=labels.get(m.ROLE_LABEL, ""),
-                   template_hash=ann.get(m.TEMPLATE_HASH, ""), weights=weights, phase=phase,
+                   template_hash=ann.get(m.TEMPLATE_HASH, ""), weights=weights, epoch=epoch,
+                   phase=phase,
                    ready=ready and phase == "Running",
                    deleting=bool(meta.get("deletionTimestamp")),
                    draining_since=ann.get(m.DRAINING_SINCE) or None,
@@ -84,12 +92,14 @@ class PodView:
 @dataclass(frozen=True)
 class Observed:
     """One observation of a pool: its pods, its other objects (by (kind, name)), the status it
-    had, and whether its weights are unreachable (checked when no engine runs yet)."""
+    had, whether its weights are unreachable (checked when no engine runs yet), and the
+    weights new engine pods load when a refit transaction decides them."""
 
     pods: tuple[PodView, ...] = ()
     objects: Mapping[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)
     previous: Mapping[str, Any] = field(default_factory=dict)
     weights_error: str | None = None
+    pod_weights: Weights | None = None
 
     def group(self, group: Group) -> list[PodView]:
         return [p for p in self.pods if p.group == group and not p.deleting]
@@ -169,6 +179,16 @@ def serving_weights(spec: PoolSpec, observed: Observed) -> Weights:
     return min(candidates, key=lambda w: (w.version, w.uri))
 
 
+def pod_epoch(observed: Observed, weights: Weights) -> int:
+    """The weight epoch new pods on `weights` start with: the one the pool's engines on those
+    weights carry; else the pool-wide epoch in status."""
+    epochs = [p.epoch for p in observed.engine_pods()
+              if p.weights == weights and p.epoch is not None]
+    if epochs:
+        return max(epochs)
+    return int((observed.previous.get("weights") or {}).get("epoch") or 0)
+
+
 def scale_down_order(pods: list[PodView]) -> list[PodView]:
     """Which pods to take first: not ready, then the newest (name breaks ties)."""
     return sorted(pods, key=lambda p: (p.ready, _neg(p.created), _neg(p.name)))
@@ -182,9 +202,10 @@ def plan(spec: PoolSpec, observed: Observed) -> list[Action]:
     if observed.weights_error is not None:
         return []  # nothing half-way: the pool waits for weights it can load
     actions: list[Action] = _plan_objects(spec, observed)
-    weights = serving_weights(spec, observed)
+    weights = observed.pod_weights or serving_weights(spec, observed)
+    epoch = pod_epoch(observed, weights)
     for group in GROUPS:
-        actions += _plan_group(spec, group, observed, weights)
+        actions += _plan_group(spec, group, observed, weights, epoch)
     return actions
 
 
@@ -237,8 +258,8 @@ def _create_reason(spec: PoolSpec, group: Group, observed: Observed, failed: boo
     return "ScaleUp"
 
 
-def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: Weights
-                ) -> list[Action]:
+def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: Weights,
+                epoch: int) -> list[Action]:
     replicas = spec.replicas(group)
     surge, unavailable = spec.rollout.max_surge, spec.rollout.max_unavailable
     want = m.template_hash(spec, group)
@@ -256,7 +277,7 @@ def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: Weigh
     partner_ok = _partner_allows(spec, group, observed, old)
 
     def create(n: int) -> list[Action]:
-        return [CreatePod(group, m.pod(spec, group, weights), reason) for _ in range(n)]
+        return [CreatePod(group, m.pod(spec, group, weights, epoch), reason) for _ in range(n)]
 
     if not old:
         if len(new) < replicas:
@@ -291,6 +312,20 @@ def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: Weigh
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Refitting")
 
+Condition = tuple[bool, str, str]  # status, reason, message
+
+
+@dataclass(frozen=True)
+class RefitReport:
+    """What the pool's refit transaction says for status (built by `refit`): its record
+    (`status.refit`), the Refitting condition, a Degraded one while a failed refit stands,
+    and the version every engine serves once the transaction settled it."""
+
+    record: Mapping[str, Any] | None  # None: status.refit stays as it was
+    refitting: Condition
+    degraded: Condition | None = None
+    current: str | None = None
+
 
 def condition(previous: Mapping[str, Any], type_: str, status: bool, reason: str,
               message: str, generation: int, now: str) -> dict[str, Any]:
@@ -321,18 +356,24 @@ def _counts(groups: Mapping[str, Mapping[str, int]], spec: PoolSpec, key: str) -
     return ", ".join(f"{g} {groups[g][key]}/{spec.replicas(g)}" for g in GROUPS)
 
 
-def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, ...] = ()
-           ) -> dict[str, Any]:
-    """The status block for this observation (plus the errors met acting on it)."""
+def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, ...] = (),
+           refit: RefitReport | None = None) -> dict[str, Any]:
+    """The status block for this observation (plus the errors met acting on it, and what the
+    refit transaction, if any, reports)."""
     prev, gen = observed.previous, spec.generation
     groups = {g: group_status(spec, g, observed) for g in GROUPS}
     current = current_version(observed)
+    if refit is not None and refit.current is not None:
+        current = refit.current
     failed = [p.name for p in observed.pods if p.failed and not p.deleting]
 
+    degraded: Condition
     if observed.weights_error is not None:
         degraded = (True, "WeightsUnreachable", observed.weights_error)
     elif errors:
         degraded = (True, "ApplyFailed", "; ".join(errors))
+    elif refit is not None and refit.degraded is not None:
+        degraded = refit.degraded
     elif failed:
         degraded = (True, "PodFailed", f"pods failed and are being replaced: "
                                        f"{', '.join(sorted(failed))}")
@@ -361,6 +402,9 @@ def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, .
         progressing = (True, "ScalingUp", f"pods: {_counts(groups, spec, 'replicas')}")
     elif draining or any(groups[g]["replicas"] > spec.replicas(g) for g in GROUPS):
         progressing = (True, "ScalingDown", f"pods: {_counts(groups, spec, 'replicas')}")
+    elif refit is not None and refit.refitting[0]:  # engines leave service while they refit
+        progressing = (True, "Refitting", f"refit under way; ready: "
+                                          f"{_counts(groups, spec, 'ready')}")
     elif any(groups[g]["ready"] < spec.replicas(g) for g in GROUPS):
         progressing = (True, "PodsStarting", f"ready: {_counts(groups, spec, 'ready')}")
     else:
@@ -368,7 +412,10 @@ def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, .
                                           f"{_counts(groups, spec, 'ready')}")
 
     target = spec.weights.version
-    if not observed.engine_pods():
+    refitting: Condition
+    if refit is not None:
+        refitting = refit.refitting
+    elif not observed.engine_pods():
         refitting = (False, "NoEngines", f"no engine runs yet; new engines load {target}")
     elif current == target:
         refitting = (False, "WeightsCurrent", f"every engine serves {target}")
@@ -378,10 +425,16 @@ def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, .
 
     conditions = [condition(prev, t, *c, gen, now) for t, c in zip(
         CONDITION_TYPES, (ready, progressing, degraded, refitting), strict=True)]
-    epoch = (prev.get("weights") or {}).get("epoch", 0)
-    return {"observedGeneration": gen, "conditions": conditions, **groups,
-            "weights": {"current": current, "target": target, "epoch": epoch},
-            "routerEndpoint": m.router_endpoint(spec)}
+    # The epoch new engines start with: that of the weights they load.
+    epoch = pod_epoch(observed, observed.pod_weights or serving_weights(spec, observed))
+    out = {"observedGeneration": gen, "conditions": conditions, **groups,
+           "weights": {"current": current, "target": target, "epoch": epoch},
+           "routerEndpoint": m.router_endpoint(spec)}
+    if refit is not None and refit.record is not None:
+        out["refit"] = dict(refit.record)
+    elif "refit" in prev:
+        out["refit"] = prev["refit"]
+    return out
 
 
 def invalid_status(previous: Mapping[str, Any], generation: int, message: str, now: str

@@ -1,17 +1,21 @@
-"""One idempotent pass over one pool: observe -> plan -> act (one batch of steps) -> status.
+"""One idempotent pass over one pool: observe -> refit -> plan -> act (one batch of steps) ->
+status.
 
 Level-triggered: every call starts from what the cluster says, never from memory, so the
 operator may be killed and restarted at any moment and the next pass picks up where the last
 one left. Even a drain keeps its progress in the cluster (the pod's `tandem.dev/draining-since`
 annotation, whose time bounds the drain); the asyncio task polling the engine is only the
-in-memory half, started again after a restart. A spec the schema accepts but the operator
-cannot serve (weights it cannot find at first load) creates nothing and says why in the
-`Degraded` condition.
+in-memory half, started again after a restart. A refit keeps its transaction in
+`status.refit`: each pass takes one round of engine steps (`refit`) and asks to be run again
+soon while the transaction lasts. A spec the schema accepts but the operator cannot serve
+(weights it cannot find at first load) creates nothing and says why in the `Degraded`
+condition.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -38,6 +42,7 @@ from tandem_operator.plan import (
     plan,
     status,
 )
+from tandem_operator.refit import REQUEUE_SECONDS, FleetClients, RefitPass, refit_pass
 from tandem_operator.spec import ENGINE_GROUPS, PoolSpec, SpecError, Weights
 
 log = logging.getLogger("tandem_operator.reconcile")
@@ -78,6 +83,7 @@ class Context:
     admin: EngineAdmin = field(default_factory=EngineAdmin)
     check_weights: bool = True  # look for <weights path>/config.json before the first pods
     drains: Drains = field(default_factory=Drains)
+    fleet: FleetClients = field(default_factory=FleetClients)  # refit calls to the engines
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ class Outcome:
     actions: tuple[Action, ...] = ()
     errors: tuple[str, ...] = ()
     status: Mapping[str, Any] = field(default_factory=dict)
+    requeue_after: float | None = None  # reconcile again this soon (a refit under way)
 
 
 def weights_problem(weights: Weights) -> str | None:
@@ -146,9 +153,13 @@ async def reconcile(pool: Mapping[str, Any], ctx: Context) -> Outcome:
         metrics.RECONCILE_ERRORS.inc()
         log.warning("%s/%s: cannot observe the pool: %s", spec.namespace, spec.name, exc)
         return Outcome(errors=(str(exc),))
+    refit = await _refit(ctx, spec, pool, observed)
+    if refit.pod_weights is not None:
+        observed = dataclasses.replace(observed, pod_weights=refit.pod_weights)
     actions = plan(spec, observed)
     errors = await act(ctx, spec, pool, actions)
-    new = status(spec, observed, now=now(), errors=tuple(errors))
+    errors += refit.errors
+    new = status(spec, observed, now=now(), errors=tuple(errors), refit=refit.report)
     try:
         await _write_status(ctx, pool, previous, new)
     except KubeError as exc:
@@ -158,7 +169,22 @@ async def reconcile(pool: Mapping[str, Any], ctx: Context) -> Outcome:
     metrics.record_pods(spec.namespace, spec.name,
                         ((p.group, p.phase) for p in observed.pods if not p.deleting))
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-    return Outcome(tuple(actions), tuple(errors), new)
+    return Outcome(tuple(actions), tuple(errors), new,
+                   REQUEUE_SECONDS if refit.running else None)
+
+
+async def _refit(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], observed: Observed
+                 ) -> RefitPass:
+    """One pass of the pool's refit transaction, its events posted; never raises."""
+    try:
+        result = await refit_pass(ctx.kube, ctx.fleet, spec, observed)
+    except Exception as exc:  # a bug in one pass must not stop the pool's other steps
+        log.exception("%s/%s: refit pass failed", spec.namespace, spec.name)
+        return RefitPass(errors=[f"refit: {type(exc).__name__}: {exc}"])
+    for event in result.events:
+        await _event(ctx, pool, event.reason, event.message,
+                     "Warning" if event.warning else "Normal")
+    return result
 
 
 # ---- acting -------------------------------------------------------------------------------------
@@ -327,12 +353,28 @@ def _degraded(st: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return next((c for c in st.get("conditions") or () if c.get("type") == "Degraded"), None)
 
 
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The RFC 7386 merge patch that turns `old` into `new`: changed values, null for keys
+    that went away (a refit's engine records do), nothing for what is equal."""
+    patch: dict[str, Any] = {key: None for key in old.keys() - new.keys()}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            sub = merge_patch(before, value)
+            if sub:
+                patch[key] = sub
+        elif key not in old or before != value:
+            patch[key] = value
+    return patch
+
+
 async def _write_status(ctx: Context, pool: Mapping[str, Any], previous: Mapping[str, Any],
                         new: Mapping[str, Any]) -> None:
-    if {k: v for k, v in previous.items() if k != "refit"} == dict(new):
+    patch = merge_patch(previous, new)
+    if not patch:
         return  # unchanged: no write, no watch event, no reconcile storm
     meta = pool.get("metadata") or {}
-    await ctx.kube.patch_pool_status(meta["namespace"], meta["name"], new)
+    await ctx.kube.patch_pool_status(meta["namespace"], meta["name"], patch)
     before, after = _degraded(previous), _degraded(new)
     if after and after["status"] == "True" and (
             not before or before.get("status") != "True"
