@@ -1,4 +1,4 @@
-"""The `tandem` command: demo-model, generate, serve."""
+"""The `tandem` command: demo-model, generate, serve, refit."""
 
 from __future__ import annotations
 
@@ -73,6 +73,12 @@ def _serve(args: argparse.Namespace) -> int:
     return run(stack)
 
 
+def _refit(args: argparse.Namespace) -> int:
+    from tandem_engine.refit_cli import refit
+
+    return refit(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -118,6 +124,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int, default=512)
     serve.add_argument("--kernels", choices=["auto", "native", "torch"], default="auto")
     serve.set_defaults(func=_serve)
+
+    refit = sub.add_parser("refit", help="change the weights of a running `tandem serve` in "
+                           "place: every engine, without failing a request")
+    refit.add_argument("--uri", required=True, help="the new checkpoint: file:///path/to/dir")
+    refit.add_argument("--version", required=True, help="the new weights' version name")
+    refit.add_argument("--port", type=int, default=8000, help="the stack's router port")
+    refit.add_argument("--strategy", choices=["Rolling", "AllAtOnce"], default="Rolling")
+    refit.add_argument("--inflight", choices=["Drain", "Recompute"], default="Drain",
+                       help="in-flight requests finish first, or continue on the new weights")
+    refit.add_argument("--on-failure", choices=["Rollback", "Halt"], default="Rollback")
+    refit.add_argument("--max-unavailable", type=int, default=1,
+                       help="engines per role refitted at once (Rolling)")
+    refit.add_argument("--drain-timeout", type=float, default=120.0,
+                       help="seconds an engine's in-flight requests get to finish (Drain)")
+    refit.add_argument("--timeout", type=float, default=3600.0,
+                       help="seconds the whole refit may take")
+    refit.set_defaults(func=_refit)
     return parser
 
 

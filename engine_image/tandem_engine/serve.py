@@ -5,6 +5,9 @@ each engine's progress while models load, prints the URL once the router is read
 and on Ctrl-C / SIGTERM stops everything: children get SIGTERM (engines drain), then
 SIGKILL after a grace period. Children also get SIGTERM from the kernel if this
 process dies (PR_SET_PDEATHSIG), so no orphan survives. Torch-free.
+
+While it serves, `<log dir>/stack.json` describes the stack (router URL, each engine's
+name, role and admin URL), so other commands (`tandem refit`) find it by its port.
 """
 
 from __future__ import annotations
@@ -23,7 +26,27 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandem_engine.errors import TandemError
+
 _PR_SET_PDEATHSIG = 1
+STACK_FILE = "stack.json"
+
+
+def default_log_dir(port: int) -> Path:
+    return Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-{port}"
+
+
+def read_stack(port: int) -> dict:
+    """The description a running `tandem serve --port PORT` wrote (see `LocalStack`)."""
+    path = default_log_dir(port) / STACK_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TandemError(f"no local stack on port {port}: {path} does not exist; is "
+                          f"`tandem serve --port {port}` running?") from None
+    except (OSError, ValueError) as exc:
+        raise TandemError(f"cannot read the local stack's description {path} ({exc}); is "
+                          f"`tandem serve --port {port}` running?") from exc
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -80,9 +103,10 @@ class LocalStack:
         self.port = port
         self.name = served_model_name or model.name
         self.engine_args = engine_args or []
-        self.log_dir = log_dir or Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-{port}"
+        self.log_dir = log_dir or default_log_dir(port)
         self.out = out
         self.children: list[Child] = []
+        self.engines: list[dict[str, str]] = []  # name, role, admin_url of each engine
 
     @property
     def url(self) -> str:
@@ -103,15 +127,27 @@ class LocalStack:
         (after stopping whatever was started)."""
         try:
             self._start(timeout)
+            self._describe()
         except BaseException:
             self.stop()
             raise
 
+    def _describe(self) -> None:
+        """Write stack.json (atomically: a reader never sees half of it)."""
+        description = {"router": self.url, "port": self.port, "engines": self.engines,
+                       "admin_token": None}
+        tmp = self.log_dir / f".{STACK_FILE}.tmp"
+        tmp.write_text(json.dumps(description, indent=2))
+        tmp.replace(self.log_dir / STACK_FILE)
+
     def _start(self, timeout: float) -> None:
         engines = []
+        self.engines = []
         for i, role in enumerate(self.roles):
             zmq_port, admin_port = free_port(self.host), free_port(self.host)
             name = f"engine-{i}" if role == "mixed" else f"{role}-{i}"
+            self.engines.append({"name": name, "role": role,
+                                 "admin_url": f"http://{self.host}:{admin_port}"})
             engines.append((zmq_port, self._spawn(
                 name,
                 ["tandem_engine.engine_main", "--model", str(self.model), "--host", self.host,
@@ -179,6 +215,8 @@ class LocalStack:
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every child (router first), SIGKILL whatever outlives the grace."""
+        with contextlib.suppress(OSError):
+            (self.log_dir / STACK_FILE).unlink(missing_ok=True)
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.terminate()

@@ -271,9 +271,17 @@ class Dispatcher:
                     self._remember(prefill, prompt_token_ids + progress.generated,
                                    cache_salt)
                     return
-            if source:
+            if source and decode.view().weight_version != progress.version:
+                # The prefill engine was refitted under the request (a Recompute refit)
+                # and the decode engine picked with it was not: never hand KV across
+                # versions; the rest is computed on an engine of the first token's version.
+                self._count_disaggregated("version_changed")
+            elif source:
                 handoff = decode, source[0]
                 self._count_disaggregated("handoff")
+                if self.metrics is not None:  # a record that versions never mix
+                    self.metrics.handoff_versions.labels(
+                        prefill.view().weight_version, decode.view().weight_version).inc()
             else:
                 self._count_disaggregated("no_pin" if progress.generated else "fallback")
         while True:
@@ -384,6 +392,10 @@ class Dispatcher:
                         self._start_continuation(progress, sampling, at_start=True)
                 delta = self._delta(out, progress, False)
                 delta.received_at = received_at
+                if delta.token_ids:
+                    # The tokens' version is the engine's now: a Recompute refit can
+                    # change it under a request.
+                    progress.version = client.view().weight_version
                 if delta.finished and pinned:
                     client.abort(sub_id)  # ended at the first token (EOS, stop): unpin
                 if delta.token_ids or delta.text or delta.finished:
@@ -467,6 +479,8 @@ class Dispatcher:
             engine_aborted = item.finished and item.finish_reason == "abort"
             delta = self._delta(item, progress, engine_aborted)
             delta.received_at = received_at
+            if delta.token_ids:
+                progress.version = client.view().weight_version
             if delta.token_ids or delta.text or delta.finished:
                 self._observe(delta, progress, arrival)
                 yield delta

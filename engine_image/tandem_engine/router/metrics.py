@@ -64,6 +64,11 @@ class RouterMetrics:
             "engine pulled), finished_at_prefill (done after the first token), no_pin (the "
             "prefill engine pinned nothing: continued colocated), fallback (the prefill "
             "failed: served colocated)", ["outcome"], registry=r)
+        self.handoff_versions = Counter(
+            "tandem_router_kv_handoff_versions", "KV handoffs by the weight version of the "
+            "prefill engine that computed the KV and of the decode engine that pulls it, as "
+            "this router saw them at the handoff (during a refit the two must never differ)",
+            ["prefill_version", "decode_version"], registry=r)
         self.generated_tokens = Counter(
             "tandem_router_generated_tokens", "Tokens streamed back to clients", registry=r)
         for outcome in OUTCOMES:

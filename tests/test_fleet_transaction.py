@@ -1,0 +1,352 @@
+"""The refit transaction's pure rules (`tandem_engine.fleet.transaction`), without engines.
+
+Each engine's next step is a function of what it reports; waves keep a prefill and a
+decode engine serving on each version while both exist; the record survives a round
+trip through the operator's status. No I/O, no sockets: milliseconds."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from tandem_engine.engine_state import EngineState
+from tandem_engine.fleet.transaction import (
+    INFLIGHT,
+    TRANSIENT,
+    Act,
+    EngineObs,
+    EngineRecord,
+    Failure,
+    Phase,
+    Transaction,
+    Weights,
+    choose_wave,
+    finished_phase,
+    next_act,
+    suspend_mode,
+)
+
+V1 = Weights("file:///models/v1", "v1")
+V2 = Weights("file:///models/v2", "v2")
+NOW = 1000.0
+DRAIN_TIMEOUT = 60.0
+
+
+def engine(name: str, role: str = "mixed", state: str | None = "RUNNING",
+           version: str = "v1", *, draining: bool = False, busy: int = 0,
+           epoch: int = 1) -> EngineObs:
+    return EngineObs(name, role, f"http://{name}:9000", state, version, epoch, draining,
+                     num_running=busy, uri=f"file:///models/{version}")
+
+
+def tx_for(**options) -> Transaction:
+    return Transaction(target=V2, previous=V1, epoch=2, **options)
+
+
+# ---- next_act: one engine's next step ----------------------------------------------------------
+
+# (state, on goal, draining, drain status) -> the act, for inflight Drain / Recompute.
+# Drain status: "idle" (nothing in flight), "busy" (in flight, drain timeout not reached),
+# "late" (in flight, drain timeout reached). Unlisted combinations: WAIT.
+_RUNNING_TABLE: dict[tuple[bool, bool, str], tuple[Act, Act]] = {}
+for _status in ("idle", "busy", "late"):
+    _RUNNING_TABLE[(True, False, _status)] = (Act.DONE, Act.DONE)
+    _RUNNING_TABLE[(True, True, _status)] = (Act.VERIFY, Act.VERIFY)
+    _RUNNING_TABLE[(False, False, _status)] = (Act.DRAIN, Act.PAUSE)
+_RUNNING_TABLE[(False, True, "idle")] = (Act.PAUSE, Act.PAUSE)
+_RUNNING_TABLE[(False, True, "busy")] = (Act.WAIT, Act.WAIT)
+_RUNNING_TABLE[(False, True, "late")] = (Act.PAUSE, Act.PAUSE)
+
+_STABLE_TABLE = {  # (state, on goal) -> act, whatever the inflight mode
+    ("PAUSED", True): Act.UNPAUSE, ("PAUSED", False): Act.SUSPEND,
+    ("RESUMED", True): Act.UNPAUSE, ("RESUMED", False): Act.SUSPEND,
+    ("SUSPENDED", True): Act.RESUME, ("SUSPENDED", False): Act.REFIT,
+}
+
+
+def _expected(state: str | None, on_goal: bool, draining: bool, status: str,
+              inflight: str) -> Act:
+    if state == "RUNNING":
+        return _RUNNING_TABLE[(on_goal, draining, status)][INFLIGHT.index(inflight)]
+    return _STABLE_TABLE.get((state, on_goal), Act.WAIT)
+
+
+_STATES = [None, *(s.value for s in EngineState)]
+
+
+@pytest.mark.parametrize(("state", "goal", "draining", "status", "inflight"), list(
+    itertools.product(_STATES, ["on", "off", "halting"], [False, True],
+                      ["idle", "busy", "late"], INFLIGHT)))
+def test_next_act_for_every_combination(state: str | None, goal: str, draining: bool,
+                                        status: str, inflight: str) -> None:
+    version = "v2" if goal == "on" else "v1"
+    obs = engine("e", state=state, version=version, draining=draining,
+                 busy=0 if status == "idle" else 2)
+    drained_at = NOW - (DRAIN_TIMEOUT + 1 if status == "late" else 5)
+    record = EngineRecord(drained_at=drained_at if draining else None)
+    act = next_act(obs, None if goal == "halting" else V2, inflight, record, DRAIN_TIMEOUT,
+                   NOW)
+    # While halting every engine is "on goal": it only has to serve again.
+    assert act is _expected(state, goal != "off", draining, status, inflight), (
+        state, goal, draining, status, inflight)
+
+
+def test_transient_states_and_unreachable_engines_wait() -> None:
+    assert {"PAUSING", "UNPAUSING", "SUSPENDING", "RESUMING", "STOPPING"} == TRANSIENT
+    for state in [None, *TRANSIENT, "STOPPED"]:
+        for version in ("v1", "v2"):
+            assert next_act(engine("e", state=state, version=version), V2, "Drain",
+                            EngineRecord(), DRAIN_TIMEOUT, NOW) is Act.WAIT
+
+
+def test_drain_timeout_counts_from_when_the_drain_started() -> None:
+    busy = engine("e", version="v1", draining=True, busy=3)
+    started = EngineRecord(drained_at=NOW)
+    assert next_act(busy, V2, "Drain", started, DRAIN_TIMEOUT, NOW + 59.9) is Act.WAIT
+    assert next_act(busy, V2, "Drain", started, DRAIN_TIMEOUT, NOW + 60.0) is Act.PAUSE
+    # A draining engine the record knows nothing of (a restarted operator lost the
+    # moment): the timeout starts now, the engine is not cut short.
+    assert next_act(busy, V2, "Drain", EngineRecord(), DRAIN_TIMEOUT, NOW + 1e6) is Act.WAIT
+    waiting = EngineObs("e", "mixed", "http://e", "RUNNING", "v1", 1, True, 0, 1)
+    assert next_act(waiting, V2, "Drain", started, DRAIN_TIMEOUT, NOW) is Act.WAIT
+
+
+def test_a_refit_walks_one_engine_through_every_step() -> None:
+    """Feeding each act's effect back in gives the documented order, for both modes."""
+    effects = {Act.DRAIN: ("RUNNING", "v1", True), Act.PAUSE: ("PAUSED", "v1", False),
+               Act.SUSPEND: ("SUSPENDED", "v1", False), Act.REFIT: ("SUSPENDED", "v2", False),
+               Act.RESUME: ("RESUMED", "v2", False), Act.UNPAUSE: ("RUNNING", "v2", True),
+               Act.VERIFY: ("RUNNING", "v2", False)}
+    for inflight, order in (("Drain", ["drain", "pause", "suspend", "refit", "resume",
+                                       "unpause", "verify", "done"]),
+                            ("Recompute", ["pause", "suspend", "refit", "resume", "unpause",
+                                           "verify", "done"])):
+        obs, record, acts = engine("e"), EngineRecord(drained_at=NOW), []
+        while not acts or acts[-1] is not Act.DONE:
+            act = next_act(obs, V2, inflight, record, DRAIN_TIMEOUT, NOW)
+            acts.append(act)
+            if act is not Act.DONE:
+                state, version, draining = effects[act]
+                obs = engine("e", state=state, version=version, draining=draining)
+        assert [str(a) for a in acts] == order
+
+
+def test_suspend_mode_keeps_requests_only_when_needed() -> None:
+    assert suspend_mode(engine("e", state="PAUSED"), "Drain") == "persist"
+    assert suspend_mode(engine("e", state="PAUSED", busy=1), "Drain") == "recompute"
+    assert suspend_mode(engine("e", state="PAUSED"), "Recompute") == "recompute"
+
+
+# ---- waves --------------------------------------------------------------------------------------
+
+
+def pool(prefill: int, decode: int, mixed: int = 0, version: str = "v1") -> list[EngineObs]:
+    names = ([(f"prefill-{i}", "prefill") for i in range(prefill)]
+             + [(f"decode-{i}", "decode") for i in range(decode)]
+             + [(f"engine-{i}", "mixed") for i in range(mixed)])
+    return [engine(n, role, version=version) for n, role in names]
+
+
+def finish_wave(tx: Transaction, engines: list[EngineObs], wave: list[str]) -> list[EngineObs]:
+    """Record `wave` as started and put its engines on the goal, serving (what `advance`
+    and the engines do between two waves)."""
+    for name in wave:
+        tx.engines[name] = EngineRecord(verified=True)
+    return [engine(e.name, e.role, version=tx.goal.version) if e.name in wave else e
+            for e in engines]
+
+
+def all_waves(tx: Transaction, engines: list[EngineObs]) -> list[list[str]]:
+    waves = []
+    while wave := choose_wave(tx, engines):
+        waves.append(wave)
+        engines = finish_wave(tx, engines, wave)
+        assert len(waves) < 20, waves
+    assert all(e.version == tx.goal.version for e in engines)
+    return waves
+
+
+def serving_by_version(engines: list[EngineObs]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for e in engines:
+        if e.serving:
+            out.setdefault(e.version, set()).add(e.role)
+    return out
+
+
+def test_rolling_2p2d_max_unavailable_1_keeps_both_versions_whole() -> None:
+    tx, engines = tx_for(max_unavailable=1), pool(2, 2)
+    waves = all_waves(tx, engines)
+    assert waves == [["decode-0", "prefill-0"], ["decode-1", "prefill-1"]]
+
+
+def test_rolling_2p2d_max_unavailable_2_still_leaves_one_of_each_role_serving() -> None:
+    tx, engines = tx_for(max_unavailable=2), pool(2, 2)
+    first = choose_wave(tx, engines)
+    assert first == ["decode-0", "prefill-0"]  # taking both of a role would leave v1 half
+    away = [e for e in engines if e.name not in first]
+    assert serving_by_version(away) == {"v1": {"prefill", "decode"}}
+    assert all_waves(tx_for(max_unavailable=2), engines)[1:] == [["decode-1", "prefill-1"]]
+
+
+def test_rolling_larger_pool_takes_max_unavailable_per_role() -> None:
+    tx, engines = tx_for(max_unavailable=2), pool(4, 3)
+    waves = all_waves(tx, engines)
+    assert waves[0] == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    assert waves[1] == ["decode-2", "prefill-2", "prefill-3"]
+    for wave in waves:  # never more than max_unavailable of one role at a time
+        for role in ("prefill", "decode"):
+            assert sum(n.startswith(role) for n in wave) <= 2
+
+
+def test_every_rolling_wave_leaves_the_routed_version_a_prefill_and_a_decode() -> None:
+    """While a wave is away, the version the router sends new requests to (the goal once
+    one of its engines serves: it has the higher epoch; else the old one) keeps a prefill
+    and a decode engine serving; the old version keeps serving until the goal can."""
+    for prefill, decode, max_unavailable in itertools.product((2, 3, 5), (2, 4), (1, 2, 3)):
+        tx, engines = tx_for(max_unavailable=max_unavailable), pool(prefill, decode)
+        while wave := choose_wave(tx, engines):
+            serving = serving_by_version([e for e in engines if e.name not in wave])
+            routed = "v2" if "v2" in serving else "v1"
+            assert serving[routed] == {"prefill", "decode"}, (prefill, decode, wave)
+            engines = finish_wave(tx, engines, wave)
+
+
+def test_1p1d_goes_anyway_one_of_each_role() -> None:
+    """No wave keeps the invariant: the router waits out the short window."""
+    tx, engines = tx_for(max_unavailable=1), pool(1, 1)
+    assert all_waves(tx, engines) == [["decode-0", "prefill-0"]]
+
+
+def test_mixed_only_pools() -> None:
+    assert all_waves(tx_for(), pool(0, 0, 3)) == [["engine-0"], ["engine-1"], ["engine-2"]]
+    assert all_waves(tx_for(max_unavailable=2), pool(0, 0, 3)) == [
+        ["engine-0", "engine-1"], ["engine-2"]]
+    assert all_waves(tx_for(max_unavailable=5), pool(0, 0, 2)) == [["engine-0"],
+                                                                   ["engine-1"]]
+    assert all_waves(tx_for(), pool(0, 0, 1)) == [["engine-0"]]  # a forced window
+
+
+def test_all_at_once_takes_every_engine_not_on_the_goal() -> None:
+    engines = pool(2, 2)
+    engines[1] = engine("prefill-1", "prefill", version="v2")  # already there
+    engines.append(engine("gone", "decode", state=None))  # unreachable: not planned
+    tx = tx_for(strategy="AllAtOnce")
+    assert choose_wave(tx, engines) == ["decode-0", "decode-1", "prefill-0"]
+
+
+def test_no_wave_starts_while_one_is_in_progress() -> None:
+    tx, engines = tx_for(), pool(2, 2)
+    wave = choose_wave(tx, engines)
+    for name in wave:
+        tx.engines[name] = EngineRecord()
+    for state, version, draining in (("RUNNING", "v1", True), ("PAUSED", "v1", False),
+                                     ("SUSPENDED", "v2", False), ("RUNNING", "v2", True),
+                                     (None, "v1", False)):
+        mid = [engine(e.name, e.role, state, version, draining=draining)
+               if e.name == wave[0] else e for e in engines]
+        assert choose_wave(tx, mid) == [], (state, version, draining)
+    # Serving the goal: the wave is done, the next one starts.
+    done = [engine(e.name, e.role, version="v2") if e.name in wave else e for e in engines]
+    assert choose_wave(tx, done) == ["decode-1", "prefill-1"]
+    assert choose_wave(tx_for(), []) == []
+
+
+def test_rollback_replans_waves_toward_the_previous_weights() -> None:
+    tx, engines = tx_for(max_unavailable=1), pool(2, 2)
+    engines = finish_wave(tx, engines, choose_wave(tx, engines))  # wave 1 on v2, verified
+    # Wave 2 fails; the orchestrator turns around, forgetting the verified engines.
+    tx.phase, tx.rollback_epoch = Phase.ROLLING_BACK, 3
+    tx.failure = Failure("prefill-1", "POST /v1/refit", "HTTP 422: bad checkpoint")
+    tx.engines = {"decode-1": EngineRecord(), "prefill-1": EngineRecord()}
+    assert tx.goal == V1 and tx.goal_epoch == 3
+    assert tx.goal_for(engines[0]) == V1
+    # Wave 2's engines, back on v1, are settled; the v2 ones go back in waves that keep
+    # v2 whole while it serves.
+    assert choose_wave(tx, engines) == ["decode-0", "prefill-0"]
+    tx.engines.clear()
+    assert all_waves(tx, engines) == [["decode-0", "prefill-0"]]
+
+
+def test_halting_targets_no_version() -> None:
+    tx = tx_for(on_failure="Halt")
+    tx.phase = Phase.HALTING
+    assert tx.goal_for(engine("e", version="v1")) is None
+    assert tx.goal == V2 and tx.goal_epoch == 2
+
+
+# ---- the end of a transaction -------------------------------------------------------------------
+
+
+def test_finished_phase() -> None:
+    tx = tx_for()
+    engines = pool(1, 1)
+    assert finished_phase(tx, engines) is None
+    on_target = pool(1, 1, version="v2")
+    assert finished_phase(tx, on_target) is Phase.SUCCEEDED
+    draining = [engine("prefill-0", "prefill", version="v2", draining=True), on_target[1]]
+    assert finished_phase(tx, draining) is None  # not verified yet
+    gone = [on_target[0], engine("decode-0", "decode", state=None, version="")]
+    assert finished_phase(tx, gone) is None  # an engine that does not answer: not done
+    tx.phase = Phase.ROLLING_BACK
+    assert finished_phase(tx, engines) is Phase.ROLLED_BACK
+    assert finished_phase(tx, on_target) is None
+    tx.phase = Phase.HALTING
+    tx.engines = {"prefill-0": EngineRecord()}
+    mixed = [engine("prefill-0", "prefill", version="v2"), engine("decode-0", "decode")]
+    assert finished_phase(tx, mixed) is Phase.HALTED  # serving, on whatever weights
+    paused = [engine("prefill-0", "prefill", "PAUSED"), engine("decode-0", "decode")]
+    assert finished_phase(tx, paused) is None
+    assert all(p.finished for p in (Phase.SUCCEEDED, Phase.ROLLED_BACK, Phase.HALTED))
+    assert not any(p.finished for p in (Phase.PROGRESSING, Phase.ROLLING_BACK,
+                                        Phase.HALTING))
+
+
+# ---- the record ---------------------------------------------------------------------------------
+
+
+def test_transaction_round_trips_through_a_json_status() -> None:
+    tx = Transaction(target=V2, previous=V1, epoch=7, strategy="AllAtOnce",
+                     inflight="Recompute", drain_timeout=30.0, on_failure="Halt",
+                     max_unavailable=2, step_timeout=90.0, phase=Phase.HALTING, wave=3,
+                     started_at=123.5, finished_at=None,
+                     engines={"decode-0": EngineRecord("refit", 124.0, "v1", 123.6, False),
+                              "prefill-0": EngineRecord("verify", 125.0, "v2", None, True)},
+                     canary={"v2": [5, 6, 7, 8]},
+                     failure=Failure("decode-0", "POST /v1/refit", "HTTP 422: bad"),
+                     rollback_epoch=None)
+    status = json.loads(json.dumps(tx.to_dict()))  # what the pool's status holds
+    assert status["phase"] == "Halting" and status["target"] == V2.to_dict()
+    back = Transaction.from_dict(status)
+    assert back == tx
+    assert back.phase is Phase.HALTING and isinstance(back.engines["decode-0"], EngineRecord)
+    # A status written by a newer operator may carry fields this one does not know.
+    assert Transaction.from_dict({**status, "somethingNew": 1}) == tx
+    minimal = Transaction.from_dict({"target": V2.to_dict(), "previous": V1.to_dict(),
+                                     "epoch": 2})
+    assert minimal == tx_for() and minimal.failure is None and minimal.engines == {}
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), [
+    ("strategy", "BlueGreen", "Rolling, AllAtOnce"),
+    ("inflight", "drain", "Drain, Recompute"),
+    ("on_failure", "Retry", "Rollback, Halt"),
+])
+def test_bad_options_are_refused_by_name(field: str, value: str, allowed: str) -> None:
+    with pytest.raises(ValueError) as info:
+        tx_for(**{field: value})
+    assert str(info.value) == f"refit {field} {value!r} is not one of {allowed}"
+    with pytest.raises(ValueError, match=field):
+        Transaction.from_dict({**tx_for().to_dict(), field: value})
+
+
+def test_engine_observation_from_the_admin_state() -> None:
+    state = {"state": "RUNNING", "weight_version": "v2", "weight_epoch": 4, "draining": True,
+             "num_running": 2, "num_waiting": 1, "weight_uri": "file:///models/v2"}
+    obs = EngineObs.from_state("decode-0", "decode", "http://d:9", state)
+    assert obs == EngineObs("decode-0", "decode", "http://d:9", "RUNNING", "v2", 4, True, 2, 1,
+                            "file:///models/v2")
+    assert not obs.serving
+    gone = EngineObs.from_state("decode-0", "decode", "http://d:9", None)
+    assert gone.state is None and not gone.serving
