@@ -519,7 +519,8 @@ def test_crd_is_served_with_printer_columns(cluster: TestCluster) -> None:
                          json.dumps({"status": {
                              "conditions": [{"type": "Ready", "status": "True"}],
                              "prefill": {"ready": 1}, "decode": {"ready": 1},
-                             "weights": {"current": "v1"}}}))
+                             "weights": {"current": "v1", "target": "v1"},
+                             "refit": {"phase": "Succeeded"}}}))
     header, row = cluster.kubectl("get", "ipool").stdout.splitlines()
     crd = json.loads(cluster.kubectl("get", "crd", "inferencepools.tandem.dev",
                                           "-o", "json").stdout)
