@@ -243,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.engines is not None:
         rows = engine_path(args.engines, args.prompt_tokens - 8, args.engine_repeats,
                            args.threads, Path(os.environ.get("TMPDIR", "/tmp")))
+        for i, (t, h, b) in enumerate(rows):
+            print(f"  prompt {i}: TTFT {t * 1e3:.0f} ms, handoff {h * 1e3:.2f} ms "
+                  f"({b / h / 1e9:.2f} GB/s)")
         ttft = statistics.median(r[0] for r in rows)
         took = statistics.median(r[1] for r in rows)
         moved = rows[0][2]
