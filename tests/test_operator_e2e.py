@@ -18,9 +18,9 @@ import json
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import openai
@@ -31,25 +31,11 @@ from kcluster.fixtures import test_cluster  # noqa: F401
 from kcluster.helm import helm_binary
 from kcluster.podrunner import PodRunner
 from tandem_engine import LLM, SamplingParams
+from test_operator_cluster import wait_for
 
 pytest.importorskip("nixl_cu12")
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
-T = TypeVar("T")
-
-
-def wait_for(what: str, check: Callable[[], T], timeout: float = 90.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}; "
-                                 f"last: {result!r}")
-        time.sleep(0.2)
-
-
 def get(cluster: TestCluster, *args: str) -> Any:
     return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
 
