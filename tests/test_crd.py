@@ -30,7 +30,9 @@ VERSION: dict[str, Any] = CRD["spec"]["versions"][0]
 SCHEMA: dict[str, Any] = VERSION["schema"]["openAPIV3Schema"]
 
 # The only nodes allowed to keep fields the schema does not name.
-PRESERVE_UNKNOWN_PATHS = {"spec.prefill.affinity", "spec.decode.affinity", "status.refit"}
+# Volume objects (any volume source) and affinity keep their Kubernetes schemas, not ours.
+PRESERVE_UNKNOWN_PATHS = {"spec.prefill.affinity", "spec.decode.affinity", "status.refit",
+                          "spec.engine.volumes[]"}
 
 
 # --- the API server's work, offline --------------------------------------------------------------

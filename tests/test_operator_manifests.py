@@ -249,6 +249,24 @@ def test_router_pod() -> None:
     assert [e["name"] for e in c["env"]] == ["POD_IP", "POD_NAME", "POD_NAMESPACE"]
 
 
+def test_weights_volumes_are_mounted_into_engine_and_router_pods() -> None:
+    """A real cluster keeps checkpoints on a volume: every engine and router pod mounts it
+    (read-only unless said otherwise) where the weights URI points."""
+    volumes = [{"name": "models", "persistentVolumeClaim": {"claimName": "llama-weights"}}]
+    s = parse(engine={"volumes": volumes,
+                      "volumeMounts": [{"name": "models", "mountPath": "/models"}]})
+    for group in ("prefill", "decode", "router"):
+        pod = m.pod(s, group, s.weights)
+        assert pod["spec"]["volumes"] == volumes
+        assert container(pod)["volumeMounts"] == [
+            {"readOnly": True, "name": "models", "mountPath": "/models"}]
+        kubernetes_validate.validate(pod, "1.32", strict=True)
+    assert "volumes" not in m.pod(parse(), "decode", s.weights)["spec"]
+    with pytest.raises(SpecError, match=r"volumeMounts entry .* names no volume .*models"):
+        parse(engine={"volumes": volumes,
+                      "volumeMounts": [{"name": "weights", "mountPath": "/models"}]})
+
+
 # ---- the template hash --------------------------------------------------------------------------
 
 

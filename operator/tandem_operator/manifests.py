@@ -146,8 +146,9 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: Weights, drain_seconds: int
             "readinessProbe": _http_probe("/readyz", "http", periodSeconds=2),
             "livenessProbe": _http_probe("/healthz", "http", initialDelaySeconds=10,
                                          periodSeconds=10, failureThreshold=6)}
-        return {"restartPolicy": "Always", "serviceAccountName": router_account_name(spec.name),
-                "containers": [container]}
+        return _with_volumes(spec, {
+            "restartPolicy": "Always", "serviceAccountName": router_account_name(spec.name),
+            "containers": [container]})
     role = spec.role(group)
     container = {
         "name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy,
@@ -171,6 +172,15 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: Weights, drain_seconds: int
         pod["tolerations"] = [dict(t) for t in role.tolerations]
     if role.affinity:
         pod["affinity"] = dict(role.affinity)
+    return _with_volumes(spec, pod)
+
+
+def _with_volumes(spec: PoolSpec, pod: dict[str, Any]) -> dict[str, Any]:
+    """spec.engine.volumes on the pod, mounted into its container (the weights live there
+    in a real cluster: the router reads the tokenizer from the same path)."""
+    if spec.engine.volumes:
+        pod["volumes"] = [dict(v) for v in spec.engine.volumes]
+        pod["containers"][0]["volumeMounts"] = [dict(m) for m in spec.engine.volume_mounts]
     return pod
 
 

@@ -211,6 +211,8 @@ class EngineSettings:
     resources: Mapping[str, Any] | None = None
     env: tuple[Mapping[str, Any], ...] = ()
     args: tuple[str, ...] = ()
+    volumes: tuple[Mapping[str, Any], ...] = ()  # added to engine and router pods
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
     kv_cache: KVCache = KVCache()
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -369,6 +371,18 @@ def _list(d: Mapping[str, Any], key: str, path: str, max_items: int) -> tuple[An
     return tuple(value)
 
 
+def _mounts(e: Mapping[str, Any], volumes: tuple[Any, ...]) -> tuple[Mapping[str, Any], ...]:
+    """volumeMounts, each naming one of spec.engine.volumes (read-only by default)."""
+    names = {v.get("name") for v in volumes if isinstance(v, Mapping)}
+    mounts = []
+    for m in _list(e, "volumeMounts", "spec.engine", 16):
+        if not isinstance(m, Mapping) or m.get("name") not in names:
+            raise SpecError(f"spec.engine.volumeMounts entry {m!r} names no volume of "
+                            f"spec.engine.volumes ({', '.join(sorted(map(str, names))) or 'none'})")
+        mounts.append({"readOnly": True, **m})
+    return tuple(mounts)
+
+
 def _role(spec: Mapping[str, Any], key: str) -> RoleSettings:
     d = _obj(spec, key, "spec")
     path = f"spec.{key}"
@@ -400,6 +414,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         resources=_obj(e, "resources", "spec.engine") or None,
         env=_list(e, "env", "spec.engine", 64),
         args=tuple(str(a) for a in _list(e, "args", "spec.engine", 64)),
+        volumes=_list(e, "volumes", "spec.engine", 16),
+        volume_mounts=_mounts(e, _list(e, "volumes", "spec.engine", 16)),
         kv_cache=KVCache(
             block_size=_req_int(kv, "blockSize", "spec.engine.kvCache", 16, 1, 256),
             num_blocks=_int(kv, "numBlocks", "spec.engine.kvCache", None, 16, 1048576),
