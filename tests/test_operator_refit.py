@@ -12,6 +12,7 @@ second edit during a refit, and an engine pod deleted during one.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 import time
@@ -451,6 +452,13 @@ def test_a_patched_weights_version_rolls_every_engine_under_load(
     v2_tokens = reference(checkpoints["v2"], prompt)
     assert v2_tokens != reference(checkpoints["v1"], prompt)
     assert completion_ids(pool, prompt) == v2_tokens
+    # The router's record of every handoff: prefill and decode always on one version.
+    metrics = httpx.get(pool.router_url().removesuffix("/v1") + "/metrics", timeout=10).text
+    pairs = [(dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(n)) for labels, n in
+             re.findall(r'^tandem_router_kv_handoff_versions_total\{(.*)\} (\S+)$', metrics,
+                        re.M)]
+    seen = {(lb["prefill_version"], lb["decode_version"]) for lb, n in pairs if n > 0}
+    assert ("v2", "v2") in seen and all(p == d for p, d in seen), seen
 
 
 @pytest.mark.slow
