@@ -350,3 +350,18 @@ def test_engine_observation_from_the_admin_state() -> None:
     assert not obs.serving
     gone = EngineObs.from_state("decode-0", "decode", "http://d:9", None)
     assert gone.state is None and not gone.serving
+
+
+def test_the_unavailable_window_adds_up_the_time_no_engine_served() -> None:
+    from tandem_engine.fleet.orchestrator import _track_window
+
+    tx = Transaction(target=Weights("file:///v2", "v2"), previous=Weights("file:///v1", "v1"),
+                     epoch=1, strategy="AllAtOnce")
+    serving = EngineObs("e0", "mixed", "http://e0", "RUNNING", "v1")
+    paused = EngineObs("e0", "mixed", "http://e0", "PAUSED", "v1")
+    verifying = EngineObs("e0", "mixed", "http://e0", "RUNNING", "v2", draining=True)
+    for now, engine in ((10.0, serving), (11.0, paused), (12.5, verifying),
+                        (14.0, serving), (20.0, paused), (20.5, serving)):
+        _track_window(tx, [engine], now)
+    assert tx.unavailable_seconds == (14.0 - 11.0) + (20.5 - 20.0) and tx.dark_since is None
+    assert Transaction.from_dict(tx.to_dict()).unavailable_seconds == 3.5

@@ -86,13 +86,17 @@ async def advance(tx: Transaction, engines: list[EngineObs], admin: FleetAdmin,
             events += _fail(tx, engine, result, now)
         elif isinstance(result, BaseException):
             raise result
+    _track_window(tx, engines, now)
     done = finished_phase(tx, engines)
     if done is not None:
         tx.phase, tx.finished_at = done, now
         took = now - tx.started_at
+        window = (f"; the fleet served no new request for {tx.unavailable_seconds:.1f} s"
+                  if tx.unavailable_seconds else "")
         if done is Phase.SUCCEEDED:
             events.append(Event("RefitSucceeded", f"every engine serves "
-                                f"{tx.target.version} (epoch {tx.epoch}) after {took:.1f} s"))
+                                f"{tx.target.version} (epoch {tx.epoch}) after {took:.1f} s"
+                                f"{window}"))
         elif done is Phase.ROLLED_BACK:
             events.append(Event("RefitRolledBack", f"every engine serves "
                                 f"{tx.previous.version} again after {took:.1f} s: "
@@ -101,6 +105,16 @@ async def advance(tx: Transaction, engines: list[EngineObs], admin: FleetAdmin,
             events.append(Event("RefitHalted", f"refit halted after {took:.1f} s: "
                                 f"{_describe(tx.failure)}", warning=True))
     return events
+
+
+def _track_window(tx: Transaction, engines: list[EngineObs], now: float) -> None:
+    """Add up the time no engine served new requests (routers queue requests meanwhile)."""
+    serving = any(e.serving for e in engines)
+    if not serving and tx.dark_since is None:
+        tx.dark_since = now
+    elif serving and tx.dark_since is not None:
+        tx.unavailable_seconds += now - tx.dark_since
+        tx.dark_since = None
 
 
 class _StepFailed(Exception):

@@ -140,6 +140,10 @@ class Transaction:
     canary: dict[str, list[int]] = field(default_factory=dict)  # version -> tokens
     failure: Failure | None = None
     rollback_epoch: int | None = None
+    # The fleet's unavailable window: when no engine served new requests (AllAtOnce, or a
+    # 1 prefill + 1 decode pool), as seen by the passes.
+    dark_since: float | None = None
+    unavailable_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("strategy", self.strategy, STRATEGIES),
