@@ -6,7 +6,8 @@ status). Then one pool of 2 prefill + 2 decode engines and a router on the test 
 real `tandem-engine` processes run by the test kubelet and `tandem-operator` as a
 subprocess, through every scenario in turn: a `kubectl patch` of the weights under
 streaming load, a corrupt checkpoint rolled back, the operator SIGKILLed mid-refit, a
-second edit during a refit, and an engine pod deleted during one.
+second edit during a refit, an engine pod deleted during one, the operator SIGKILLed in each
+phase of a rolling refit, and a scale-up during one.
 """
 
 from __future__ import annotations
@@ -582,3 +583,149 @@ def test_a_pod_deleted_during_a_refit_is_replaced_and_joins_it(
     pool.patch_weights(checkpoints["v2"].as_uri(), "v6")
     wait_for("Degraded cleared", lambda: pool.condition("Degraded")["status"] == "False",
              timeout=10)
+
+
+# ---- the operator killed in each phase; a scale-up during a refit --------------------------------
+
+
+def quiet(pool: Pool, timeout: float = 150.0) -> str:
+    """Waits until no refit runs and the four engines serve one version; returns it."""
+    def one_version() -> str | None:
+        phase = (pool.status().get("refit") or {}).get("phase")
+        states = pool.engines()
+        versions = {s["weight_version"] for s in states.values() if s}
+        if phase in (None, "Succeeded", "RolledBack", "Halted") and len(versions) == 1 \
+                and pool.all_serve(next(iter(versions))):
+            return versions.pop()
+        return None
+    return wait_for("a quiet pool", one_version, timeout=timeout, every=0.3)
+
+
+def other_checkpoint(pool: Pool, checkpoints: dict[str, Path]) -> str:
+    """The uri of whichever of v1 and v2 the engines do not serve now."""
+    uris = {p["metadata"]["annotations"][m.WEIGHTS_URI] for p in pool.engine_pods()}
+    v1 = checkpoints["v1"].as_uri()
+    return checkpoints["v2"].as_uri() if uris == {v1} else v1
+
+
+def engines_at_step(pool: Pool, target: str, step: str) -> tuple[str | None, list[str]]:
+    """(the refit's phase, engines whose recorded step is `step`) for the refit to `target`."""
+    refit = pool.status().get("refit") or {}
+    if (refit.get("target") or {}).get("version") != target:
+        return None, []
+    return refit.get("phase"), sorted(n for n, r in (refit.get("engines") or {}).items()
+                                      if r.get("step") == step)
+
+
+def handoff_versions(pool: Pool) -> set[tuple[str, str]]:
+    """(prefill, decode) versions of every KV handoff the router made."""
+    metrics = httpx.get(pool.router_url().removesuffix("/v1") + "/metrics", timeout=10).text
+    pairs = [(dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(n)) for labels, n in
+             re.findall(r'^tandem_router_kv_handoff_versions_total\{(.*)\} (\S+)$', metrics,
+                        re.M)]
+    return {(lb["prefill_version"], lb["decode_version"]) for lb, n in pairs if n > 0}
+
+
+KILL_STEPS = ("drain", "suspend", "refit", "verify")
+
+
+@pytest.mark.slow
+def test_an_operator_killed_in_each_phase_of_a_rolling_refit_finishes_it(
+        pool: Pool, checkpoints: dict[str, Path]) -> None:
+    """Rolling, draining under load: the operator is SIGKILLed as soon as an engine's
+    recorded step is drain, then suspend, refit, verify (a fresh refit each time, the
+    weights alternating between v1 and v2); each restarted operator finishes the refit and
+    leaves no engine paused, suspended or draining, with no request failed."""
+    quiet(pool)
+    pool.patch_spec({"refit": {"strategy": "Rolling", "inflight": "Drain",
+                               "onFailure": "Rollback"}})
+    caught: dict[str, tuple[list[str], dict[str, str]]] = {}
+    with Load(pool.router_url(), threads=4) as load:
+        time.sleep(0.5)
+        for step in KILL_STEPS:
+            target = f"killed-at-{step}"
+            pool.patch_weights(other_checkpoint(pool, checkpoints), target)
+            deadline = time.monotonic() + 60
+            while True:
+                phase, at_step = engines_at_step(pool, target, step)
+                if at_step or phase not in (None, "Progressing") \
+                        or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            if not at_step:
+                pytest.fail(f"never saw an engine at step {step} (refit {phase}): the "
+                            f"phase passed between two polls")
+            pool.operator.kill()
+            frozen = (pool.status().get("refit") or {}).get("engines") or {}
+            caught[step] = (at_step, {n: r.get("step", "") for n, r in frozen.items()})
+            pool.operator = pool.start_operator()
+            pool.settle(target)
+            assert not pool.out_of_service()
+            st = pool.status()
+            assert st["weights"]["current"] == target
+            assert st["refit"]["progress"] == f"4/4 engines serve {target}"
+            assert {s["weight_epoch"] for s in pool.engines().values() if s} == {
+                st["refit"]["epoch"]}
+    print("killed at:", json.dumps(caught, indent=1))
+    assert not load.failures, load.failures
+    assert load.done > 0
+    assert all(p == d for p, d in handoff_versions(pool))
+    assert pool.condition("Degraded")["status"] == "False"
+
+
+def weight_version_arg(pod: dict[str, Any]) -> str:
+    args = pod["spec"]["containers"][0]["args"]
+    return args[args.index("--weight-version") + 1]
+
+
+@pytest.mark.slow
+def test_a_scale_up_during_a_refit_joins_it(pool: Pool, checkpoints: dict[str, Path]) -> None:
+    """A third decode pod created while a Rolling refit runs starts on weights some engine
+    serves verified (the invariant holds), joins the refit and ends on the target; scaled
+    back to two, the newest pod is drained and deleted. No request fails throughout."""
+    previous = quiet(pool)
+    pool.patch_spec({"refit": {"strategy": "Rolling", "inflight": "Drain",
+                               "onFailure": "Rollback"}})
+    before = {p["metadata"]["name"] for p in pool.engine_pods()}
+    target = "scaled-up"
+
+    def serving(version: str, engines: int) -> bool:
+        return (pool.status().get("refit") or {}).get("phase") == "Succeeded" \
+            and pool.all_serve(version, engines=engines)
+
+    with Load(pool.router_url(), threads=4) as load:
+        time.sleep(0.5)
+        pool.patch_weights(other_checkpoint(pool, checkpoints), target)
+        wait_for("the first wave under way", pool.out_of_service, timeout=20, every=0.05)
+        pool.patch_spec({"decode": {"replicas": 3}})
+        new = wait_for("a third decode pod", lambda: [
+            p for p in pool.engine_pods() if p["metadata"]["name"] not in before],
+            timeout=20, every=0.1)
+        assert len(new) == 1 and new[0]["metadata"]["labels"]["tandem.dev/role"] == "decode"
+        name, started_on = new[0]["metadata"]["name"], weight_version_arg(new[0])
+        # It loads what an engine already serves verified: the old weights while the first
+        # wave is under way, the target once an engine was verified on it.
+        assert started_on in (previous, target), started_on
+        wait_for(f"five engines serving {target}", lambda: serving(target, 5), timeout=150,
+                 every=0.3)
+        st = pool.status()
+        assert st["refit"]["progress"] == f"5/5 engines serve {target}"
+        assert not pool.out_of_service()
+        state = pool.engines()[name]
+        assert state is not None and state["weight_version"] == target
+        assert state["weight_epoch"] == st["refit"]["epoch"]
+
+        pool.patch_spec({"decode": {"replicas": 2}})
+        wait_for(f"{name} drained and deleted", lambda: name not in {
+            p["metadata"]["name"] for p in pool.get(
+                "pods", "-l", "tandem.dev/pool=demo,tandem.dev/engine=true")["items"]},
+            timeout=90, every=0.3)
+        wait_for(f"four engines serving {target}", lambda: serving(target, 4), timeout=30,
+                 every=0.3)
+        time.sleep(0.5)
+    print(f"{name} started on {started_on}")
+    assert not load.failures, load.failures
+    assert load.done > 0
+    assert {p["metadata"]["name"] for p in pool.engine_pods()} == before
+    assert all(p == d for p, d in handoff_versions(pool))
+    assert pool.condition("Ready")["status"] == "True"
