@@ -149,6 +149,7 @@ def checkpoints(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> d
 
     root = tmp_path_factory.mktemp("refit-checkpoints")
     v2 = write_demo_model(root / "v2", size="tiny", seed=1)
+    v3 = write_demo_model(root / "v3", size="tiny", seed=2)  # the second edit's target
     # Corrupt: v1 with its weights file cut short (the header still reads).
     corrupt = root / "corrupt"
     shutil.copytree(tiny_llama, corrupt)
@@ -159,7 +160,7 @@ def checkpoints(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     shutil.copytree(tiny_llama, wrong)
     config = json.loads((wrong / "config.json").read_text())
     (wrong / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
-    return {"v1": tiny_llama, "v2": v2, "corrupt": corrupt, "wrong": wrong}
+    return {"v1": tiny_llama, "v2": v2, "v3": v3, "corrupt": corrupt, "wrong": wrong}
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +294,43 @@ def test_refit_refuses_bad_input_by_name(tmp_path: Path, monkeypatch, capsys) ->
     err = capsys.readouterr().err
     assert str(tmp_path / f"tandem-{port}" / "stack.json") in err
     assert f"is `tandem serve --port {port}` running?" in err
+
+
+def test_refit_lock_takes_over_a_stale_lock_and_supersedes_a_live_holder(
+        tmp_path: Path, monkeypatch) -> None:
+    import io
+
+    from tandem_engine.fleet import Weights
+    from tandem_engine.refit_cli import RefitLock
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    port = free_port()
+    path = tmp_path / f"tandem-{port}" / "refit.pid"
+    path.parent.mkdir()
+    # A dead holder (a pid that exited): its lock is stale.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    path.write_text(json.dumps({"pid": gone.pid, "version": "v2", "uri": "file:///v2"}))
+    out = io.StringIO()
+    lock = RefitLock(port, Weights("file:///v3", "v3"), out)
+    lock.acquire()
+    assert f"taking over a stale lock {path} (refit to v2, pid {gone.pid}" in out.getvalue()
+    assert json.loads(path.read_text()) == {"pid": os.getpid(), "version": "v3",
+                                            "uri": "file:///v3"}
+    lock.release()
+    assert not path.exists()
+    # A live holder (its command line names refit) gets SIGTERM and is waited for.
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "refit"])
+    try:
+        path.write_text(json.dumps({"pid": holder.pid, "version": "v2", "uri": "file:///v2"}))
+        out = io.StringIO()
+        RefitLock(port, Weights("file:///v3", "v3"), out, wait=5).acquire()
+        assert out.getvalue() == f"superseding the refit to v2 (pid {holder.pid})\n"
+        assert holder.wait(timeout=5) == -signal.SIGTERM
+    finally:
+        holder.kill()
+        holder.wait()
+    assert json.loads(path.read_text())["pid"] == os.getpid()
 
 
 # ---- against a running stack --------------------------------------------------------------------
@@ -454,6 +492,73 @@ def test_all_at_once_with_recompute_keeps_every_inflight_request(
         # router saw every engine away.
         assert watch.first_away is not None
         assert r.stamps[0] < watch.first_away < r.stamps[-1]
+    assert_no_failure(stack, load)
+    assert_pairs_never_mixed(stack)
+
+
+@slow
+def test_a_second_refit_supersedes_the_first(stack: Stack, checkpoints: dict[str, Path]
+                                              ) -> None:
+    """A second edit during a refit: `tandem refit` to v3 started while one to v2 (or v1)
+    drains its first wave stops that one between steps (exit 3) and takes every engine to
+    v3, those the first left draining, paused or suspended included. Leaves the stack on
+    v3 (run last). Long generations keep the first refit busy: each decode engine drains
+    them before its refit (Drain), so it cannot finish before they do
+    (seconds)."""
+    first_to = other(current(stack))
+    log_dir = stack.tmp / f"tandem-{stack.port}"
+    admins = [e["admin_url"] for e in json.loads((log_dir / "stack.json").read_text())[
+        "engines"]]
+    env = {**os.environ, "TMPDIR": str(stack.tmp)}
+    client = openai.OpenAI(base_url=f"{stack.router}/v1", api_key="x", max_retries=0,
+                           timeout=120)
+    long_tokens, results, progress = 1000, [], [[] for _ in range(4)]
+    threads = [threading.Thread(target=lambda i=i: results.append(stream(
+        client, f"Story number {i} begins", long_tokens, True, progress[i])))
+        for i in range(4)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while min(len(p) for p in progress) < 2:  # every long generation is under way
+        assert time.monotonic() < deadline, [len(p) for p in progress]
+        time.sleep(0.01)
+    with Load(stack) as load:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "tandem_engine.cli", "refit", "--port", str(stack.port),
+             "--uri", uri(checkpoints[first_to]), "--version", first_to],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            # The first refit's first wave is under way: an engine left service.
+            deadline = time.monotonic() + 30
+            while not any(s["state"] != "RUNNING" or s["draining"] for s in (
+                    httpx.get(f"{a}/v1/state", timeout=10).json() for a in admins)):
+                assert first.poll() is None and time.monotonic() < deadline, \
+                    first.communicate()[0]
+                time.sleep(0.02)
+            lock = json.loads((log_dir / "refit.pid").read_text())
+            assert (lock["pid"], lock["version"]) == (first.pid, first_to)
+            second = stack.refit("--uri", uri(checkpoints["v3"]), "--version", "v3")
+            first_out = first.communicate(timeout=60)[0]
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait()
+        for t in threads:
+            t.join(timeout=120)
+    assert first.returncode == 3, first_out
+    assert "superseded by a newer `tandem refit`" in first_out, first_out
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"superseding the refit to {first_to} (pid {first.pid})" in second.stdout
+    assert "refit succeeded: every engine serves v3" in second.stdout, second.stdout
+    assert stack.all_serving("v3")
+    for a in admins:
+        state = httpx.get(f"{a}/v1/state", timeout=10).json()
+        assert (state["state"], state["draining"], state["weight_version"]) == (
+            "RUNNING", False, "v3"), state
+    assert not (log_dir / "refit.pid").exists()
+    assert len(results) == 4
+    for r in results:
+        assert r.error is None and r.finish == "length" and len(r.token_ids) == long_tokens, r
     assert_no_failure(stack, load)
     assert_pairs_never_mixed(stack)
 

@@ -5,7 +5,15 @@ stack by its router port (the `stack.json` that `tandem serve` writes), drives e
 engine to the new weights, and prints one line per event plus a compact line of the
 engines' states whenever one changes. Exit status: 0 when every engine serves the new
 weights, verified; 1 when the refit failed and was rolled back or halted (the reason —
-engine, step, the engine's own message — goes to stderr); 2 for bad input.
+engine, step, the engine's own message — goes to stderr); 2 for bad input; 3 when a newer
+`tandem refit` of the same stack superseded it.
+
+One refit at a time: `tandem refit` holds a lock file (`refit.pid`: its pid and target) in
+the stack's log dir. A second `tandem refit` started meanwhile — a second edit — supersedes
+the first: it sends it SIGTERM, which stops it between passes, waits for it to exit (then
+SIGKILL), and takes over; engines the first left draining, paused or suspended join the
+new refit at once, so every engine ends on the newest target. A lock whose process is gone
+is taken over with a note.
 
 For `AllAtOnce` it also reports the fleet's unavailable window, measured at the admin
 API from the calls the orchestrator makes: from the start of the call that took the last
@@ -19,6 +27,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
+import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -38,10 +50,13 @@ from tandem_engine.fleet import (
     observe,
     run,
 )
-from tandem_engine.serve import read_stack
+from tandem_engine.serve import default_log_dir, read_stack
 
 # Calls that take a serving engine out of service (no new requests reach it).
 _STOP_SERVING = ("/v1/drain", "/v1/pause")
+LOCK_FILE = "refit.pid"
+SUPERSEDED = 3  # exit status of a refit a newer one superseded
+SUPERSEDE_WAIT = 15.0  # seconds a superseded refit gets to stop before SIGKILL
 
 
 def checkpoint_uri(uri: str) -> Path:
@@ -154,8 +169,129 @@ class _Progress:
             print(f"{stamp}{mark}{event.reason}: {event.message}", file=self.out, flush=True)
 
 
-async def _refit(args: argparse.Namespace, target: Weights, out: TextIO) -> int:
-    stack = read_stack(args.port)
+class _Superseded(Exception):
+    """A newer `tandem refit` of the stack asked this one to stop (SIGTERM)."""
+
+
+@dataclass
+class _Stop:
+    """Set by SIGTERM; the refit checks it after every pass, so it stops between steps,
+    never in the middle of an admin call."""
+
+    requested: bool = False
+
+    def check(self) -> None:
+        if self.requested:
+            raise _Superseded
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie — exited, not yet reaped — does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc to tell: the signal reached it
+    return stat.rsplit(")", 1)[-1].split()[:1] not in (["Z"], ["X"])
+
+
+def _is_refit(pid: int) -> bool:
+    """Whether `pid` is a `tandem refit` (and not another process that reused the pid)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True  # cannot tell: assume it is
+    return b"refit" in argv
+
+
+class RefitLock:
+    """`refit.pid` in the stack's log dir: the running `tandem refit` (pid, target).
+
+    Taken atomically (a complete file hard-linked into place, which fails if one is
+    there). A live holder is superseded: SIGTERM, up to `SUPERSEDE_WAIT` s to exit, then
+    SIGKILL; a holder that is gone left a stale lock, taken over with a note."""
+
+    def __init__(self, port: int, target: Weights, out: TextIO,
+                 wait: float = SUPERSEDE_WAIT) -> None:
+        self.path = default_log_dir(port) / LOCK_FILE
+        self.mine = {"pid": os.getpid(), "version": target.version, "uri": target.uri}
+        self.out, self.wait = out, wait
+
+    def _holder(self) -> dict[str, Any] | None:
+        """The lock's content; None when there is none; {} when it cannot be read."""
+        try:
+            holder = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+        return holder if isinstance(holder, dict) else {}
+
+    def acquire(self) -> None:
+        tmp = self.path.with_name(f".{LOCK_FILE}.{os.getpid()}")
+        tmp.write_text(json.dumps(self.mine))
+        superseded: set[int | None] = set()
+        try:
+            for _ in range(10):
+                try:
+                    os.link(tmp, self.path)
+                    return
+                except FileExistsError:
+                    pass
+                holder = self._holder()
+                if holder is None:
+                    continue  # released meanwhile
+                pid, version = holder.get("pid"), holder.get("version", "?")
+                pid = pid if isinstance(pid, int) else None
+                if pid is not None and pid != os.getpid() and _alive(pid) and _is_refit(pid):
+                    self._supersede(pid, version)
+                    superseded.add(pid)
+                    continue
+                if pid not in superseded:  # (one it just stopped left its lock: no news)
+                    print(f"tandem refit: taking over a stale lock {self.path} (refit to "
+                          f"{version}, pid {pid}, no longer running)", file=self.out,
+                          flush=True)
+                if self._holder() == holder:
+                    self.path.unlink(missing_ok=True)
+            raise RuntimeError(f"cannot take the refit lock {self.path}: other `tandem "
+                               "refit` runs of this stack keep taking it")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _supersede(self, pid: int, version: str) -> None:
+        print(f"superseding the refit to {version} (pid {pid})", file=self.out, flush=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        if self._wait_exit(pid, self.wait):
+            return
+        print(f"tandem refit: the refit to {version} (pid {pid}) did not stop within "
+              f"{self.wait:.0f} s; killing it", file=self.out, flush=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        self._wait_exit(pid, 10.0)
+
+    @staticmethod
+    def _wait_exit(pid: int, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def release(self) -> None:
+        holder = self._holder()
+        if holder and holder.get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
+
+
+async def _refit(args: argparse.Namespace, stack: dict[str, Any], target: Weights,
+                 out: TextIO, stop: _Stop) -> int:
     engines = [(e["name"], e["role"], e["admin_url"]) for e in stack["engines"]]
     admin = RecordingAdmin(stack.get("admin_token"))
     try:
@@ -174,13 +310,27 @@ async def _refit(args: argparse.Namespace, target: Weights, out: TextIO) -> int:
         _adopt_unsettled(tx, seen)
         print(f"refit of the stack at {stack['router']}: {_versions(seen)} → "
               f"{target.version} ({target.uri})", file=out, flush=True)
+        progress = _Progress(engines, admin, out)
+
+        def on_events(events: list[Event], tx: Transaction) -> None:
+            progress(events, tx)
+            if not tx.phase.finished:
+                stop.check()
+
         try:
-            tx = await run(tx, engines, admin, _Progress(engines, admin, out),
-                           timeout=args.timeout)
+            stop.check()
+            tx = await run(tx, engines, admin, on_events, timeout=args.timeout)
         except TimeoutError as exc:
             print(f"tandem refit: {exc}; engines now: {_engine_line(engines, admin.last)}",
                   file=sys.stderr)
             return 1
+        except _Superseded:
+            # Every engine's next step is decided from what it reports: the newer refit
+            # takes the engines left mid-way (draining, paused, suspended) to its target.
+            print(f"tandem refit: superseded by a newer `tandem refit` of this stack; "
+                  f"stopped between steps, engines now: {_engine_line(engines, admin.last)}",
+                  file=sys.stderr, flush=True)
+            return SUPERSEDED
         if tx.strategy == "AllAtOnce":
             window = unavailable_window(admin.calls, [n for n, _, _ in engines])
             shown = "none (some engine kept serving)" if window is None else f"{window:.3f} s"
@@ -244,11 +394,24 @@ def refit(args: argparse.Namespace, out: TextIO | None = None) -> int:
     path = checkpoint_uri(args.uri)
     _check_options(args)
     target = Weights(path.as_uri(), args.version)
+    out = out or sys.stdout
+    stack = read_stack(args.port)
+    stop = _Stop()
+    previous = None
+    with contextlib.suppress(ValueError):  # not the main thread: no superseding signal
+        previous = signal.signal(signal.SIGTERM,
+                                 lambda *_: setattr(stop, "requested", True))
+    lock = RefitLock(args.port, target, out)
     try:
-        return asyncio.run(_refit(args, target, out or sys.stdout))
+        lock.acquire()
+        return asyncio.run(_refit(args, stack, target, out, stop))
     except KeyboardInterrupt:
         # Every engine's next step is decided from what it reports, so the same command
         # picks the refit up where it stopped.
         print("tandem refit: interrupted; engines may be mid-refit (paused, suspended or "
               "draining): run the same command again to finish", file=sys.stderr)
         return 130
+    finally:
+        lock.release()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
