@@ -457,23 +457,33 @@ def test_an_interrupted_refit_is_finished_by_running_it_again(
     assert_pairs_never_mixed(stack)
 
 
+def start_long_generations(stack: Stack, n: int, tokens: int
+                           ) -> tuple[list[threading.Thread], list]:
+    """`n` streamed generations of `tokens` tokens each, returned once every one is under
+    way (two tokens streamed); their records land in the returned list when they end."""
+    client = openai.OpenAI(base_url=f"{stack.router}/v1", api_key="x", max_retries=0,
+                           timeout=120)
+    results: list = []
+    progress: list[list] = [[] for _ in range(n)]
+    threads = [threading.Thread(target=lambda i=i: results.append(stream(
+        client, f"Story number {i} begins", tokens, True, progress[i])))
+        for i in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while min(len(p) for p in progress) < 2:
+        assert time.monotonic() < deadline, [len(p) for p in progress]
+        time.sleep(0.01)
+    return threads, results
+
+
 @slow
 def test_all_at_once_with_recompute_keeps_every_inflight_request(
         stack: Stack, checkpoints: dict[str, Path]) -> None:
     old = current(stack)
     new = other(old)
-    client = openai.OpenAI(base_url=f"{stack.router}/v1", api_key="x", max_retries=0,
-                           timeout=120)
-    long_tokens, results, progress = 1000, [], [[] for _ in range(6)]
-    threads = [threading.Thread(target=lambda i=i: results.append(stream(
-        client, f"Story number {i} begins", long_tokens, True, progress[i])))
-        for i in range(6)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while min(len(p) for p in progress) < 2:  # every long generation is under way
-        assert time.monotonic() < deadline, [len(p) for p in progress]
-        time.sleep(0.01)
+    long_tokens = 1000
+    threads, results = start_long_generations(stack, 6, long_tokens)
     with Load(stack, threads=2) as load, AwayWatch(stack) as watch:
         done = stack.refit("--uri", uri(checkpoints[new]), "--version", new,
                            "--strategy", "AllAtOnce", "--inflight", "Recompute")
@@ -510,18 +520,8 @@ def test_a_second_refit_supersedes_the_first(stack: Stack, checkpoints: dict[str
     admins = [e["admin_url"] for e in json.loads((log_dir / "stack.json").read_text())[
         "engines"]]
     env = {**os.environ, "TMPDIR": str(stack.tmp)}
-    client = openai.OpenAI(base_url=f"{stack.router}/v1", api_key="x", max_retries=0,
-                           timeout=120)
-    long_tokens, results, progress = 1000, [], [[] for _ in range(4)]
-    threads = [threading.Thread(target=lambda i=i: results.append(stream(
-        client, f"Story number {i} begins", long_tokens, True, progress[i])))
-        for i in range(4)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    while min(len(p) for p in progress) < 2:  # every long generation is under way
-        assert time.monotonic() < deadline, [len(p) for p in progress]
-        time.sleep(0.01)
+    long_tokens = 1000
+    threads, results = start_long_generations(stack, 4, long_tokens)
     with Load(stack) as load:
         first = subprocess.Popen(
             [sys.executable, "-m", "tandem_engine.cli", "refit", "--port", str(stack.port),
