@@ -161,6 +161,21 @@ def test_scale_down_drains_not_ready_first_then_newest() -> None:
         "d", "b", "c", "a"]
 
 
+def test_scale_down_takes_an_engine_a_refit_has_out_of_service_last() -> None:
+    """A paused-for-refit engine is not ready for a moment; draining it instead of a
+    serving one would keep its requests waiting for the drain timeout."""
+    spec = make_spec(decode={"replicas": 1})
+    serving = pod(spec, "decode", name="a", created="2025-01-01T00:00:01Z")
+    refitted = pod(spec, "decode", name="b", ready=False, created="2025-01-01T00:00:09Z")
+    previous = {"refit": {"phase": "Progressing", "engines": {
+        "b": {"step": "suspend", "verified": False}, "x": {"verified": True}}}}
+    observed = Observed(pods=(serving, refitted, pod(spec, "prefill"), pod(spec, "router")),
+                        objects=all_objects(spec), previous=previous)
+    assert [a.pod.name for a in drains(plan(spec, observed))] == ["a"]
+    done = replace(observed, previous={"refit": {**previous["refit"], "phase": "Succeeded"}})
+    assert [a.pod.name for a in drains(plan(spec, done))] == ["b"]
+
+
 def test_draining_pods_continue_and_do_not_count_as_replicas() -> None:
     spec = make_spec()
     leaving = pod(spec, "decode", draining=NOW)

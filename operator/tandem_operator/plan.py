@@ -189,9 +189,22 @@ def pod_epoch(observed: Observed, weights: Weights) -> int:
     return int((observed.previous.get("weights") or {}).get("epoch") or 0)
 
 
-def scale_down_order(pods: list[PodView]) -> list[PodView]:
-    """Which pods to take first: not ready, then the newest (name breaks ties)."""
-    return sorted(pods, key=lambda p: (p.ready, _neg(p.created), _neg(p.name)))
+def scale_down_order(pods: list[PodView], refitting: frozenset[str] = frozenset()
+                     ) -> list[PodView]:
+    """Which pods to take first: not ready, then the newest (name breaks ties) — and engines
+    a refit has out of service last (they are not ready for a moment, and draining one
+    would keep its requests waiting for the drain timeout)."""
+    return sorted(pods, key=lambda p: (p.name in refitting, p.ready, _neg(p.created),
+                                       _neg(p.name)))
+
+
+def refitting(observed: Observed) -> frozenset[str]:
+    """Pods a refit transaction has taken out of service and not yet verified."""
+    refit = observed.previous.get("refit") or {}
+    if refit.get("phase") in ("Succeeded", "RolledBack", "Halted"):
+        return frozenset()
+    return frozenset(name for name, record in (refit.get("engines") or {}).items()
+                     if isinstance(record, Mapping) and not record.get("verified"))
 
 
 def _neg(s: str) -> tuple[int, ...]:
@@ -282,7 +295,7 @@ def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: Weigh
     if not old:
         if len(new) < replicas:
             return actions + create(replicas - len(new))
-        extra = scale_down_order(new)[:len(new) - replicas]
+        extra = scale_down_order(new, refitting(observed))[:len(new) - replicas]
         if not partner_ok:
             extra = [p for p in extra if not p.ready]
         return actions + [DrainPod(p, "ScaleDown") for p in extra]
@@ -292,11 +305,11 @@ def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: Weigh
     total = len(live) + len(draining)
     creates = max(0, min(replicas - len(new), replicas + surge - total))
     leaving = [p for p in old if not p.ready]  # costs no availability
-    extra_new = scale_down_order(new)[:max(0, len(new) - replicas)]
+    extra_new = scale_down_order(new, refitting(observed))[:max(0, len(new) - replicas)]
     budget = max(0, _ready(live) - floor) if partner_ok else 0
     extra_new_ready = [p for p in extra_new if p.ready][:budget]
     budget -= len(extra_new_ready)
-    leaving += [p for p in scale_down_order(old) if p.ready][:budget]
+    leaving += [p for p in scale_down_order(old, refitting(observed)) if p.ready][:budget]
     removals = [*[p for p in extra_new if not p.ready], *extra_new_ready]
     stalled = (surge == 0 and creates == 0 and not leaving and not removals and not draining
                and len(new) < replicas and all(p.ready for p in new))
