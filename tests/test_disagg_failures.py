@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 from reference import random_prompts
 from tandem_engine import LLM, SamplingParams
-from tandem_engine import protocol as p
-from test_disagg_process import MAX_NEW, pin, pull
+from test_disagg_process import MAX_NEW, collect, pin, pull, send_pull
 from test_engine_process import EngineProcess
 
 pytest.importorskip("nixl_cu12")
@@ -43,6 +42,15 @@ def _greedy(model: Path, prompts: list[list[int]], **kw) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _pair(model: Path, tmp: Path, engines: list, pull_timeout: float):
+    """A prefill engine "pre" and a decode engine "dec", with a router-side client each."""
+    engines.append(prefill := EngineProcess(model, tmp, "--role", "prefill",
+                                            "--engine-id", "pre"))
+    engines.append(decode := EngineProcess(model, tmp, "--role", "decode", "--engine-id",
+                                           "dec", "--pull-timeout", str(pull_timeout)))
+    return prefill, decode, prefill.client(), decode.client()
+
+
 @pytest.fixture
 def engines(tmp_path: Path):
     """Start engines with `engines.append(EngineProcess(...))`; killed at teardown."""
@@ -66,7 +74,7 @@ def test_pins_of_a_dead_decode_engine_expire_after_the_ttl(
     assert _state(prefill)["pinned_blocks"] == len(source.block_ids) == 3
     # The decode engine is sent the request but dies before it could pull.
     decode.proc.send_signal(signal.SIGSTOP)
-    dec.sock.send(p.encode(p.Submit("r", prompt, {"max_tokens": MAX_NEW}, pull=source)))
+    send_pull(dec, "r", prompt, source)
     decode.proc.kill()
     decode.proc.wait()
     _wait_for(lambda: _state(prefill)["pinned_blocks"] == 0, 10, "pins released")
@@ -79,11 +87,7 @@ def test_frozen_then_thawed_prefill_engine(tiny_llama: Path, tmp_path: Path,
     """SIGSTOP the prefill engine while the decode engine pulls: the pull's deadline fires,
     the decode engine recomputes the prompt and the request completes with the right
     tokens; after SIGCONT the pair hands off again without a failure."""
-    engines.append(prefill := EngineProcess(tiny_llama, tmp_path, "--role", "prefill",
-                                            "--engine-id", "pre"))
-    engines.append(decode := EngineProcess(tiny_llama, tmp_path, "--role", "decode",
-                                           "--engine-id", "dec", "--pull-timeout", "1.5"))
-    pre, dec = prefill.client(), decode.client()
+    prefill, decode, pre, dec = _pair(tiny_llama, tmp_path, engines, pull_timeout=1.5)
     prompts = random_prompts(2048, [33, 70, 50], seed=61)
     expected = _greedy(tiny_llama, prompts)
     assert pull(dec, "warm", prompts[0], pin(pre, "warm", prompts[0])) == expected[0]
@@ -111,27 +115,17 @@ def test_killed_prefill_during_a_pull_then_restarted(tiny_llama: Path, tmp_path:
     """kill -9 the prefill engine during a pull: the request completes by recompute. The
     engine restarted on the same address (a new incarnation, a new NIXL agent under the
     same name) replaces the stale peer: the next handoff pulls from it."""
-    engines.append(prefill := EngineProcess(tiny_llama, tmp_path, "--role", "prefill",
-                                            "--engine-id", "pre"))
-    engines.append(decode := EngineProcess(tiny_llama, tmp_path, "--role", "decode",
-                                           "--engine-id", "dec", "--pull-timeout", "3"))
-    pre, dec = prefill.client(), decode.client()
+    prefill, decode, pre, dec = _pair(tiny_llama, tmp_path, engines, pull_timeout=3)
     prompts = random_prompts(2048, [20, 64, 45], seed=62)
     expected = _greedy(tiny_llama, prompts)
     assert pull(dec, "warm", prompts[0], pin(pre, "warm", prompts[0])) == expected[0]
 
     source = pin(pre, "killed", prompts[1])
     prefill.proc.send_signal(signal.SIGSTOP)  # hold the pull in flight ...
-    dec.sock.send(p.encode(p.Submit("killed", prompts[1], {
-        "max_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}, pull=source)))
+    send_pull(dec, "killed", prompts[1], source)
     time.sleep(0.5)
     prefill.close()  # ... and kill it there
-    outs = []
-    while not outs or not outs[-1].finished:
-        msg = dec.next((p.Output, p.Reject), 30)
-        assert not isinstance(msg, p.Reject), msg
-        outs.append(msg)
-    assert [source.first_token] + [t for o in outs for t in o.token_ids] == expected[1]
+    assert collect(dec, "killed", source) == expected[1]
     assert _state(decode)["kv_pulls"]["recomputed"] == 1
 
     engines.append(again := EngineProcess(tiny_llama, tmp_path, "--role", "prefill",

@@ -52,12 +52,21 @@ def pin(pre: Client, rid: str, prompt: list[int], **sampling) -> p.PullSource:
                         pre_out.token_ids[0])
 
 
+def send_pull(dec: Client, rid: str, prompt: list[int], source: p.PullSource,
+              max_new: int = MAX_NEW) -> None:
+    dec.sock.send(p.encode(p.Submit(rid, prompt, {
+        "max_tokens": max_new, "temperature": 0.0, "ignore_eos": True}, pull=source)))
+
+
 def pull(dec: Client, rid: str, prompt: list[int], source: p.PullSource,
          max_new: int = MAX_NEW, timeout: float = 30.0) -> list[int]:
     """The decode step: every token of the generation, the prefill engine's first one
     included (the decode stream starts after it)."""
-    dec.sock.send(p.encode(p.Submit(rid, prompt, {
-        "max_tokens": max_new, "temperature": 0.0, "ignore_eos": True}, pull=source)))
+    send_pull(dec, rid, prompt, source, max_new)
+    return collect(dec, rid, source, timeout)
+
+
+def collect(dec: Client, rid: str, source: p.PullSource, timeout: float = 30.0) -> list[int]:
     outs = []
     while not outs or not outs[-1].finished:
         msg = dec.next((p.Output, p.Reject), timeout)

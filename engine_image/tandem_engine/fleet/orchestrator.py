@@ -197,17 +197,14 @@ def _fail(tx: Transaction, engine: EngineObs, error: Exception, now: float) -> l
         # Already turning back: a second failure is reported, the way back keeps going.
         return [Event("RefitStepFailed", f"{engine.name}: {step}: {message}", warning=True)]
     tx.failure = Failure(engine.name, step, message)
+    # Engines under way are driven back (or to serving) from wherever they are; with
+    # Rollback, the ones already verified on the target are refitted back in waves.
+    tx.engines = {n: r for n, r in tx.engines.items() if not r.verified}
     if tx.on_failure == "Rollback":
-        tx.phase = Phase.ROLLING_BACK
-        tx.rollback_epoch = tx.epoch + 1
-        # Engines already on the target are refitted back in waves; the ones under way
-        # are driven back from wherever they are.
-        tx.engines = {n: r for n, r in tx.engines.items() if not r.verified}
+        tx.phase, tx.rollback_epoch = Phase.ROLLING_BACK, tx.epoch + 1
+        then = f"rolling back to {tx.previous.version}"
     else:
-        tx.phase = Phase.HALTING
-        tx.engines = {n: r for n, r in tx.engines.items() if not r.verified}
-    then = (f"rolling back to {tx.previous.version}" if tx.on_failure == "Rollback"
-            else "halting where it is")
+        tx.phase, then = Phase.HALTING, "halting where it is"
     return [Event("RefitFailed", f"{_describe(tx.failure)}; {then}", warning=True)]
 
 
