@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "engine_image"))
 
 from serving import load_run, pct, workload  # noqa: E402
-from tandem_engine.serve import LocalStack  # noqa: E402
+from tandem_engine.cli.serve import LocalStack  # noqa: E402
 
 
 def pin_process(pid: int, cpu: int) -> None:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import zmq
 from tandem_engine import protocol as p
-from tandem_engine.serve import die_with_parent, free_port
+from tandem_engine.cli.serve import die_with_parent, free_port
 from tandem_engine.transfer import KVGeometry, NixlBackend
 
 
@@ -69,7 +69,7 @@ class _Engine:
     def __init__(self, model: Path, role: str, log: Path, threads: int) -> None:
         self.port, self.admin = free_port(), free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem_engine.engine_main", "--model", str(model),
+            [sys.executable, "-m", "tandem_engine.server.main", "--model", str(model),
              "--role", role, "--engine-id", f"bench-{role}", "--port", str(self.port),
              "--admin-port", str(self.admin), "--threads", str(threads),
              "--num-blocks", "1024", "--max-num-batched-tokens", "2048"],

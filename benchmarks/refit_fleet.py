@@ -18,7 +18,7 @@ the goal and PASS/MISS where the issue sets one:
   stack starts (goal <= 1.2x), and under the load;
 * generated tokens/s during the rolling refit over the steady state before it
   (goal >= 1 - engines away per wave / engines);
-* the AllAtOnce unavailable window (`tandem_engine.refit_cli.unavailable_window`);
+* the AllAtOnce unavailable window (`tandem_engine.cli.refit.unavailable_window`);
 * by model: waves (from the transaction's own `choose_wave`) and the time they would take
   for larger pools at the measured time per wave.
 Zero failed requests is checked too: any failure is reported.
@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lifecycle import read_bytes_s
+from tandem_engine.cli.refit import RecordingAdmin, unavailable_window
+from tandem_engine.cli.serve import LocalStack, free_port
 from tandem_engine.fleet import (
     EngineObs,
     EngineRecord,
@@ -48,8 +50,6 @@ from tandem_engine.fleet import (
     observe,
     run,
 )
-from tandem_engine.refit_cli import RecordingAdmin, unavailable_window
-from tandem_engine.serve import LocalStack, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     sys.path.insert(0, str(ROOT / "engine_image"))
-    from tandem_engine.serve import LocalStack
+    from tandem_engine.cli.serve import LocalStack
 
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     items = workload(args.num_requests, args.seed, (args.min_prompt, args.max_prompt),

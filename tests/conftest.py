@@ -16,7 +16,7 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
 def _write_tiny(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
     import torch
-    from tandem_engine.demo_model import write_demo_model
+    from tandem_engine.cli.demo_model import write_demo_model
 
     # Two cores are shared by everything a test starts; one torch thread each.
     torch.set_num_threads(1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tandem_engine.attention import GatherBuffers, build_metadata, paged_attention, write_kv
-from tandem_engine.native import paged_decode_kernel
+from tandem_engine.model.attention import GatherBuffers, build_metadata, paged_attention, write_kv
+from tandem_engine.model.native import paged_decode_kernel
 
 BLOCK = 4
 

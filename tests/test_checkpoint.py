@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tandem_engine.checkpoint import (
+from tandem_engine.cli.demo_model import demo_weights
+from tandem_engine.config import ModelConfig
+from tandem_engine.errors import CheckpointError
+from tandem_engine.model.checkpoint import (
     INDEX_NAME,
     WEIGHTS_NAME,
     load_checkpoint,
     validate_checkpoint,
 )
-from tandem_engine.config import ModelConfig
-from tandem_engine.demo_model import demo_weights
-from tandem_engine.errors import CheckpointError
 
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 UP_PROJ = "model.layers.1.mlp.up_proj.weight"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def _tandem(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tandem_engine.cli", *args],
+    return subprocess.run([sys.executable, "-m", "tandem_engine.cli.main", *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tandem_engine.config import ModelConfig
-from tandem_engine.demo_model import (
+from tandem_engine.cli.demo_model import (
     ARCHITECTURES,
     TOKENIZER_VOCAB_SIZE,
     demo_hf_config,
     write_demo_model,
 )
+from tandem_engine.config import ModelConfig
 from tandem_engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -61,7 +61,7 @@ def test_another_process_writes_identical_bytes(tiny_llama: Path, tmp_path: Path
     # Hash maps in the tokenizer trainer are seeded per process; this catches any
     # ordering that depends on them.
     code = (
-        "import sys; from tandem_engine.demo_model import write_demo_model; "
+        "import sys; from tandem_engine.cli.demo_model import write_demo_model; "
         "write_demo_model(sys.argv[1], arch='llama', seed=0, size='tiny')"
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=120)

@@ -19,8 +19,8 @@ import zmq
 from reference import random_prompts
 from tandem_engine import LLM, SamplingParams
 from tandem_engine import protocol as p
-from tandem_engine.demo_model import write_demo_model
-from tandem_engine.serve import die_with_parent, free_port
+from tandem_engine.cli.demo_model import write_demo_model
+from tandem_engine.cli.serve import die_with_parent, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ class EngineProcess:
         if self.log.exists():  # a restart on the same port: keep the old log
             self.log.rename(self.log.with_suffix(f".{time.monotonic_ns()}.log"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tandem_engine.engine_main", "--model", str(model),
+            [sys.executable, "-m", "tandem_engine.server.main", "--model", str(model),
              "--port", str(self.port), "--admin-port", str(self.admin_port),
              "--engine-id", "e0", "--heartbeat-interval", "0.2", "--shutdown-grace", "20",
              *extra], stdout=self.log.open("wb"), stderr=subprocess.STDOUT,

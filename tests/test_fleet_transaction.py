@@ -10,7 +10,6 @@ import itertools
 import json
 
 import pytest
-from tandem_engine.engine_state import EngineState
 from tandem_engine.fleet.transaction import (
     INFLIGHT,
     TRANSIENT,
@@ -26,6 +25,7 @@ from tandem_engine.fleet.transaction import (
     next_act,
     suspend_mode,
 )
+from tandem_engine.lifecycle import EngineState
 
 V1 = Weights("file:///models/v1", "v1")
 V2 = Weights("file:///models/v2", "v2")

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import random_prompts
 from tandem_engine import LLM, CheckpointError, EngineState, EngineStateError, SamplingParams
-from tandem_engine.demo_model import write_demo_model
-from tandem_engine.engine_state import TRANSITIONS, KVMode, Signal
-from tandem_engine.kv.hashing import block_hashes, block_salt, chain_root, hash_block
+from tandem_engine.cli.demo_model import write_demo_model
+from tandem_engine.core.kv.hashing import block_hashes, block_salt, chain_root, hash_block
+from tandem_engine.lifecycle import TRANSITIONS, KVMode, Signal
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -112,8 +112,8 @@ def test_reset_prefix_cache_and_lru_eviction(tiny_llama: Path) -> None:
 
 
 def test_lru_never_evicts_a_parent_before_its_child() -> None:
-    from tandem_engine.kv import KVCacheManager
-    from tandem_engine.request import Request
+    from tandem_engine.core.kv import KVCacheManager
+    from tandem_engine.core.request import Request
 
     kv = KVCacheManager(num_blocks=6, block_size=4)
     req = Request("r", list(range(13)), GREEDY, 0)

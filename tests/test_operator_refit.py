@@ -342,7 +342,7 @@ class Load:
 @pytest.fixture(scope="module")
 def checkpoints(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> dict[str, Path]:
-    from tandem_engine.demo_model import write_demo_model
+    from tandem_engine.cli.demo_model import write_demo_model
 
     root = tmp_path_factory.mktemp("refit-weights")
     v2 = write_demo_model(root / "v2", seed=1)

@@ -26,8 +26,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tandem_engine import cli
-from tandem_engine.serve import free_port
+from tandem_engine.cli import main as cli
+from tandem_engine.cli.serve import free_port
 
 MODEL = "t"
 PROMPTS = ["Once upon a time", "The harbour at night", "Seven bridges cross",
@@ -74,7 +74,7 @@ class Stack:
 
     def refit(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "tandem_engine.cli", "refit", "--port", str(self.port),
+            [sys.executable, "-m", "tandem_engine.cli.main", "refit", "--port", str(self.port),
              *args], capture_output=True, text=True, timeout=180,
             env={**os.environ, "TMPDIR": str(self.tmp)})
 
@@ -145,7 +145,7 @@ class Load:
 
 @pytest.fixture(scope="module")
 def checkpoints(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tandem_engine.demo_model import write_demo_model
+    from tandem_engine.cli.demo_model import write_demo_model
 
     root = tmp_path_factory.mktemp("refit-checkpoints")
     v2 = write_demo_model(root / "v2", size="tiny", seed=1)
@@ -184,7 +184,7 @@ def stack(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[Stack]:
     tmp, port = tmp_path_factory.mktemp("refit-stack"), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem_engine.cli", "serve", "--model",
+        [sys.executable, "-m", "tandem_engine.cli.main", "serve", "--model",
          str(checkpoints["v1"]), "--prefill", "2", "--decode", "2", "--port", str(port),
          "--served-model-name", MODEL], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env={**os.environ, "TMPDIR": str(tmp)})
@@ -300,8 +300,8 @@ def test_refit_lock_takes_over_a_stale_lock_and_supersedes_a_live_holder(
         tmp_path: Path, monkeypatch) -> None:
     import io
 
+    from tandem_engine.cli.refit import RefitLock
     from tandem_engine.fleet import Weights
-    from tandem_engine.refit_cli import RefitLock
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     port = free_port()
@@ -429,7 +429,7 @@ def test_an_interrupted_refit_is_finished_by_running_it_again(
     new = other(old)
     description = json.loads((stack.tmp / f"tandem-{stack.port}" / "stack.json").read_text())
     admins = [e["admin_url"] for e in description["engines"]]
-    command = [sys.executable, "-m", "tandem_engine.cli", "refit", "--port", str(stack.port),
+    command = [sys.executable, "-m", "tandem_engine.cli.main", "refit", "--port", str(stack.port),
                "--uri", uri(checkpoints[new]), "--version", new]
     env = {**os.environ, "TMPDIR": str(stack.tmp)}
     left = []
@@ -524,7 +524,7 @@ def test_a_second_refit_supersedes_the_first(stack: Stack, checkpoints: dict[str
     threads, results = start_long_generations(stack, 4, long_tokens)
     with Load(stack) as load:
         first = subprocess.Popen(
-            [sys.executable, "-m", "tandem_engine.cli", "refit", "--port", str(stack.port),
+            [sys.executable, "-m", "tandem_engine.cli.main", "refit", "--port", str(stack.port),
              "--uri", uri(checkpoints[first_to]), "--version", first_to],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         try:

@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 from tandem_engine import SamplingParams
-from tandem_engine.serve import die_with_parent, free_port
+from tandem_engine.cli.serve import die_with_parent, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def _engine_cmd(model: Path, port: int, admin_port: int) -> list[str]:
-    return [sys.executable, "-m", "tandem_engine.engine_main", "--model", str(model),
+    return [sys.executable, "-m", "tandem_engine.server.main", "--model", str(model),
             "--served-model-name", MODEL, "--port", str(port), "--admin-port",
             str(admin_port), "--threads", "1", "--heartbeat-interval", "0.2",
             "--num-blocks", "512", "--max-num-seqs", "16", "--shutdown-grace", "1"]

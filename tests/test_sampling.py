@@ -9,7 +9,7 @@ import pytest
 import torch
 from reference import random_prompts
 from tandem_engine import LLM, RequestRejected, SamplingParams
-from tandem_engine.sampler import Sampler, sample_row
+from tandem_engine.model.sampler import Sampler, sample_row
 
 PROBS = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
 LOGITS = PROBS.log() + 3.0  # any shift: softmax must undo it

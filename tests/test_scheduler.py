@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tandem_engine.kv import BlockPool, KVCacheManager, OutOfBlocks
-from tandem_engine.request import Request, RequestStatus
+from tandem_engine.core.kv import BlockPool, KVCacheManager, OutOfBlocks
+from tandem_engine.core.request import Request, RequestStatus
+from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.sampling_params import SamplingParams
-from tandem_engine.scheduler import Scheduler
 
 BLOCK = 4
 

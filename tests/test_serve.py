@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from tandem_engine import LLM, SamplingParams
-from tandem_engine.serve import free_port
+from tandem_engine.cli.serve import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def _children(pid: int) -> list[int]:
 
 def _start_serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, list[str]]:
     """`tandem serve ARGS`, once it has printed its URL; returns the process and its lines."""
-    proc = subprocess.Popen([sys.executable, "-m", "tandem_engine.cli", "serve", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "tandem_engine.cli.main", "serve", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "TMPDIR": str(tmp_path)})
     lines: list[str] = []
@@ -80,7 +80,7 @@ def test_serve_answers_openai_and_stops_cleanly(tiny_qwen3: Path, tmp_path: Path
 
 def test_serve_reports_a_bad_model_and_leaves_nothing(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "tandem_engine.cli", "serve", "--model", str(tmp_path / "nope"),
+        [sys.executable, "-m", "tandem_engine.cli.main", "serve", "--model", str(tmp_path / "nope"),
          "--port", str(free_port())], capture_output=True, text=True, timeout=120,
         env={**os.environ, "TMPDIR": str(tmp_path)})
     assert proc.returncode == 2

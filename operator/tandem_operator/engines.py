@@ -1,4 +1,4 @@
-"""The operator's client for the engines' admin HTTP API (tandem_engine.admin).
+"""The operator's client for the engines' admin HTTP API (tandem_engine.server.admin).
 
 Every call has a timeout and carries the pool's admin bearer token. An engine that does not
 answer is reported as an `EngineAdminError`, never waited on without bound: reconcile must

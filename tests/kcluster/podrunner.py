@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tandem_engine.cli.serve import die_with_parent
 from tandem_engine.router.discovery import kube_config_from_file
-from tandem_engine.serve import die_with_parent
 
 NODE_NAME = "tandem-test-node"
 HOST_IP = "127.0.0.1"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tandem_engine.stops import find_stop, trim_at_stop
+from tandem_engine.text import find_stop, trim_at_stop
 from tandem_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import msgspec
 
 from tandem_engine import protocol as p
-from tandem_engine.kv.hashing import block_hashes, block_salt
+from tandem_engine.core.kv.hashing import block_hashes, block_salt
 from tandem_engine.router.continuation import TextContinuation
 from tandem_engine.router.engines import (
     EngineClient,

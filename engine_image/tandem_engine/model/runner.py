@@ -13,19 +13,19 @@ from types import ModuleType
 
 import torch
 
-from tandem_engine.attention import AttentionMetadata, GatherBuffers, build_metadata
 from tandem_engine.config import EngineConfig, ModelConfig, normalize_dtype
-from tandem_engine.host_memory import keep_freed_memory
-from tandem_engine.model import (
+from tandem_engine.core.request import Request
+from tandem_engine.core.scheduler import SchedulerOutput
+from tandem_engine.model.attention import AttentionMetadata, GatherBuffers, build_metadata
+from tandem_engine.model.host_memory import keep_freed_memory
+from tandem_engine.model.llama import (
     CausalLM,
     RotaryEmbedding,
     build_model,
     pack_linears,
     packing_supported,
 )
-from tandem_engine.native import NativeKernelUnavailable, paged_decode_kernel
-from tandem_engine.request import Request
-from tandem_engine.scheduler import SchedulerOutput
+from tandem_engine.model.native import NativeKernelUnavailable, paged_decode_kernel
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tandem_engine.kv import KVCacheManager
-from tandem_engine.request import Request, RequestStatus
+from tandem_engine.core.kv import KVCacheManager
+from tandem_engine.core.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

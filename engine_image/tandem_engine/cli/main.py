@@ -12,7 +12,7 @@ from tandem_engine.errors import TandemError
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from tandem_engine.demo_model import write_demo_model
+    from tandem_engine.cli.demo_model import write_demo_model
 
     path = write_demo_model(args.dir, arch=args.arch, seed=args.seed, size=args.size)
     print(f"wrote {args.size} {args.arch} demo model (seed {args.seed}) to {path}")
@@ -22,7 +22,7 @@ def _demo_model(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem_engine.llm import LLM
+    from tandem_engine.engine.llm import LLM
     from tandem_engine.sampling_params import SamplingParams
 
     if args.threads:
@@ -50,12 +50,12 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tandem_engine.serve import LocalStack, run
+    from tandem_engine.cli.serve import LocalStack, run
 
     if args.demo:
         model = Path(args.demo_dir)
         if not (model / "config.json").is_file():
-            from tandem_engine.demo_model import write_demo_model
+            from tandem_engine.cli.demo_model import write_demo_model
 
             print(f"writing the tiny demo model to {model}")
             write_demo_model(model, size="tiny")
@@ -74,7 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _refit(args: argparse.Namespace) -> int:
-    from tandem_engine.refit_cli import refit
+    from tandem_engine.cli.refit import refit
 
     return refit(args)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem_engine.kv.block_pool import BlockPool, OutOfBlocks
-from tandem_engine.kv.manager import KVCacheManager
+from tandem_engine.core.kv.block_pool import BlockPool, OutOfBlocks
+from tandem_engine.core.kv.manager import KVCacheManager
 
 __all__ = ["BlockPool", "KVCacheManager", "OutOfBlocks"]

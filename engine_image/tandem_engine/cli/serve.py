@@ -150,7 +150,7 @@ class LocalStack:
                                  "admin_url": f"http://{self.host}:{admin_port}"})
             engines.append((zmq_port, self._spawn(
                 name,
-                ["tandem_engine.engine_main", "--model", str(self.model), "--host", self.host,
+                ["tandem_engine.server.main", "--model", str(self.model), "--host", self.host,
                  "--port", str(zmq_port), "--admin-port", str(admin_port),
                  "--engine-id", name, "--served-model-name", self.name, "--role", role,
                  *self.engine_args],

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import unquote, urlparse
 
+from tandem_engine.cli.serve import default_log_dir, read_stack
 from tandem_engine.fleet import (
     EngineObs,
     EngineRecord,
@@ -50,7 +51,6 @@ from tandem_engine.fleet import (
     observe,
     run,
 )
-from tandem_engine.serve import default_log_dir, read_stack
 
 # Calls that take a serving engine out of service (no new requests reach it).
 _STOP_SERVING = ("/v1/drain", "/v1/pause")

@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from pydantic import BaseModel, Field
 
-from tandem_engine.engine_state import EngineState, EngineStateError, KVMode
 from tandem_engine.errors import CheckpointError, RequestRejected
-from tandem_engine.worker import EngineWorker
+from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode
+from tandem_engine.server.worker import EngineWorker
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)

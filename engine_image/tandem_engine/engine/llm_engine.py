@@ -22,9 +22,14 @@ from pathlib import Path
 
 import torch
 
-from tandem_engine.checkpoint import load_checkpoint
 from tandem_engine.config import EngineConfig, ModelConfig
-from tandem_engine.engine_state import (
+from tandem_engine.core.kv import KVCacheManager
+from tandem_engine.core.kv.hashing import block_salt
+from tandem_engine.core.request import FinishReason, Logprob, Request
+from tandem_engine.core.scheduler import Scheduler
+from tandem_engine.engine.outputs import CompletionOutput, RequestOutput
+from tandem_engine.errors import RequestRejected
+from tandem_engine.lifecycle import (
     REFIT_STATES,
     STABLE_STATES,
     EngineState,
@@ -33,16 +38,11 @@ from tandem_engine.engine_state import (
     Signal,
     transition_for,
 )
-from tandem_engine.errors import RequestRejected
-from tandem_engine.kv import KVCacheManager
-from tandem_engine.kv.hashing import block_salt
-from tandem_engine.outputs import CompletionOutput, RequestOutput
-from tandem_engine.request import FinishReason, Logprob, Request
-from tandem_engine.runner import ModelRunner, num_kv_blocks, resolve_dtype
-from tandem_engine.sampler import Sampler, SampleResult
+from tandem_engine.model.checkpoint import load_checkpoint
+from tandem_engine.model.runner import ModelRunner, num_kv_blocks, resolve_dtype
+from tandem_engine.model.sampler import Sampler, SampleResult
 from tandem_engine.sampling_params import SamplingParams
-from tandem_engine.scheduler import Scheduler
-from tandem_engine.stops import find_stop, trim_at_stop
+from tandem_engine.text import find_stop, trim_at_stop
 from tandem_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

@@ -29,10 +29,10 @@ import zmq
 import zmq.asyncio
 
 from tandem_engine import protocol as p
-from tandem_engine.engine import LLMEngine
-from tandem_engine.engine_state import EngineState, EngineStateError, KVMode
+from tandem_engine.engine.llm_engine import LLMEngine
+from tandem_engine.engine.outputs import RequestOutput
 from tandem_engine.errors import RequestRejected
-from tandem_engine.outputs import RequestOutput
+from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.transfer import (
     GeometryMismatch,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem_engine.request import Logprob
+from tandem_engine.core.request import Logprob
 
 
 @dataclass

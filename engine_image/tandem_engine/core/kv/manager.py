@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tandem_engine.kv.block_pool import BlockPool
-from tandem_engine.kv.hashing import block_hashes
+from tandem_engine.core.kv.block_pool import BlockPool
+from tandem_engine.core.kv.hashing import block_hashes
 
 
 class CacheableRequest(Protocol):
-    """What the manager needs of a request (tandem_engine.request.Request has it)."""
+    """What the manager needs of a request (tandem_engine.core.request.Request has it)."""
 
     request_id: str
     token_ids: list[int]

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem_engine.config import EngineConfig
-from tandem_engine.engine import LLMEngine
-from tandem_engine.engine_state import EngineState, EngineStateError, KVMode
-from tandem_engine.outputs import RequestOutput
+from tandem_engine.engine.llm_engine import LLMEngine
+from tandem_engine.engine.outputs import RequestOutput
+from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode
 from tandem_engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]

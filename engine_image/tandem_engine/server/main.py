@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-log = logging.getLogger("tandem_engine.engine_main")
+log = logging.getLogger("tandem_engine.server.main")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,10 +73,10 @@ async def _run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    from tandem_engine.admin import build_admin_app
     from tandem_engine.config import EngineConfig
-    from tandem_engine.engine import LLMEngine
-    from tandem_engine.worker import EngineWorker
+    from tandem_engine.engine.llm_engine import LLMEngine
+    from tandem_engine.server.admin import build_admin_app
+    from tandem_engine.server.worker import EngineWorker
 
     torch.set_num_threads(args.threads)
     token = _read_token(args.admin_token_file)

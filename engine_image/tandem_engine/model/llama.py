@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem_engine.attention import AttentionMetadata, paged_attention, write_kv
 from tandem_engine.config import ModelConfig, RopeConfig
+from tandem_engine.model.attention import AttentionMetadata, paged_attention, write_kv
 
 
 class RMSNorm(nn.Module):

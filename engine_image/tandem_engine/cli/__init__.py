@@ -1,0 +1,1 @@
+"""The `tandem` command: serve, refit, generate and demo-model."""

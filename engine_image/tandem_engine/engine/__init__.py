@@ -1,0 +1,2 @@
+"""The engine: `LLMEngine` (the public, thread-safe surface of one model replica),
+its outputs, and the offline `LLM` front."""

@@ -1,0 +1,77 @@
+"""Which weights an engine serves: the reference (uri, version) and its `file://` parsing.
+
+One owner for the concept, imported by the engine, its admin API, the fleet's refit
+orchestration, `tandem refit` and the operator's spec parser. Torch-free. Each caller
+names its input (a flag, a spec field, a request body field) so errors point at what
+the user typed; the rule itself lives here once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+
+class WeightsURIError(ValueError):
+    """A weights URI that cannot name a checkpoint; the message names the input and the fix."""
+
+
+def checkpoint_path(uri: str, what: str = "weights uri") -> str:
+    """`file:///abs/path` (or `file://localhost/abs/path`) -> `/abs/path`.
+
+    `what` names the input in the error (`--uri`, `spec.model.weights.uri`, ...).
+    Only local files are supported: other schemes, a host, or a relative path raise
+    WeightsURIError."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "file":
+        raise WeightsURIError(f"{what} {uri!r}: must be a file:// URI naming a checkpoint, "
+                              "e.g. file:///models/my-model-v2")
+    if parsed.netloc not in ("", "localhost"):
+        raise WeightsURIError(f"{what} {uri!r}: a file:// URI must not name a host "
+                              "(write file:///absolute/path)")
+    path = unquote(parsed.path)
+    if not path.startswith("/") or PurePosixPath(path) == PurePosixPath("/"):
+        raise WeightsURIError(f"{what} {uri!r}: needs an absolute checkpoint path, "
+                              "e.g. file:///models/demo")
+    return path
+
+
+def file_uri(path: str) -> str:
+    """The `file://` URI of an absolute local path."""
+    return PurePosixPath(path).as_uri()
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """A checkpoint and the version name the fleet knows it by."""
+
+    uri: str
+    version: str
+
+    @property
+    def path(self) -> str:
+        """The checkpoint path the URI names (as the engine sees its filesystem)."""
+        return checkpoint_path(self.uri)
+
+    def to_dict(self) -> dict[str, str]:
+        return {"uri": self.uri, "version": self.version}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> WeightsRef:
+        return cls(str(data["uri"]), str(data["version"]))
+
+
+@dataclass(frozen=True)
+class WeightIdentity:
+    """What an engine serves now: the reference plus the pool-wide weight epoch that
+    salts its prefix cache (bumped by every refit)."""
+
+    uri: str
+    version: str
+    epoch: int
+
+    @property
+    def ref(self) -> WeightsRef:
+        return WeightsRef(self.uri, self.version)
