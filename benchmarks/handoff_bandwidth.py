@@ -47,6 +47,7 @@ import torch
 import zmq
 from tandem_engine import protocol as p
 from tandem_engine.cli.serve import die_with_parent, free_port
+from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.transfer import KVGeometry, NixlBackend
 
 
@@ -123,19 +124,19 @@ def engine_path(model: Path, prompt_tokens: int, repeats: int, threads: int,
             prompt = [rng.randrange(1, 2000) for _ in range(prompt_tokens)]
             rid = f"b{i}"
             start = time.perf_counter()
-            prefill.sock.send(p.encode(p.Submit(rid, prompt, {
-                "max_tokens": 1, "temperature": 0.0, "ignore_eos": True},
-                pin_for_handoff=True)))
+            prefill.sock.send(p.encode(p.Submit(rid, prompt, SamplingParams(
+                max_tokens=2, temperature=0.0, ignore_eos=True), pin_for_handoff=True)))
             out = prefill.next(p.Output)
             while not out.finished:
                 out = prefill.next(p.Output)
             ttft = time.perf_counter() - start
             seconds = decode.metric("tandem_kv_handoff_seconds_sum")
             nbytes = decode.metric("tandem_kv_handoff_bytes_total")
-            decode.sock.send(p.encode(p.Submit(rid, prompt, {
-                "max_tokens": 2, "temperature": 0.0, "ignore_eos": True},
-                pull=p.PullSource(prefill.welcome.kv_transfer, out.pin_id,
-                                  out.pinned_blocks, out.token_ids[0]))))
+            decode.sock.send(p.encode(p.Submit(rid, prompt, SamplingParams(
+                max_tokens=2, temperature=0.0, ignore_eos=True),
+                resume=p.Resume([out.token_ids[0]]),
+                pull=p.PullSource(prefill.welcome.kv_transfer, out.handoff.pin_id,
+                                  out.handoff.block_ids))))
             done = decode.next(p.Output)
             while not done.finished:
                 done = decode.next(p.Output)

@@ -44,12 +44,14 @@ from tandem_engine.fleet import (
     EngineObs,
     EngineRecord,
     Transaction,
-    Weights,
     choose_wave,
     new_transaction,
     observe,
     run,
 )
+from tandem_engine.lifecycle import EngineState
+from tandem_engine.refit_policy import InFlight, RefitStrategy
+from tandem_engine.weights import WeightsRef
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,7 +99,7 @@ class RefitResult:
     window: float | None
 
 
-async def refit(engines: list[tuple[str, str, str]], target: Weights,
+async def refit(engines: list[tuple[str, str, str]], target: WeightsRef,
                 **options) -> RefitResult:
     admin = RecordingAdmin()
     try:
@@ -112,19 +114,20 @@ async def refit(engines: list[tuple[str, str, str]], target: Weights,
     return RefitResult(tx, end - start, start, end, refit_s, window)
 
 
-def waves_for(prefill: int, decode: int, max_unavailable: int, strategy: str) -> int:
+def waves_for(prefill: int, decode: int, max_unavailable: int,
+              strategy: RefitStrategy) -> int:
     """How many waves the transaction's own rule takes for a pool of this shape."""
     names = [(f"p{i}", "prefill") for i in range(prefill)] + [(f"d{i}", "decode")
                                                               for i in range(decode)]
-    engines = [EngineObs(n, role, "", "RUNNING", "v1", 1) for n, role in names]
-    tx = Transaction(target=Weights("new", "v2"), previous=Weights("old", "v1"), epoch=2,
+    engines = [EngineObs(n, role, "", EngineState.RUNNING, "v1", 1) for n, role in names]
+    tx = Transaction(target=WeightsRef("new", "v2"), previous=WeightsRef("old", "v1"), epoch=2,
                      strategy=strategy, max_unavailable=max_unavailable)
     waves = 0
     while wave := choose_wave(tx, engines):
         waves += 1
         tx.engines.update({n: EngineRecord(verified=True) for n in wave})
-        engines = [EngineObs(e.name, e.role, "", "RUNNING", "v2", 2) if e.name in wave else e
-                   for e in engines]
+        engines = [EngineObs(e.name, e.role, "", EngineState.RUNNING, "v2", 2)
+                   if e.name in wave else e for e in engines]
     return waves
 
 
@@ -150,13 +153,15 @@ async def bench(args: argparse.Namespace, stack: LocalStack, vocab: int) -> int:
         loaded_read_s, _, _ = await asyncio.to_thread(read_bytes_s, args.refit_to)
         await asyncio.sleep(args.settle)
 
-        v1, v2 = (Weights(p.resolve().as_uri(), name) for p, name in
+        v1, v2 = (WeightsRef(p.resolve().as_uri(), name) for p, name in
                   ((args.model, "v1"), (args.refit_to, "v2")))
-        rolling = await refit(engines, v2, strategy="Rolling", inflight="Drain",
+        rolling = await refit(engines, v2, strategy=RefitStrategy.ROLLING,
+                              inflight=InFlight.DRAIN,
                               max_unavailable=args.max_unavailable)
         during = stats.tokens_per_s(rolling.start, rolling.end)
         await asyncio.sleep(args.settle)
-        at_once = await refit(engines, v1, strategy="AllAtOnce", inflight="Recompute")
+        at_once = await refit(engines, v1, strategy=RefitStrategy.ALL_AT_ONCE,
+                              inflight=InFlight.RECOMPUTE)
         during_at_once = stats.tokens_per_s(at_once.start, at_once.end)
         await asyncio.sleep(args.settle)
     finally:
@@ -164,7 +169,7 @@ async def bench(args: argparse.Namespace, stack: LocalStack, vocab: int) -> int:
         await asyncio.gather(*workers)
         await client.close()
     # Each engine's refit with no load beside it (still two at a time).
-    quiet = await refit(engines, v2, strategy="Rolling", inflight="Drain",
+    quiet = await refit(engines, v2, strategy=RefitStrategy.ROLLING, inflight=InFlight.DRAIN,
                         max_unavailable=args.max_unavailable)
 
     read_s, nbytes = args.read_s, args.read_bytes
@@ -210,7 +215,7 @@ async def bench(args: argparse.Namespace, stack: LocalStack, vocab: int) -> int:
         cells = []
         for m in (1, 2, 4):
             if m < n:
-                w = waves_for(n, n, m, "Rolling")
+                w = waves_for(n, n, m, RefitStrategy.ROLLING)
                 cells.append(f"maxUnavailable {m}: {w} waves ~{w * per_wave:.0f} s")
         print(f"  N={n:<2} " + "; ".join(cells))
     return status

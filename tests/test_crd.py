@@ -20,6 +20,15 @@ import celpy
 import jsonschema
 import pytest
 import yaml
+from tandem_engine.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_PIN_TTL_S,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_THREADS,
+)
+from tandem_engine.fleet.transaction import Phase
+from tandem_engine.refit_policy import DEFAULT_DRAIN_TIMEOUT_S, InFlight, OnFailure, RefitStrategy
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_PATH = ROOT / "crds" / "inferencepools.tandem.dev.yaml"
@@ -349,6 +358,47 @@ def test_defaulting_is_idempotent_and_pure():
     once = apply_defaults(SCHEMA, manifest)
     assert manifest == before
     assert apply_defaults(SCHEMA, once) == once
+
+
+def schema_node(path: str) -> dict[str, Any]:
+    """The schema of a field: `spec.engine.maxNumSeqs`."""
+    node = SCHEMA
+    for name in path.split("."):
+        node = node["properties"][name]
+    return node
+
+
+# The CRD cannot import the engine's defaults or the refit's words, so it states them again;
+# these are the constants that own them.
+OWNED_DEFAULTS = [
+    ("spec.engine.kvCache.blockSize", DEFAULT_BLOCK_SIZE),
+    ("spec.engine.maxNumSeqs", DEFAULT_MAX_NUM_SEQS),
+    ("spec.engine.maxNumBatchedTokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
+    ("spec.engine.threads", DEFAULT_THREADS),
+    ("spec.kvTransfer.pinTTLSeconds", DEFAULT_KV_PIN_TTL_S),
+    ("spec.refit.drainTimeoutSeconds", DEFAULT_DRAIN_TIMEOUT_S),
+    ("spec.refit.strategy", RefitStrategy.ROLLING.value),
+    ("spec.refit.inflight", InFlight.DRAIN.value),
+    ("spec.refit.onFailure", OnFailure.ROLLBACK.value),
+]
+OWNED_ENUMS = [
+    ("spec.refit.strategy", RefitStrategy),
+    ("spec.refit.inflight", InFlight),
+    ("spec.refit.onFailure", OnFailure),
+    ("status.refit.strategy", RefitStrategy),
+    ("status.refit.inflight", InFlight),
+    ("status.refit.phase", Phase),
+]
+
+
+@pytest.mark.parametrize(("path", "constant"), OWNED_DEFAULTS, ids=[p for p, _ in OWNED_DEFAULTS])
+def test_crd_defaults_are_the_engines_and_the_refits(path: str, constant: Any):
+    assert schema_node(path)["default"] == constant
+
+
+@pytest.mark.parametrize(("path", "kind"), OWNED_ENUMS, ids=[p for p, _ in OWNED_ENUMS])
+def test_crd_enums_are_the_refits(path: str, kind: type):
+    assert schema_node(path)["enum"] == [member.value for member in kind]
 
 
 # --- the examples --------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -37,43 +38,61 @@ def pair(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     prefill.close()
 
 
-def pin(pre: Client, rid: str, prompt: list[int], **sampling) -> p.PullSource:
+@dataclass(frozen=True)
+class Pinned:
+    """A prefill engine's handoff: where the prompt's KV is pinned, and the first token."""
+
+    source: p.PullSource
+    first_token: int
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.source.block_ids
+
+    @property
+    def agent(self) -> p.KVTransferInfo:
+        return self.source.agent
+
+
+def pin(pre: Client, rid: str, prompt: list[int], max_new: int = MAX_NEW,
+        **sampling) -> Pinned:
     """The prefill step: the first token, and the pinned prompt KV as a pull source."""
-    pre.sock.send(p.encode(p.Submit(rid, prompt, {
-        "max_tokens": 1, "temperature": 0.0, "ignore_eos": True, **sampling},
+    pre.sock.send(p.encode(p.Submit(rid, prompt, SamplingParams(
+        max_tokens=max_new, temperature=0.0, ignore_eos=True, **sampling),
         pin_for_handoff=True)))
     while True:
         pre_out = pre.next((p.Output, p.Reject))
         assert not isinstance(pre_out, p.Reject), pre_out
         if pre_out.request_id == rid and pre_out.finished:
             break
-    assert pre_out.pinned_blocks is not None and pre_out.pin_id
-    return p.PullSource(pre.welcome.kv_transfer, pre_out.pin_id, pre_out.pinned_blocks,
-                        pre_out.token_ids[0])
+    assert pre_out.handoff is not None and pre_out.finish_reason is None
+    return Pinned(p.PullSource(pre.welcome.kv_transfer, pre_out.handoff.pin_id,
+                               pre_out.handoff.block_ids), pre_out.token_ids[0])
 
 
-def send_pull(dec: Client, rid: str, prompt: list[int], source: p.PullSource,
+def send_pull(dec: Client, rid: str, prompt: list[int], pinned: Pinned,
               max_new: int = MAX_NEW) -> None:
-    dec.sock.send(p.encode(p.Submit(rid, prompt, {
-        "max_tokens": max_new, "temperature": 0.0, "ignore_eos": True}, pull=source)))
+    dec.sock.send(p.encode(p.Submit(rid, prompt, SamplingParams(
+        max_tokens=max_new, temperature=0.0, ignore_eos=True),
+        resume=p.Resume([pinned.first_token]), pull=pinned.source)))
 
 
-def pull(dec: Client, rid: str, prompt: list[int], source: p.PullSource,
+def pull(dec: Client, rid: str, prompt: list[int], pinned: Pinned,
          max_new: int = MAX_NEW, timeout: float = 30.0) -> list[int]:
     """The decode step: every token of the generation, the prefill engine's first one
     included (the decode stream starts after it)."""
-    send_pull(dec, rid, prompt, source, max_new)
-    return collect(dec, rid, source, timeout)
+    send_pull(dec, rid, prompt, pinned, max_new)
+    return collect(dec, rid, pinned, timeout)
 
 
-def collect(dec: Client, rid: str, source: p.PullSource, timeout: float = 30.0) -> list[int]:
+def collect(dec: Client, rid: str, pinned: Pinned, timeout: float = 30.0) -> list[int]:
     outs = []
     while not outs or not outs[-1].finished:
         msg = dec.next((p.Output, p.Reject), timeout)
         assert not isinstance(msg, p.Reject), msg
         if msg.request_id == rid:
             outs.append(msg)
-    return [source.first_token] + [t for o in outs for t in o.token_ids]
+    return [pinned.first_token] + [t for o in outs for t in o.token_ids]
 
 
 def _handoff(pre: Client, dec: Client, rid: str, prompt: list[int]) -> list[int]:

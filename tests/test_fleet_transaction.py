@@ -11,24 +11,24 @@ import json
 
 import pytest
 from tandem_engine.fleet.transaction import (
-    INFLIGHT,
-    TRANSIENT,
     Act,
     EngineObs,
     EngineRecord,
     Failure,
     Phase,
     Transaction,
-    Weights,
     choose_wave,
     finished_phase,
     next_act,
     suspend_mode,
 )
-from tandem_engine.lifecycle import EngineState
+from tandem_engine.lifecycle import TRANSIENT_STATES, EngineState, KVMode
+from tandem_engine.refit_policy import InFlight, OnFailure, RefitStrategy
+from tandem_engine.weights import WeightsRef
 
-V1 = Weights("file:///models/v1", "v1")
-V2 = Weights("file:///models/v2", "v2")
+V1 = WeightsRef("file:///models/v1", "v1")
+V2 = WeightsRef("file:///models/v2", "v2")
+INFLIGHT = list(InFlight)
 NOW = 1000.0
 DRAIN_TIMEOUT = 60.0
 
@@ -93,23 +93,23 @@ def test_next_act_for_every_combination(state: str | None, goal: str, draining: 
 
 
 def test_transient_states_and_unreachable_engines_wait() -> None:
-    assert {"PAUSING", "UNPAUSING", "SUSPENDING", "RESUMING", "STOPPING"} == TRANSIENT
-    for state in [None, *TRANSIENT, "STOPPED"]:
+    assert {"PAUSING", "UNPAUSING", "SUSPENDING", "RESUMING", "STOPPING"} == TRANSIENT_STATES
+    for state in [None, *TRANSIENT_STATES, "STOPPED"]:
         for version in ("v1", "v2"):
-            assert next_act(engine("e", state=state, version=version), V2, "Drain",
+            assert next_act(engine("e", state=state, version=version), V2, InFlight.DRAIN,
                             EngineRecord(), DRAIN_TIMEOUT, NOW) is Act.WAIT
 
 
 def test_drain_timeout_counts_from_when_the_drain_started() -> None:
     busy = engine("e", version="v1", draining=True, busy=3)
     started = EngineRecord(drained_at=NOW)
-    assert next_act(busy, V2, "Drain", started, DRAIN_TIMEOUT, NOW + 59.9) is Act.WAIT
-    assert next_act(busy, V2, "Drain", started, DRAIN_TIMEOUT, NOW + 60.0) is Act.PAUSE
+    assert next_act(busy, V2, InFlight.DRAIN, started, DRAIN_TIMEOUT, NOW + 59.9) is Act.WAIT
+    assert next_act(busy, V2, InFlight.DRAIN, started, DRAIN_TIMEOUT, NOW + 60.0) is Act.PAUSE
     # A draining engine the record knows nothing of (a restarted operator lost the
     # moment): the timeout starts now, the engine is not cut short.
-    assert next_act(busy, V2, "Drain", EngineRecord(), DRAIN_TIMEOUT, NOW + 1e6) is Act.WAIT
+    assert next_act(busy, V2, InFlight.DRAIN, EngineRecord(), DRAIN_TIMEOUT, NOW + 1e6) is Act.WAIT
     waiting = EngineObs("e", "mixed", "http://e", "RUNNING", "v1", 1, True, 0, 1)
-    assert next_act(waiting, V2, "Drain", started, DRAIN_TIMEOUT, NOW) is Act.WAIT
+    assert next_act(waiting, V2, InFlight.DRAIN, started, DRAIN_TIMEOUT, NOW) is Act.WAIT
 
 
 def test_a_refit_walks_one_engine_through_every_step() -> None:
@@ -118,10 +118,10 @@ def test_a_refit_walks_one_engine_through_every_step() -> None:
                Act.SUSPEND: ("SUSPENDED", "v1", False), Act.REFIT: ("SUSPENDED", "v2", False),
                Act.RESUME: ("RESUMED", "v2", False), Act.UNPAUSE: ("RUNNING", "v2", True),
                Act.VERIFY: ("RUNNING", "v2", False)}
-    for inflight, order in (("Drain", ["drain", "pause", "suspend", "refit", "resume",
-                                       "unpause", "verify", "done"]),
-                            ("Recompute", ["pause", "suspend", "refit", "resume", "unpause",
-                                           "verify", "done"])):
+    for inflight, order in ((InFlight.DRAIN, ["drain", "pause", "suspend", "refit", "resume",
+                                              "unpause", "verify", "done"]),
+                            (InFlight.RECOMPUTE, ["pause", "suspend", "refit", "resume",
+                                                  "unpause", "verify", "done"])):
         obs, record, acts = engine("e"), EngineRecord(drained_at=NOW), []
         while not acts or acts[-1] is not Act.DONE:
             act = next_act(obs, V2, inflight, record, DRAIN_TIMEOUT, NOW)
@@ -133,9 +133,10 @@ def test_a_refit_walks_one_engine_through_every_step() -> None:
 
 
 def test_suspend_mode_keeps_requests_only_when_needed() -> None:
-    assert suspend_mode(engine("e", state="PAUSED"), "Drain") == "persist"
-    assert suspend_mode(engine("e", state="PAUSED", busy=1), "Drain") == "recompute"
-    assert suspend_mode(engine("e", state="PAUSED"), "Recompute") == "recompute"
+    paused, busy = engine("e", state="PAUSED"), engine("e", state="PAUSED", busy=1)
+    assert suspend_mode(paused, InFlight.DRAIN) is KVMode.PERSIST
+    assert suspend_mode(busy, InFlight.DRAIN) is KVMode.RECOMPUTE
+    assert suspend_mode(paused, InFlight.RECOMPUTE) is KVMode.RECOMPUTE
 
 
 # ---- waves --------------------------------------------------------------------------------------
@@ -232,7 +233,7 @@ def test_all_at_once_takes_every_engine_not_on_the_goal() -> None:
     engines = pool(2, 2)
     engines[1] = engine("prefill-1", "prefill", version="v2")  # already there
     engines.append(engine("gone", "decode", state=None))  # unreachable: not planned
-    tx = tx_for(strategy="AllAtOnce")
+    tx = tx_for(strategy=RefitStrategy.ALL_AT_ONCE)
     assert choose_wave(tx, engines) == ["decode-0", "decode-1", "prefill-0"]
 
 
@@ -270,7 +271,7 @@ def test_rollback_replans_waves_toward_the_previous_weights() -> None:
 
 
 def test_halting_targets_no_version() -> None:
-    tx = tx_for(on_failure="Halt")
+    tx = tx_for(on_failure=OnFailure.HALT)
     tx.phase = Phase.HALTING
     assert tx.goal_for(engine("e", version="v1")) is None
     assert tx.goal == V2 and tx.goal_epoch == 2
@@ -307,8 +308,8 @@ def test_finished_phase() -> None:
 
 
 def test_transaction_round_trips_through_a_json_status() -> None:
-    tx = Transaction(target=V2, previous=V1, epoch=7, strategy="AllAtOnce",
-                     inflight="Recompute", drain_timeout=30.0, on_failure="Halt",
+    tx = Transaction(target=V2, previous=V1, epoch=7, strategy=RefitStrategy.ALL_AT_ONCE,
+                     inflight=InFlight.RECOMPUTE, drain_timeout=30.0, on_failure=OnFailure.HALT,
                      max_unavailable=2, step_timeout=90.0, phase=Phase.HALTING, wave=3,
                      started_at=123.5, finished_at=None,
                      engines={"decode-0": EngineRecord("refit", 124.0, "v1", 123.6, False),
@@ -316,8 +317,13 @@ def test_transaction_round_trips_through_a_json_status() -> None:
                      canary={"v2": [5, 6, 7, 8]},
                      failure=Failure("decode-0", "POST /v1/refit", "HTTP 422: bad"),
                      rollback_epoch=None)
-    status = json.loads(json.dumps(tx.to_dict()))  # what the pool's status holds
+    record = tx.to_dict()
+    # Plain strings, the CRD's CamelCase words, whatever serialises the status.
+    assert [type(record[k]) for k in ("phase", "strategy", "inflight", "on_failure")] == [str] * 4
+    status = json.loads(json.dumps(record))  # what the pool's status holds
     assert status["phase"] == "Halting" and status["target"] == V2.to_dict()
+    assert (status["strategy"], status["inflight"], status["on_failure"]) == (
+        "AllAtOnce", "Recompute", "Halt")
     back = Transaction.from_dict(status)
     assert back == tx
     assert back.phase is Phase.HALTING and isinstance(back.engines["decode-0"], EngineRecord)
@@ -347,7 +353,7 @@ def test_engine_observation_from_the_admin_state() -> None:
     obs = EngineObs.from_state("decode-0", "decode", "http://d:9", state)
     assert obs == EngineObs("decode-0", "decode", "http://d:9", "RUNNING", "v2", 4, True, 2, 1,
                             "file:///models/v2")
-    assert not obs.serving
+    assert obs.state is EngineState.RUNNING and not obs.serving
     gone = EngineObs.from_state("decode-0", "decode", "http://d:9", None)
     assert gone.state is None and not gone.serving
 
@@ -355,8 +361,9 @@ def test_engine_observation_from_the_admin_state() -> None:
 def test_the_unavailable_window_adds_up_the_time_no_engine_served() -> None:
     from tandem_engine.fleet.orchestrator import _track_window
 
-    tx = Transaction(target=Weights("file:///v2", "v2"), previous=Weights("file:///v1", "v1"),
-                     epoch=1, strategy="AllAtOnce")
+    tx = Transaction(target=WeightsRef("file:///v2", "v2"),
+                     previous=WeightsRef("file:///v1", "v1"), epoch=1,
+                     strategy=RefitStrategy.ALL_AT_ONCE)
     serving = EngineObs("e0", "mixed", "http://e0", "RUNNING", "v1")
     paused = EngineObs("e0", "mixed", "http://e0", "PAUSED", "v1")
     verifying = EngineObs("e0", "mixed", "http://e0", "RUNNING", "v2", draining=True)

@@ -30,8 +30,7 @@ def _finish(engine) -> dict[str, list[int]]:
 
 
 def _prefill(prefill, rid: str, prompt: list[int]):
-    prefill.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0),
-                        pin_for_handoff=True)
+    prefill.add_request(rid, prompt, GREEDY, pin_for_handoff=True)
     out = _finish(prefill)[rid]
     assert out.pinned_blocks is not None
     return out.outputs[0].token_ids[0], out.pinned_blocks
@@ -58,7 +57,7 @@ def test_handoff_decodes_like_a_colocated_run(pair, tiny_llama: Path) -> None:
         first, remote = _prefill(prefill, rid, prompt)
         assert len(remote) == -(-len(prompt) // 16)
         assert prefill.kv.num_pinned_blocks == len(remote)
-        plan = decode.add_pulled_request(rid, prompt, first, GREEDY)
+        plan = decode.add_pulled_request(rid, prompt, GREEDY, [first])
         assert plan.block_indices == list(range(len(remote))) and plan.reused_blocks == 0
         _copy_blocks(prefill, decode, remote, plan)
         decode.complete_pull(rid, ok=True)
@@ -79,7 +78,7 @@ def test_only_blocks_missing_from_the_decode_cache_are_pulled(pair, tiny_llama: 
     _finish(decode)
     prompt = shared + tail  # 68 tokens: 5 blocks, the first 3 already on the decode engine
     first, remote = _prefill(prefill, "p", prompt)
-    plan = decode.add_pulled_request("p", prompt, first, GREEDY)
+    plan = decode.add_pulled_request("p", prompt, GREEDY, [first])
     assert plan.reused_blocks == 3 and plan.block_indices == [3, 4]
     _copy_blocks(prefill, decode, remote, plan)
     decode.complete_pull("p", ok=True)
@@ -95,7 +94,7 @@ def test_failed_pull_recomputes_and_pins_expire(tiny_llama: Path) -> None:
     decode = LLM(tiny_llama).engine
     prompt = random_prompts(2048, [40], seed=32)[0]
     first, _ = _prefill(prefill, "f", prompt)
-    plan = decode.add_pulled_request("f", prompt, first, GREEDY)
+    plan = decode.add_pulled_request("f", prompt, GREEDY, [first])
     assert len(plan.local_blocks) == 3
     decode.complete_pull("f", ok=False)  # e.g. the prefill engine died mid-READ
     out = _finish(decode)["f"].outputs[0]
@@ -113,7 +112,7 @@ def test_abort_during_a_pull_frees_the_destination(pair) -> None:
     prefill, decode = pair
     prompt = random_prompts(2048, [33], seed=33)[0]
     first, _ = _prefill(prefill, "a", prompt)
-    decode.add_pulled_request("a", prompt, first, GREEDY)
+    decode.add_pulled_request("a", prompt, GREEDY, [first])
     assert decode.kv.pool.num_used == 3 and decode.has_unfinished_requests()
     assert decode.abort("a")
     decode.complete_pull("a", ok=True)  # a late completion is ignored
@@ -125,7 +124,7 @@ def test_recompute_suspend_fails_pulls_in_progress(pair, tiny_llama: Path) -> No
     prefill, decode = pair
     prompt = random_prompts(2048, [40], seed=34)[0]
     first, remote = _prefill(prefill, "s", prompt)
-    plan = decode.add_pulled_request("s", prompt, first, GREEDY)
+    plan = decode.add_pulled_request("s", prompt, GREEDY, [first])
     decode.pause()
     decode.suspend("recompute")  # the pool's storage is dropped: the pull cannot land
     decode.resume()
@@ -146,12 +145,11 @@ def test_seeded_sampling_continues_across_the_handoff(pair, tiny_llama: Path) ->
                             ignore_eos=True)
     prompt = random_prompts(2048, [21], seed=32)[0]
     expected = LLM(tiny_llama).generate([prompt], seeded)[0].outputs[0].token_ids
-    prefill.add_request("s", prompt, SamplingParams(max_tokens=1, temperature=1.0, top_k=50,
-                                                    seed=11), pin_for_handoff=True)
+    prefill.add_request("s", prompt, seeded, pin_for_handoff=True)
     out = _finish(prefill)["s"]
     first, remote = out.outputs[0].token_ids[0], out.pinned_blocks
     assert first == expected[0]
-    plan = decode.add_pulled_request("s", prompt, first, seeded)
+    plan = decode.add_pulled_request("s", prompt, seeded, [first])
     _copy_blocks(prefill, decode, remote, plan)
     decode.complete_pull("s", ok=True)
     prefill.unpin("s")

@@ -13,8 +13,9 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from tandem_engine.weights import WeightsRef, checkpoint_path
 from tandem_operator import manifests as m
-from tandem_operator.spec import PoolSpec, SpecError, Weights, weights_path
+from tandem_operator.spec import PoolSpec, SpecError
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "crds" / "inferencepools.tandem.dev.yaml"
@@ -72,7 +73,7 @@ def test_identity_and_spec_fields() -> None:
               rollout={"maxSurge": 0, "maxUnavailable": 1},
               refit={"drainTimeoutSeconds": 30}, kvTransfer={"pinTTLSeconds": 9})
     assert (s.name, s.namespace, s.uid, s.generation) == ("pool", "ns", "uid-1", 3)
-    assert s.weights == Weights("file:///models/llama", "v1")
+    assert s.weights == WeightsRef("file:///models/llama", "v1")
     assert (s.replicas("prefill"), s.replicas("decode"), s.replicas("router")) == (2, 3, 2)
     assert s.engine.kv_cache.num_blocks == 256 and s.engine.threads == 2
     assert s.engine.args == ("--seed", "7")
@@ -127,11 +128,14 @@ def test_no_spec_at_all() -> None:
         PoolSpec.from_body({"metadata": {"name": "x"}})
 
 
-def test_weights_path() -> None:
-    assert weights_path("file:///models/llama%203") == "/models/llama 3"
-    assert weights_path("file://localhost/m") == "/m"
-    with pytest.raises(SpecError, match="absolute checkpoint folder"):
-        weights_path("file:///")
+def test_checkpoint_path() -> None:
+    assert checkpoint_path("file:///models/llama%203") == "/models/llama 3"
+    assert checkpoint_path("file://localhost/m") == "/m"
+    with pytest.raises(ValueError, match="absolute checkpoint folder"):
+        checkpoint_path("file:///")
+    with pytest.raises(SpecError, match=r"^spec.model.weights.uri 'file:///': needs an absolute"):
+        PoolSpec.from_body(body(model={"name": "x", "weights": {"uri": "file:///",
+                                                                "version": "v1"}}))
 
 
 # ---- pods ---------------------------------------------------------------------------------------

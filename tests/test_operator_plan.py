@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from tandem_engine.weights import WeightsRef
 from tandem_operator import manifests as m
 from tandem_operator.plan import (
     CreateAdminSecret,
@@ -31,10 +32,10 @@ from tandem_operator.plan import (
     serving_weights,
     status,
 )
-from tandem_operator.spec import GROUPS, PoolSpec, Weights
+from tandem_operator.spec import GROUPS, PoolSpec
 
-V1 = Weights("file:///models/llama", "v1")
-V2 = Weights("file:///models/llama-2", "v2")
+V1 = WeightsRef("file:///models/llama", "v1")
+V2 = WeightsRef("file:///models/llama-2", "v2")
 NOW = "2025-06-01T12:00:00Z"
 
 
@@ -50,7 +51,7 @@ _serial = itertools.count(1)
 
 
 def pod(spec: PoolSpec, group: str, *, name: str | None = None, ready: bool = True,
-        phase: str | None = None, template: str | None = None, weights: Weights | None = None,
+        phase: str | None = None, template: str | None = None, weights: WeightsRef | None = None,
         created: str | None = None, draining: str | None = None, deleting: bool = False
         ) -> PodView:
     n = next(_serial)
@@ -304,7 +305,7 @@ class World:
                     name=f"pool-{a.group}-n{t}", group=a.group,
                     role=a.body["metadata"]["labels"]["tandem.dev/role"],
                     template_hash=ann[m.TEMPLATE_HASH],
-                    weights=Weights(ann[m.WEIGHTS_URI], ann[m.WEIGHTS_VERSION]),
+                    weights=WeightsRef(ann[m.WEIGHTS_URI], ann[m.WEIGHTS_VERSION]),
                     created=f"2025-01-02T00:{t // 60 % 60:02d}:{t % 60:02d}Z", uid=f"n{t}"))
             elif isinstance(a, DrainPod):
                 self.pods = [replace(p, draining_since=NOW, ready=False) if p == a.pod else p

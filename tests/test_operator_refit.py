@@ -27,7 +27,7 @@ import yaml
 from kcluster.cluster import TestCluster
 from kcluster.podrunner import PodRunner
 from tandem_engine.fleet import EngineObs, EngineRecord, Failure, Phase, Transaction
-from tandem_engine.fleet import Weights as FW
+from tandem_engine.weights import WeightsRef
 from tandem_operator import manifests as m
 from tandem_operator.plan import Observed, PodView
 from tandem_operator.reconcile import merge_patch
@@ -43,18 +43,18 @@ from tandem_operator.refit import (
     report,
     reused_version,
 )
-from tandem_operator.spec import PoolSpec, Weights
+from tandem_operator.spec import PoolSpec
 from test_operator_cluster import Operator, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
-V1 = Weights("file:///models/v1", "v1")
-V2 = Weights("file:///models/v2", "v2")
+V1 = WeightsRef("file:///models/v1", "v1")
+V2 = WeightsRef("file:///models/v2", "v2")
 
 
 # ---- the operator's rules, no engines -----------------------------------------------------------
 
 
-def make_spec(weights: Weights = V2, **spec: Any) -> PoolSpec:
+def make_spec(weights: WeightsRef = V2, **spec: Any) -> PoolSpec:
     full: dict[str, Any] = {"model": {"name": "m", "weights": {"uri": weights.uri,
                                                               "version": weights.version}}}
     full.update(spec)
@@ -62,7 +62,7 @@ def make_spec(weights: Weights = V2, **spec: Any) -> PoolSpec:
                                             "generation": 2}, "spec": full})
 
 
-def engine_pod(name: str, weights: Weights | None = V1, epoch: int = 0, **kw: Any) -> PodView:
+def engine_pod(name: str, weights: WeightsRef | None = V1, epoch: int = 0, **kw: Any) -> PodView:
     group = "prefill" if "prefill" in name else "decode"
     base: dict[str, Any] = {"phase": "Running", "ready": True, "ip": "10.0.0.1"}
     return PodView(name=name, group=group, role=group, weights=weights, epoch=epoch,
@@ -83,28 +83,28 @@ def test_a_weights_edit_begins_a_transaction_over_every_epoch_seen() -> None:
     observed = Observed(pods=pods, previous={"weights": {"epoch": 2}})
     assert needs_refit(spec, observed) and not needs_refit(make_spec(V1), observed)
     tx = begin(spec, None, observed)
-    assert (tx.target, tx.previous, tx.epoch) == (FW(V2.uri, "v2"), FW(V1.uri, "v1"), 4)
+    assert (tx.target, tx.previous, tx.epoch) == (V2, V1, 4)
     assert (tx.strategy, tx.inflight, tx.drain_timeout, tx.on_failure, tx.max_unavailable) == (
         "AllAtOnce", "Recompute", 9.0, "Halt", 2)
     assert begin(make_spec(), None, observed).max_unavailable == 1  # a refit takes >= 1
     # Superseding: the old transaction's starting point stays the way back, its epochs count.
-    old = Transaction(FW(V2.uri, "v2"), FW(V1.uri, "v1"), epoch=7, rollback_epoch=8)
-    newer = begin(make_spec(Weights("file:///models/v3", "v3")), old, observed)
+    old = Transaction(V2, V1, epoch=7, rollback_epoch=8)
+    newer = begin(make_spec(WeightsRef("file:///models/v3", "v3")), old, observed)
     assert (newer.previous.version, newer.epoch) == ("v1", 9)
     old.phase = Phase.SUCCEEDED
-    assert begin(make_spec(Weights("file:///models/v3", "v3")), old, observed
+    assert begin(make_spec(WeightsRef("file:///models/v3", "v3")), old, observed
                  ).previous.version == "v2"
 
 
 def test_other_weights_under_a_version_in_use_cannot_be_refit_to() -> None:
-    moved = Weights("file:///elsewhere/v1", "v1")
+    moved = WeightsRef("file:///elsewhere/v1", "v1")
     observed = Observed(pods=(engine_pod("p-prefill-a"), engine_pod("p-decode-a")))
     assert reused_version(make_spec(moved), None, observed) == V1
     assert reused_version(make_spec(V2), None, observed) is None
-    v3 = FW("file:///models/v3", "v3")
-    under_way = Transaction(v3, FW(V1.uri, "v1"), epoch=2)
-    fixed = make_spec(Weights("file:///fixed/v3", "v3"))
-    assert reused_version(fixed, under_way, observed) == Weights(v3.uri, "v3")
+    v3 = WeightsRef("file:///models/v3", "v3")
+    under_way = Transaction(v3, V1, epoch=2)
+    fixed = make_spec(WeightsRef("file:///fixed/v3", "v3"))
+    assert reused_version(fixed, under_way, observed) == WeightsRef(v3.uri, "v3")
     under_way.phase = Phase.ROLLED_BACK  # no engine runs v3 any more: the name is free
     assert reused_version(fixed, under_way, observed) is None
 
@@ -117,7 +117,7 @@ def test_participants_leave_out_pods_that_are_leaving_or_not_running() -> None:
 
 
 def test_new_pods_load_weights_some_engine_serves_verified() -> None:
-    tx = Transaction(FW(V2.uri, "v2"), FW(V1.uri, "v1"), epoch=2)
+    tx = Transaction(V2, V1, epoch=2)
     only_v1 = Observed(pods=(engine_pod("p-prefill-a"), engine_pod("p-decode-a")))
     assert new_pod_weights(tx, only_v1) == V1  # nothing verified on v2 yet
     one_on_v2 = Observed(pods=(engine_pod("p-prefill-a", V2), engine_pod("p-decode-a")))
@@ -133,7 +133,7 @@ def test_new_pods_load_weights_some_engine_serves_verified() -> None:
 
 
 def test_serving_engines_name_their_weights_and_epoch_in_annotations() -> None:
-    tx = Transaction(FW(V2.uri, "v2"), FW(V1.uri, "v1"), epoch=5)
+    tx = Transaction(V2, V1, epoch=5)
     pods = {p.name: p for p in (engine_pod("p-prefill-a"), engine_pod("p-decode-a"),
                                 engine_pod("p-decode-b", V2, epoch=5))}
     engines = [obs("p-prefill-a", version="v2", epoch=5),  # verified: annotate
@@ -144,20 +144,20 @@ def test_serving_engines_name_their_weights_and_epoch_in_annotations() -> None:
 
 
 def test_a_finished_transaction_reopens_for_an_engine_on_other_weights() -> None:
-    tx = Transaction(FW(V2.uri, "v2"), FW(V1.uri, "v1"), epoch=5, phase=Phase.SUCCEEDED,
+    tx = Transaction(V2, V1, epoch=5, phase=Phase.SUCCEEDED,
                      finished_at=10.0, engines={"p-decode-a": EngineRecord(verified=True)})
     assert _rejoin(tx, [obs("p-decode-a", version="v2")], now=20.0) == []
     (event,) = _rejoin(tx, [obs("p-decode-a", version="v1"), obs("p-prefill-a", "STOPPED")],
                        now=20.0)
     assert event.reason == "RefitResumed" and "p-decode-a (v1)" in event.message
     assert (tx.phase, tx.finished_at, tx.engines) == (Phase.PROGRESSING, None, {})
-    tx = Transaction(FW(V2.uri, "v2"), FW(V1.uri, "v1"), epoch=5, phase=Phase.ROLLED_BACK)
+    tx = Transaction(V2, V1, epoch=5, phase=Phase.ROLLED_BACK)
     assert _rejoin(tx, [obs("p-decode-a", version="v2")], now=1.0)
     assert tx.phase is Phase.ROLLING_BACK and tx.goal.version == "v1"
 
 
 def test_out_of_service_engines_the_transaction_does_not_know_are_adopted() -> None:
-    tx = Transaction(FW(V2.uri, "v2"), FW(V1.uri, "v1"), epoch=5)
+    tx = Transaction(V2, V1, epoch=5)
     _adopt(tx, [obs("p-prefill-a"), obs("p-prefill-b", "PAUSED"),
                 obs("p-decode-a", version="v2", draining=True), obs("p-decode-b", "STOPPING"),
                 obs("p-decode-c", None)], now=3.0)
@@ -167,7 +167,7 @@ def test_out_of_service_engines_the_transaction_does_not_know_are_adopted() -> N
 
 
 def test_the_report_tells_conditions_progress_and_a_failure() -> None:
-    tx = Transaction(FW(V2.uri, "v2"), FW(V1.uri, "v1"), epoch=5, wave=1, started_at=1.0,
+    tx = Transaction(V2, V1, epoch=5, wave=1, started_at=1.0,
                      engines={"p-prefill-a": EngineRecord(step="refit")})
     engines = [obs("p-prefill-a", "SUSPENDED"), obs("p-decode-a")]
     r = report(tx, engines)

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from tandem_engine import protocol as p
+from tandem_engine.sampling_params import SamplingParams
 
 LOAD = p.Load("RUNNING", 2, 1, 0.25, "v1", 3)
 MESSAGES = [
@@ -17,9 +18,11 @@ MESSAGES = [
     p.Welcome(p.PROTOCOL_VERSION, "e0", "inc", "mixed", "tiny", 16, 1024, LOAD),
     p.Heartbeat("e0", "inc", LOAD),
     p.StateChange("e0", "inc", LOAD),
-    p.Submit("r1", [1, 2, 3], {"max_tokens": 4, "stop": ["x"]}, cache_salt="t"),
+    p.Submit("r1", [1, 2, 3], SamplingParams(max_tokens=4, stop=["x"]), cache_salt="t",
+             resume=p.Resume([5, 6], 3)),
     p.Output("r1", [7], "hi", [p.TokenLogprobs(-0.5, [(7, -0.5), (8, -1.0)])], True,
-             "stop", "x", 3, 0),
+             "stop", "x", 3),
+    p.Output("r2", [9], "", finished=True, handoff=p.Handoff("r2", [4, 5])),
     p.Abort("r1"),
     p.Reject("r1", 400, "too long"),
 ]

@@ -271,8 +271,7 @@ def test_refit_refuses_bad_input_by_name(tmp_path: Path, monkeypatch, capsys) ->
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     (tmp_path / "no-config").mkdir()
     cases = [
-        (["--uri", "s3://bucket/model"], "--uri 's3://bucket/model': a local refit target "
-         "must be a file:// URI"),
+        (["--uri", "s3://bucket/model"], "--uri 's3://bucket/model': must be a file:// URI"),
         (["--uri", uri(tmp_path / "missing")], "missing does not exist"),
         (["--uri", uri(tmp_path / "no-config")], "no-config has no config.json"),
     ]
@@ -301,7 +300,7 @@ def test_refit_lock_takes_over_a_stale_lock_and_supersedes_a_live_holder(
     import io
 
     from tandem_engine.cli.refit import RefitLock
-    from tandem_engine.fleet import Weights
+    from tandem_engine.weights import WeightsRef
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     port = free_port()
@@ -312,7 +311,7 @@ def test_refit_lock_takes_over_a_stale_lock_and_supersedes_a_live_holder(
     gone.wait()
     path.write_text(json.dumps({"pid": gone.pid, "version": "v2", "uri": "file:///v2"}))
     out = io.StringIO()
-    lock = RefitLock(port, Weights("file:///v3", "v3"), out)
+    lock = RefitLock(port, WeightsRef("file:///v3", "v3"), out)
     lock.acquire()
     assert f"taking over a stale lock {path} (refit to v2, pid {gone.pid}" in out.getvalue()
     assert json.loads(path.read_text()) == {"pid": os.getpid(), "version": "v3",
@@ -324,7 +323,7 @@ def test_refit_lock_takes_over_a_stale_lock_and_supersedes_a_live_holder(
     try:
         path.write_text(json.dumps({"pid": holder.pid, "version": "v2", "uri": "file:///v2"}))
         out = io.StringIO()
-        RefitLock(port, Weights("file:///v3", "v3"), out, wait=5).acquire()
+        RefitLock(port, WeightsRef("file:///v3", "v3"), out, wait=5).acquire()
         assert out.getvalue() == f"superseding the refit to v2 (pid {holder.pid})\n"
         assert holder.wait(timeout=5) == -signal.SIGTERM
     finally:

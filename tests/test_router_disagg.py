@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import httpx
 import pytest
 from tandem_engine import SamplingParams
 from tandem_engine import protocol as p
-from tandem_engine.router.dispatch import Dispatcher
+from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
 from tandem_engine.router.engines import EngineClient, EngineLost, EnginePool
 from tandem_engine.router.metrics import RouterMetrics
 from tandem_engine.tokenizer import Tokenizer
@@ -31,22 +32,41 @@ AGENT = p.KVTransferInfo("prefill-agent", b"meta", {"block_size": 16})
 
 # ---- scripted engines ---------------------------------------------------------------------------
 
-Script = Callable[[str, list[int], dict[str, Any], bool, "p.PullSource | None"], list[Any]]
+# (request id, prompt, sampling, pin_for_handoff, resume, pull) -> what the engine sends
+Script = Callable[[str, list[int], SamplingParams, bool, "p.Resume | None",
+                   "p.PullSource | None"], list[Any]]
 
 
-def _setup(client: EngineClient, role: str, script: Script, calls: list[tuple]) -> None:
-    load = p.Load("RUNNING", 0, 0, 0.0, "v1", 1)
+@dataclass(frozen=True)
+class Call:
+    """One Submit a scripted engine received."""
+
+    key: str
+    prompt: list[int]
+    sampling: SamplingParams
+    pin: bool
+    resume: p.Resume | None
+    pull: p.PullSource | None
+
+
+def scripted(client: EngineClient, role: str, script: Script, calls: list[Call],
+             version: str = "v1") -> None:
+    """Make `client` a connected engine of `role` that answers each submit with
+    `script`'s outputs (no sockets)."""
+    load = p.Load("RUNNING", 0, 0, 0.0, version, 1)
     client.welcome = p.Welcome(p.PROTOCOL_VERSION, client.key, "inc", role, "tiny", 16, 2048,
                                load, AGENT if role != "mixed" else None)
     client.load = load
     client.connected = True
 
-    def submit(request_id: str, prompt: list[int], sampling: dict[str, Any],
+    def submit(request_id: str, prompt: list[int], sampling: SamplingParams,
                cache_salt: str | None = None, *, pin_for_handoff: bool = False,
+               resume: p.Resume | None = None,
                pull: p.PullSource | None = None) -> asyncio.Queue:
-        calls.append((client.key, list(prompt), dict(sampling), pin_for_handoff, pull))
+        assert isinstance(sampling, SamplingParams)
+        calls.append(Call(client.key, list(prompt), sampling, pin_for_handoff, resume, pull))
         queue: asyncio.Queue = asyncio.Queue()
-        for item in script(request_id, prompt, sampling, pin_for_handoff, pull):
+        for item in script(request_id, prompt, sampling, pin_for_handoff, resume, pull):
             queue.put_nowait((time.monotonic(), item))
         return queue
 
@@ -55,40 +75,44 @@ def _setup(client: EngineClient, role: str, script: Script, calls: list[tuple]) 
     client.abort = client.aborted.append  # type: ignore[method-assign,attr-defined]
 
 
-def colocated(request_id: str, prompt: list[int], sampling: dict[str, Any],
-              pin: bool, pull: p.PullSource | None) -> list[Any]:
-    """A correct engine: continues TARGET from wherever `prompt` leaves it."""
-    done = len(prompt) - len(PROMPT)
-    if pull is not None:  # the pulled stream starts after the first token
-        assert pull.first_token == TARGET[0]
-        done = 1
-    n = min(sampling["max_tokens"] - (1 if pull is not None else 0), len(TARGET) - done)
+def colocated(request_id: str, prompt: list[int], sampling: SamplingParams, pin: bool,
+              resume: p.Resume | None, pull: p.PullSource | None) -> list[Any]:
+    """A correct engine: the original prompt, continuing TARGET after the resumed tokens;
+    one character of text per token. With `pin` it stops after the first token and hands
+    off (unless that token ends the generation)."""
+    assert prompt == PROMPT
+    done = len(resume.token_ids) if resume is not None else 0
+    assert resume is None or resume.token_ids == TARGET[:done]
+    assert resume is None or resume.sent_chars == done  # one character per token
+    assert pull is None or done == 1  # a decode engine resumes after the first token
+    n = min(1 if pin else sampling.max_tokens - done, len(TARGET) - done)
     tokens = TARGET[done:done + n]
-    outs = [p.Output(request_id, [t], "x") for t in tokens]
+    reason = "stop" if done + n == len(TARGET) else \
+        "length" if done + n >= sampling.max_tokens else None
+    handoff = p.Handoff(request_id, [7]) if pin and reason is None else None
+    outs = [p.Output(request_id, [t], "x") for t in tokens] or [p.Output(request_id, [], "")]
     last = outs[-1]
-    pinned = pin and sampling["max_tokens"] < len(TARGET)
-    outs[-1] = p.Output(request_id, last.token_ids, "x", finished=True,
-                        finish_reason="length" if done + n < len(TARGET) else "stop",
-                        pin_id=request_id if pinned else None,
-                        pinned_blocks=[7] if pinned else None)
+    outs[-1] = p.Output(request_id, last.token_ids, last.text, finished=True,
+                        finish_reason=reason, handoff=handoff)
     return outs
 
 
-def _run(dispatcher: Dispatcher, sampling: dict[str, Any]) -> list:
+def _run(dispatcher: Dispatcher, sampling: SamplingParams) -> list:
     async def go() -> list:
         return [d async for d in dispatcher.generate("r", PROMPT, sampling)]
     return asyncio.run(go())
 
 
-def _dispatcher(tokenizer: Tokenizer, roles: dict[str, tuple[str, Script]]
-                ) -> tuple[Dispatcher, list[tuple], RouterMetrics]:
+def scripted_dispatcher(roles: dict[str, tuple[str, Script]], **config: Any
+                        ) -> tuple[Dispatcher, list[Call], RouterMetrics]:
+    """A Dispatcher over scripted engines: address -> (role, script)."""
     pool = EnginePool(list(roles))
-    calls: list[tuple] = []
+    calls: list[Call] = []
     for client in pool.clients:
         role, script = roles[client.key]
-        _setup(client, role, script, calls)
+        scripted(client, role, script, calls)
     metrics = RouterMetrics()
-    return Dispatcher(pool, tokenizer, metrics=metrics), calls, metrics
+    return Dispatcher(pool, DispatchConfig(**config), metrics=metrics), calls, metrics
 
 
 @pytest.fixture(scope="module")
@@ -103,84 +127,130 @@ def _count(metrics: RouterMetrics, outcome: str) -> float:
     return metrics.disaggregated.labels(outcome)._value.get()
 
 
-def test_prefill_then_pulled_decode(tokenizer: Tokenizer) -> None:
-    dispatcher, calls, metrics = _dispatcher(
-        tokenizer, {PRE: ("prefill", colocated), DEC: ("decode", colocated)})
-    deltas = _run(dispatcher, {"max_tokens": 6, "temperature": 0.0, "min_tokens": 3})
+def test_prefill_then_pulled_decode() -> None:
+    dispatcher, calls, metrics = scripted_dispatcher(
+        {PRE: ("prefill", colocated), DEC: ("decode", colocated)})
+    sampling = SamplingParams(max_tokens=6, temperature=0.0, min_tokens=3)
+    deltas = _run(dispatcher, sampling)
     assert [t for d in deltas for t in d.token_ids] == TARGET
     assert deltas[0].token_ids == [TARGET[0]] and not deltas[0].finished  # at once
     assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
-    (k1, prompt1, s1, pin1, pull1), (k2, prompt2, s2, pin2, pull2) = calls
-    assert (k1, prompt1, pin1, pull1) == (PRE, PROMPT, True, None)
-    assert s1["max_tokens"] == 1 and s1["min_tokens"] == 1
-    assert (k2, prompt2, pin2) == (DEC, PROMPT, False)
-    assert s2 == {"max_tokens": 6, "temperature": 0.0, "min_tokens": 3}
-    assert pull2 == p.PullSource(AGENT, "r.1", [7], TARGET[0])
+    pre, dec = calls
+    # Both engines get the original prompt and sampling: the prefill engine stops after
+    # the first token itself, the decode engine resumes after it.
+    assert (pre.key, pre.prompt, pre.sampling, pre.pin, pre.resume, pre.pull) == (
+        PRE, PROMPT, sampling, True, None, None)
+    assert (dec.key, dec.prompt, dec.sampling, dec.pin) == (DEC, PROMPT, sampling, False)
+    assert dec.resume == p.Resume([TARGET[0]], sent_chars=1)
+    assert dec.pull == p.PullSource(AGENT, "r.1", [7])  # from the prefill's Handoff
     assert _count(metrics, "handoff") == 1
+    assert metrics.handoff_versions.labels("v1", "v1")._value.get() == 1
 
 
-def test_done_after_the_first_token_never_reaches_the_decode_engine(
-        tokenizer: Tokenizer) -> None:
-    dispatcher, calls, metrics = _dispatcher(
-        tokenizer, {PRE: ("prefill", colocated), DEC: ("decode", colocated)})
-    deltas = _run(dispatcher, {"max_tokens": 1})
+def test_done_after_the_first_token_never_reaches_the_decode_engine() -> None:
+    dispatcher, calls, metrics = scripted_dispatcher(
+        {PRE: ("prefill", colocated), DEC: ("decode", colocated)})
+    deltas = _run(dispatcher, SamplingParams(max_tokens=1))
     assert [d.token_ids for d in deltas] == [[TARGET[0]]]
     assert deltas[-1].finished and deltas[-1].finish_reason == "length"
-    assert [c[0] for c in calls] == [PRE]
-    assert calls[0][3] is False  # nothing to pin: no decode engine will pull it
+    assert [c.key for c in calls] == [PRE]
+    assert calls[0].pin is False  # nothing to pin: no decode engine will pull it
     assert _count(metrics, "finished_at_prefill") == 1
 
 
-def test_a_failed_prefill_falls_back_to_colocated_decode(tokenizer: Tokenizer) -> None:
-    def lost(request_id, prompt, sampling, pin, pull):
+def test_a_failed_prefill_falls_back_to_colocated_decode() -> None:
+    def lost(request_id, prompt, sampling, pin, resume, pull):
         return [EngineLost("gone")]
 
-    dispatcher, calls, metrics = _dispatcher(
-        tokenizer, {PRE: ("prefill", lost), DEC: ("decode", colocated)})
-    deltas = _run(dispatcher, {"max_tokens": 6})
+    dispatcher, calls, metrics = scripted_dispatcher(
+        {PRE: ("prefill", lost), DEC: ("decode", colocated)})
+    deltas = _run(dispatcher, SamplingParams(max_tokens=6))
     assert [t for d in deltas for t in d.token_ids] == TARGET
-    assert [(c[0], c[1], c[3], c[4]) for c in calls] == [(PRE, PROMPT, True, None),
-                                                         (DEC, PROMPT, False, None)]
+    assert [(c.key, c.prompt, c.pin, c.resume, c.pull) for c in calls] == [
+        (PRE, PROMPT, True, None, None), (DEC, PROMPT, False, None, None)]
     assert _count(metrics, "fallback") == 1
 
 
-def test_a_decode_engine_lost_mid_stream_fails_over_colocated(tokenizer: Tokenizer) -> None:
-    dispatcher, calls, _ = _dispatcher(
-        tokenizer, {PRE: ("prefill", colocated), DEC: ("decode", colocated)})
+def test_a_decode_engine_lost_mid_stream_fails_over_colocated() -> None:
+    dispatcher, calls, metrics = scripted_dispatcher(
+        {PRE: ("prefill", colocated), DEC: ("decode", colocated)})
     decode = dispatcher.pool.by_key[DEC]
 
-    def dies(request_id, prompt, sampling, pin, pull):
+    def dies(request_id, prompt, sampling, pin, resume, pull):
         decode.connected = False
-        return [*colocated(request_id, prompt, sampling, pin, pull)[:2], EngineLost("gone")]
+        return [*colocated(request_id, prompt, sampling, pin, resume, pull)[:2],
+                EngineLost("gone")]
 
-    _setup(decode, "decode", dies, calls)
-    deltas = _run(dispatcher, {"max_tokens": 6})
+    scripted(decode, "decode", dies, calls)
+    deltas = _run(dispatcher, SamplingParams(max_tokens=6))
     assert [t for d in deltas for t in d.token_ids] == TARGET
     assert deltas[-1].finished
-    # Prefill, pulled decode (two tokens), then the rest on the only engine left.
-    assert [(c[0], c[1], c[2]["max_tokens"], c[4] is not None) for c in calls] == [
-        (PRE, PROMPT, 1, False), (DEC, PROMPT, 6, True), (PRE, PROMPT + TARGET[:3], 3, False)]
+    # Prefill, pulled decode (two tokens), then the rest on the only engine left: always
+    # the original prompt and sampling, resumed after the tokens so far.
+    assert [(c.key, c.prompt, c.sampling.max_tokens, c.resume, c.pull is not None)
+            for c in calls] == [
+        (PRE, PROMPT, 6, None, False),
+        (DEC, PROMPT, 6, p.Resume(TARGET[:1], 1), True),
+        (PRE, PROMPT, 6, p.Resume(TARGET[:3], 3), False)]
+    assert decode.aborted == ["r.2"]
+    assert metrics.failovers.labels("engine_lost")._value.get() == 1
 
 
-def test_mixed_pools_are_not_disaggregated(tokenizer: Tokenizer) -> None:
-    dispatcher, calls, metrics = _dispatcher(
-        tokenizer, {PRE: ("mixed", colocated), DEC: ("mixed", colocated)})
-    deltas = _run(dispatcher, {"max_tokens": 6})
+def test_a_refused_pull_fails_over_colocated() -> None:
+    """A decode engine that refuses the pulled request (even with a 4xx) is the
+    handoff's problem, not the request's: the choice goes on colocated."""
+    def refuses(request_id, prompt, sampling, pin, resume, pull):
+        return [p.Reject(request_id, 400, "cannot pull")]
+
+    dispatcher, calls, metrics = scripted_dispatcher(
+        {PRE: ("prefill", colocated), DEC: ("decode", refuses)})
+    deltas = _run(dispatcher, SamplingParams(max_tokens=6))
     assert [t for d in deltas for t in d.token_ids] == TARGET
-    assert len(calls) == 1 and calls[0][3:] == (False, None)
-    assert dispatcher.pick_pair(PROMPT) is None
+    assert [(c.key, c.resume, c.pull is not None) for c in calls] == [
+        (PRE, None, False), (DEC, p.Resume(TARGET[:1], 1), True),
+        (PRE, p.Resume(TARGET[:1], 1), False)]
+    assert metrics.failovers.labels("rejected")._value.get() == 1
+
+
+def test_mixed_pools_are_not_disaggregated() -> None:
+    dispatcher, calls, metrics = scripted_dispatcher(
+        {PRE: ("mixed", colocated), DEC: ("mixed", colocated)})
+    deltas = _run(dispatcher, SamplingParams(max_tokens=6))
+    assert [t for d in deltas for t in d.token_ids] == TARGET
+    assert len(calls) == 1 and (calls[0].pin, calls[0].pull) == (False, None)
+    assert dispatcher.picker.pick_pair(PROMPT) is None
     # A prefill engine alone (no decode engine) is no pair either.
-    _setup(dispatcher.pool.by_key[PRE], "prefill", colocated, calls)
-    assert dispatcher.pick_pair(PROMPT) is None
+    scripted(dispatcher.pool.by_key[PRE], "prefill", colocated, calls)
+    assert dispatcher.picker.pick_pair(PROMPT) is None
     assert sum(_count(metrics, o) for o in ("handoff", "fallback")) == 0
 
 
-def test_pairs_never_mix_weight_versions(tokenizer: Tokenizer) -> None:
-    dispatcher, _, _ = _dispatcher(
-        tokenizer, {PRE: ("prefill", colocated), DEC: ("decode", colocated)})
+def test_pairs_never_mix_weight_versions() -> None:
+    dispatcher, _, _ = scripted_dispatcher(
+        {PRE: ("prefill", colocated), DEC: ("decode", colocated)})
     decode = dispatcher.pool.by_key[DEC]
     decode.load = p.Load("RUNNING", 0, 0, 0.0, "v2", 2)  # newer: the serving version
-    assert dispatcher.pick_pair(PROMPT) is None
+    assert dispatcher.picker.pick_pair(PROMPT) is None
+
+
+def test_a_prefill_refit_under_the_request_hands_no_kv_across_versions() -> None:
+    """The prefill engine's version changed between the pick and its first token (a
+    Recompute refit): the decode engine, still on the old version, never pulls; the
+    rest runs on an engine of the first token's version."""
+    dispatcher, calls, metrics = scripted_dispatcher(
+        {PRE: ("prefill", colocated), DEC: ("decode", colocated)})
+    prefill = dispatcher.pool.by_key[PRE]
+
+    def refit_then_first_token(request_id, prompt, sampling, pin, resume, pull):
+        if pin:
+            prefill.load = p.Load("RUNNING", 0, 0, 0.0, "v2", 2)
+        return colocated(request_id, prompt, sampling, pin, resume, pull)
+
+    scripted(prefill, "prefill", refit_then_first_token, calls)
+    deltas = _run(dispatcher, SamplingParams(max_tokens=6))
+    assert [t for d in deltas for t in d.token_ids] == TARGET
+    assert [(c.key, c.pull is not None) for c in calls] == [(PRE, False), (PRE, False)]
+    assert _count(metrics, "version_changed") == 1 and _count(metrics, "handoff") == 0
 
 
 # ---- real engine processes ----------------------------------------------------------------------
@@ -241,10 +311,12 @@ def test_disaggregated_completions_match_the_offline_engine(disagg_cluster,
     assert httpx.get(f"{prefill_admin}/v1/state", timeout=5).json()["pinned_blocks"] == 0
 
 
-def test_a_stop_string_starting_in_the_first_token_is_never_half_streamed(
+def test_the_decode_engine_resumes_after_the_text_the_client_has(
         tokenizer: Tokenizer) -> None:
-    """The first token comes from the prefill engine; the router holds back its text's
-    tail when it could begin a stop string, exactly as an engine holds back its own."""
+    """The prefill engine sends only its safe text (it holds back what could begin a stop
+    string); the decode engine learns how much the client has (`Resume.sent_chars`),
+    finds the stop string spanning the hand-over and sends the rest. The router relays
+    the engines' text as it is."""
     words = tokenizer.encode("the quick brown fox jumps over the lazy dog",
                              add_special_tokens=False)
     texts = [tokenizer.decode(words[:n]) for n in range(len(words) + 1)]
@@ -252,17 +324,18 @@ def test_a_stop_string_starting_in_the_first_token_is_never_half_streamed(
     assert first and len(texts[2]) > len(first)
     stop = texts[2][len(first) - 1:len(first) + 1]  # spans the hand-over
 
-    def engine(request_id, prompt, sampling, pin, pull):
-        if pin:  # the prefill engine: the first token, pinned
-            return [p.Output(request_id, words[:1], first, finished=True,
-                             finish_reason="length", pin_id=request_id, pinned_blocks=[7])]
-        return [p.Output(request_id, [t], "?") for t in words[1:4]] + [
-            p.Output(request_id, [], "", finished=True, finish_reason="length")]
+    def engine(request_id, prompt, sampling, pin, resume, pull):
+        if pin:  # the prefill engine: the first token, its text held back, pinned
+            return [p.Output(request_id, words[:1], first[:-1], finished=True,
+                             handoff=p.Handoff(request_id, [7]))]
+        return [p.Output(request_id, words[1:2], "", finished=True, finish_reason="stop",
+                         stop_reason=stop)]
 
-    dispatcher, calls, _ = _dispatcher(
-        tokenizer, {PRE: ("prefill", engine), DEC: ("decode", engine)})
-    deltas = _run(dispatcher, {"max_tokens": 6, "temperature": 0.0, "stop": [stop]})
-    assert [c[0] for c in calls] == [PRE, DEC]
+    dispatcher, calls, _ = scripted_dispatcher(
+        {PRE: ("prefill", engine), DEC: ("decode", engine)})
+    deltas = _run(dispatcher, SamplingParams(max_tokens=6, temperature=0.0, stop=[stop]))
+    assert [c.key for c in calls] == [PRE, DEC]
+    assert calls[1].resume == p.Resume(words[:1], sent_chars=len(first) - 1)
     assert deltas[0].token_ids == words[:1] and deltas[0].text == first[:-1]
     assert "".join(d.text for d in deltas) == first[:-1]
     assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
@@ -316,16 +389,13 @@ def test_concurrent_load_leaks_no_block_and_no_pin(disagg_cluster) -> None:
     assert dec["failed"] == 0 and dec["pulled_blocks"] > 0
 
 
-def test_a_pin_left_by_a_generation_ended_at_the_first_token_is_released(
-        tokenizer: Tokenizer) -> None:
-    def eos_first(request_id, prompt, sampling, pin, pull):
-        return [p.Output(request_id, [TARGET[0]], "x", finished=True, finish_reason="stop",
-                         pin_id=request_id if pin else None, pinned_blocks=[7] if pin else None)]
+def test_a_generation_ended_at_the_first_token_is_not_handed_off() -> None:
+    def eos_first(request_id, prompt, sampling, pin, resume, pull):
+        return [p.Output(request_id, [TARGET[0]], "x", finished=True, finish_reason="stop")]
 
-    dispatcher, calls, _ = _dispatcher(
-        tokenizer, {PRE: ("prefill", eos_first), DEC: ("decode", colocated)})
-    deltas = _run(dispatcher, {"max_tokens": 6, "temperature": 0.0})
+    dispatcher, calls, metrics = scripted_dispatcher(
+        {PRE: ("prefill", eos_first), DEC: ("decode", colocated)})
+    deltas = _run(dispatcher, SamplingParams(max_tokens=6, temperature=0.0))
     assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
-    assert [c[0] for c in calls] == [PRE] and calls[0][3] is True
-    prefill = next(c for c in dispatcher.pool.clients if c.key == PRE)
-    assert prefill.aborted == ["r.1"]  # the engine unpins on abort
+    assert [c.key for c in calls] == [PRE] and calls[0].pin is True
+    assert _count(metrics, "finished_at_prefill") == 1

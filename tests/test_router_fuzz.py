@@ -35,7 +35,7 @@ def _hostile_peer(port: int, stop: threading.Event, sent: list[int]) -> None:
     valid = [p.encode(p.Output("nobody", [1, 2], "xy", finished=True, finish_reason="stop")),
              p.encode(p.Reject("nobody", 400, "no")),
              p.encode(p.Heartbeat("hostile", "inc", load)),
-             p.encode(p.Submit("backwards", [1], {}))]
+             p.encode(p.Submit("backwards", [1], SamplingParams()))]
     routers: set[bytes] = set()
     while not stop.is_set():
         if sock.poll(20):

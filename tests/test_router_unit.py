@@ -1,5 +1,6 @@
-"""The router's pure parts: routing, request validation, response shapes, chat templates,
-failover text, and the HTTP app's error paths (with no engine reachable)."""
+"""The router's parts without engine processes: routing and the picker, request
+validation, response shapes, chat templates, one attempt's outcomes, failover and resume
+over scripted engines, and the HTTP app's error paths (with no engine reachable)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from tandem_engine.router import api_params as ap
 from tandem_engine.router import openai_format as fmt
 from tandem_engine.router.api_params import InvalidRequest
 from tandem_engine.router.chat import ChatTemplate
-from tandem_engine.router.continuation import TextContinuation
-from tandem_engine.router.dispatch import _remaining
 from tandem_engine.router.engines import parse_address
 from tandem_engine.router.routing import (
     EngineView,
@@ -28,7 +27,8 @@ from tandem_engine.router.routing import (
     load_cost,
     serving_version,
 )
-from tandem_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.tokenizer import Tokenizer
 
 
 def view(key: str, **kw) -> EngineView:
@@ -167,7 +167,8 @@ def test_neutral_values_of_unsupported_parameters_are_accepted() -> None:
                      cache_salt="tenant")
     o = req.options
     assert o.stream and o.include_usage and o.seed == 7 and o.cache_salt == "tenant"
-    assert o.sampling == {"top_k": 5, "min_tokens": 2, "stop": ["x"], "ignore_eos": True}
+    assert o.sampling_args == {"top_k": 5, "min_tokens": 2, "stop": ["x"],
+                               "ignore_eos": True}
 
 
 def test_chat_messages_and_logprobs() -> None:
@@ -210,22 +211,15 @@ def test_resolve_max_tokens_against_the_context() -> None:
 
 def test_engine_sampling_seeds_each_choice_and_validates_like_the_engine() -> None:
     o = completion(seed=5, n=3, temperature=0.5, stop=["\n"], logprobs=2).options
-    fields = [ap.engine_sampling(o, 8, j) for j in range(3)]
-    assert [f["seed"] for f in fields] == [5, 6, 7]
-    assert fields[0] == {"temperature": 0.5, "stop": ["\n"], "max_tokens": 8, "logprobs": 2,
-                         "seed": 5}
-    assert "seed" not in ap.engine_sampling(completion().options, 8, 0)
+    params = [ap.engine_sampling(o, 8, j) for j in range(3)]
+    assert [s.seed for s in params] == [5, 6, 7]
+    assert params[0] == SamplingParams(temperature=0.5, stop=("\n",), max_tokens=8,
+                                       logprobs=2, seed=5)
+    # What the request left out keeps SamplingParams' defaults.
+    assert ap.engine_sampling(completion().options, 8, 0) == SamplingParams(max_tokens=8)
     with pytest.raises(InvalidRequest) as err:
         ap.engine_sampling(completion(min_tokens=9).options, 8, 0)
     assert err.value.param == "min_tokens" and "max_tokens (8)" in err.value.message
-
-
-def test_remaining_sampling_after_a_failover() -> None:
-    sampling = {"max_tokens": 10, "min_tokens": 4, "temperature": 0.0}
-    assert _remaining(sampling, 0) is sampling
-    assert _remaining(sampling, 3) == {"max_tokens": 7, "min_tokens": 1, "temperature": 0.0}
-    assert _remaining(sampling, 6)["min_tokens"] == 0
-    assert "min_tokens" not in _remaining({"max_tokens": 5}, 2)
 
 
 # ---- response shapes -----------------------------------------------------------------------------
@@ -289,96 +283,258 @@ def test_chat_template_errors_and_sandbox() -> None:
     assert ChatTemplate("{{ messages | tojson }}").render([{"c": "é"}]) == '[{"c": "é"}]'
 
 
-# ---- failover text -------------------------------------------------------------------------------
+# ---- the picker ----------------------------------------------------------------------------------
 
 
-def engine_text(tokenizer: Tokenizer, ids: list[int]) -> str:
-    d = IncrementalDetokenizer(tokenizer)
-    return "".join(d.push(t) for t in ids)
-
-
-def test_continuation_recovers_held_back_text(tokenizer: Tokenizer) -> None:
-    ids = tokenizer.encode("Once upon a time there was a tiny engine", add_special_tokens=False)
-    full = engine_text(tokenizer, ids)
-    for cut in range(1, len(ids)):
-        before = engine_text(tokenizer, ids[:cut])
-        sent = before[: max(0, len(before) - 3)]  # the old engine held 3 characters back
-        cont = TextContinuation(tokenizer, generated_ids=ids[:cut], sent_text=sent,
-                                stop=["zzzz"])
-        pieces = [cont.push(t) for t in ids[cut:]]
-        assert sent + "".join(pieces) + cont.finish() == full
-        assert cont.stop_reason is None
-
-
-def test_continuation_finds_a_stop_string_across_the_hand_over(tokenizer: Tokenizer) -> None:
-    ids = tokenizer.encode("the cat sat on the mat and slept", add_special_tokens=False)
-    full = engine_text(tokenizer, ids)
-    stop = "on the mat"
-    start = full.index(stop)
-    for include in (False, True):
-        for cut in range(1, len(ids)):
-            before = engine_text(tokenizer, ids[:cut])
-            if stop in before:
-                break  # the old engine would have stopped by itself
-            sent = before[: max(0, len(before) - (len(stop) - 1))]
-            cont = TextContinuation(tokenizer, generated_ids=ids[:cut], sent_text=sent,
-                                    stop=[stop], include_stop_str_in_output=include)
-            pieces = []
-            for t in ids[cut:]:
-                pieces.append(cont.push(t))
-                if cont.stop_reason:
-                    break
-            assert cont.stop_reason == stop
-            end = start + len(stop) if include else start
-            assert sent + "".join(pieces) == full[:end]
-
-
-def test_continuation_respects_min_tokens_and_stop_tokens(tokenizer: Tokenizer) -> None:
-    ids = tokenizer.encode("a b a b a b", add_special_tokens=False)
-    cont = TextContinuation(tokenizer, generated_ids=ids[:1], sent_text="",
-                            stop=["b"], min_tokens=len(ids) + 1)
-    pieces = [cont.push(t) for t in ids[1:]]
-    assert cont.stop_reason is None  # min_tokens not reached: no stop
-    assert cont.push(ids[0], is_stop_token=True) == ""  # EOS adds no text
-    assert "".join(pieces) + cont.finish() == engine_text(tokenizer, ids)
-    with pytest.raises(RuntimeError):
-        stopped = TextContinuation(tokenizer, generated_ids=[], sent_text="", stop=["a"])
-        stopped.push(ids[0])
-        stopped.push(ids[1])
-
-
-def test_dispatcher_text_across_a_failover(tokenizer: Tokenizer) -> None:
-    """Engine A sent part of the text (holding back a possible stop string) and died;
-    engine B's own text is ignored: the router derives it and finds the stop string
-    that spans the hand-over."""
-    from tandem_engine.router.dispatch import Dispatcher, _Progress
+def _scripted_pool(roles: dict[str, str]):
     from tandem_engine.router.engines import EnginePool
+    from test_router_disagg import colocated, scripted
 
-    dispatcher = Dispatcher(EnginePool(["127.0.0.1:1"]), tokenizer)
-    ids = tokenizer.encode("the cat sat on the mat and slept", add_special_tokens=False)
-    full = engine_text(tokenizer, ids)
-    for stop, expected in (("on the mat", full[:full.index("on the mat")]), ("zzz", full)):
-        cut = next(c for c in range(1, len(ids))
-                   if "on t" in engine_text(tokenizer, ids[:c]))
-        before = engine_text(tokenizer, ids[:cut])
-        sampling = {"max_tokens": len(ids), "stop": [stop]}
-        progress = _Progress()
-        first = dispatcher._delta(
-            p.Output("r.1", ids[:cut], before[:len(before) - (len(stop) - 1)]), progress,
-            engine_aborted=False)
-        dispatcher._start_continuation(progress, sampling)
-        texts = [first.text]
-        for i, t in enumerate(ids[cut:], start=cut + 1):
-            last = i == len(ids)
-            delta = dispatcher._delta(
-                p.Output("r.2", [t], "engine B text is ignored", finished=last,
-                         finish_reason="length" if last else None), progress, False)
-            texts.append(delta.text)
-            if delta.finished:
-                break
-        assert delta.finished and "".join(texts) == expected
-        assert (delta.finish_reason, delta.stop_reason) == (
-            ("stop", stop) if stop in full else ("length", None))
+    pool = EnginePool(list(roles))
+    for client in pool.clients:
+        scripted(client, roles[client.key], colocated, [])
+    return pool
+
+
+def test_picker_keeps_colocated_requests_off_prefill_engines() -> None:
+    from tandem_engine.router.picker import EnginePicker
+
+    pool = _scripted_pool({"127.0.0.1:1": "prefill", "127.0.0.1:2": "decode"})
+    picker = EnginePicker(pool)
+    assert {picker.pick([1, 2, 3]).key for _ in range(4)} == {"127.0.0.1:2"}
+    # The prefill engine still serves when nothing else can.
+    assert picker.pick([1, 2, 3], exclude=["127.0.0.1:2"]).key == "127.0.0.1:1"
+
+
+def test_picker_follows_prefixes_and_forgets_them_when_an_engine_refits() -> None:
+    from tandem_engine.router.picker import EnginePicker
+
+    pool = _scripted_pool({"127.0.0.1:1": "mixed", "127.0.0.1:2": "mixed"})
+    picker = EnginePicker(pool)
+    prompt = list(range(64))  # four full blocks of 16
+    home = picker.pick(prompt)
+    assert all(picker.pick(prompt) is home for _ in range(3))  # affinity beats rotation
+    other = next(c for c in pool.clients if c is not home)
+    picker.remember(other, prompt, None)
+    home.epoch_changes += 1  # a refit: what it cached is gone
+    assert picker.pick(prompt) is other
+
+
+# ---- one attempt ---------------------------------------------------------------------------------
+
+
+def _attempt(items, *, state: str = "RUNNING", timeout: float = 0.05, role: str = "mixed"):
+    import asyncio
+
+    from tandem_engine.router.attempts import Attempt
+    from tandem_engine.router.engines import EnginePool
+    from test_router_disagg import colocated, scripted
+
+    client = EnginePool(["127.0.0.1:1"]).clients[0]
+    scripted(client, role, colocated, [])
+    client.load = p.Load(state, 0, 0, 0.0, "v1", 1)
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in items:
+        queue.put_nowait((0.0, item))
+    return Attempt(client, "r.1", queue, timeout, timeout)
+
+
+def _steps(steps) -> list:
+    import asyncio
+
+    async def go() -> list:
+        return [s async for s in steps]
+    return asyncio.run(go())
+
+
+def test_an_attempt_relays_the_engine_text_and_counts_what_the_client_has() -> None:
+    from tandem_engine.router.attempts import Delta, Finished, Progress, colocated
+
+    progress = Progress()
+    steps = _steps(colocated(_attempt([
+        p.Output("r.1", [1, 2], "ab"), p.Output("r.1", [], "c"),
+        p.Output("r.1", [3], "", finished=True, finish_reason="stop", stop_reason="z")]),
+        progress))
+    assert [type(s) for s in steps] == [Delta, Delta, Delta, Finished]
+    assert "".join(s.text for s in steps[:3]) == "abc"
+    assert (steps[2].finished, steps[2].finish_reason, steps[2].stop_reason) == (
+        True, "stop", "z")
+    assert progress.generated == [1, 2, 3] and progress.version == "v1"
+    assert progress.resume() == p.Resume([1, 2, 3], sent_chars=3)
+    assert Progress().resume() is None
+
+
+@pytest.mark.parametrize(("item", "reason"), [
+    (p.Reject("r.1", 503, "draining"), "rejected"),
+    (p.Output("r.1", [4], "d", finished=True, finish_reason="abort"), "engine_aborted"),
+])
+def test_an_attempt_fails_over_from_an_engine_that_cannot_go_on(item, reason) -> None:
+    from tandem_engine.router.attempts import FailOver, Progress, colocated
+
+    steps = _steps(colocated(_attempt([p.Output("r.1", [1], "a"), item]), Progress()))
+    assert isinstance(steps[-1], FailOver) and steps[-1].reason == reason
+    assert steps[-1].exclude  # a live engine that refused is avoided for the choice
+    assert not any(getattr(s, "finished", False) for s in steps)  # no final delta
+
+
+def test_an_attempt_fails_over_from_a_lost_or_silent_engine() -> None:
+    from tandem_engine.router.attempts import FailOver, Progress, colocated
+    from tandem_engine.router.engines import EngineLost
+
+    lost = _steps(colocated(_attempt([EngineLost("gone")]), Progress()))
+    assert lost == [FailOver("engine_lost", "gone")] and not lost[0].exclude
+    stalled = _steps(colocated(_attempt([]), Progress()))
+    assert stalled[0].reason == "stalled" and "no output" in stalled[0].detail
+
+
+def test_a_paused_engines_silence_is_waited_out() -> None:
+    import asyncio
+
+    from tandem_engine.router.attempts import Progress, colocated
+
+    async def go() -> None:
+        steps = colocated(_attempt([], state="PAUSED", timeout=0.01), Progress())
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(steps.__anext__(), 0.2)
+
+    asyncio.run(go())
+
+
+def test_an_invalid_request_reaches_the_client_unless_the_engine_is_to_blame() -> None:
+    from tandem_engine.router.attempts import (
+        EngineRejected,
+        FailOver,
+        GenerationFailed,
+        Progress,
+        colocated,
+        prefill,
+    )
+
+    bad = p.Reject("r.1", 400, "prompt too long")
+    with pytest.raises(EngineRejected) as err:
+        _steps(colocated(_attempt([bad]), Progress()))
+    assert err.value.status == 400
+    with pytest.raises(GenerationFailed, match="refused the continuation"):
+        _steps(colocated(_attempt([bad]), Progress(generated=[1])))
+    # A decode engine refusing a pulled request, or a prefill engine refusing after the
+    # first token: the request itself was fine.
+    assert isinstance(_steps(colocated(_attempt([bad]), Progress(), pulled=True))[-1],
+                      FailOver)
+    assert isinstance(_steps(prefill(_attempt([bad]), Progress(generated=[1])))[-1],
+                      FailOver)
+
+
+def test_a_prefill_attempt_hands_off_the_pinned_kv() -> None:
+    from tandem_engine.router.attempts import Finished, HandOff, Progress, prefill
+    from test_router_disagg import AGENT
+
+    handoff = p.Output("r.1", [9], "h", finished=True, handoff=p.Handoff("pin-1", [3, 4]))
+    steps = _steps(prefill(_attempt([handoff], role="prefill"), Progress()))
+    assert not steps[0].finished and steps[0].finish_reason is None  # more to come
+    assert steps[-1] == HandOff(p.PullSource(AGENT, "pin-1", [3, 4]))
+    unpinned = p.Output("r.1", [9], "h", finished=True)
+    assert _steps(prefill(_attempt([unpinned], role="prefill"), Progress()))[-1] \
+        == HandOff(None)
+    eos = p.Output("r.1", [9], "", finished=True, finish_reason="stop")
+    steps = _steps(prefill(_attempt([eos]), Progress()))
+    assert steps[0].finished and steps[-1] == Finished()
+
+
+# ---- failover over scripted engines -------------------------------------------------------------
+
+A, B = "127.0.0.1:2001", "127.0.0.1:2002"
+
+
+def _generate(dispatcher, sampling: SamplingParams, prompt=(5, 6, 7, 8, 9)) -> list:
+    import asyncio
+
+    async def go() -> list:
+        return [d async for d in dispatcher.generate("r", list(prompt), sampling)]
+    return asyncio.run(go())
+
+
+def test_a_failover_resubmits_the_original_request_resumed() -> None:
+    """Engine A streamed two tokens (three characters) and died; engine B gets the
+    original prompt and SamplingParams and resumes after what the client has."""
+    from tandem_engine.router.engines import EngineLost
+    from test_router_disagg import PROMPT, TARGET, scripted_dispatcher
+
+    def dies(request_id, prompt, sampling, pin, resume, pull):
+        dispatcher.pool.by_key[A].connected = False
+        return [p.Output(request_id, TARGET[:1], "x"), p.Output(request_id, TARGET[1:2], "xx"),
+                EngineLost("gone")]
+
+    def resumes(request_id, prompt, sampling, pin, resume, pull):
+        rest = TARGET[len(resume.token_ids):]
+        return [p.Output(request_id, [t], "y") for t in rest[:-1]] + [
+            p.Output(request_id, rest[-1:], "y", finished=True, finish_reason="stop")]
+
+    dispatcher, calls, metrics = scripted_dispatcher({A: ("mixed", dies),
+                                                      B: ("mixed", resumes)})
+    sampling = SamplingParams(max_tokens=6, min_tokens=4, temperature=0.0, stop=["zz"])
+    dispatcher.pool.by_key[B].load = p.Load("RUNNING", 5, 0, 0.0, "v1", 1)  # A first
+    deltas = _generate(dispatcher, sampling, PROMPT)
+    assert [t for d in deltas for t in d.token_ids] == TARGET
+    assert "".join(d.text for d in deltas) == "x" + "xx" + "y" * 4
+    assert [(c.key, c.prompt, c.sampling, c.resume) for c in calls] == [
+        (A, PROMPT, sampling, None), (B, PROMPT, sampling, p.Resume(TARGET[:2], 3))]
+    assert metrics.failovers.labels("engine_lost")._value.get() == 1
+
+
+def test_every_token_arrived_but_not_the_final_output() -> None:
+    """The engine died after max_tokens tokens but before its final output: the next
+    engine is still asked, with everything resumed; it finishes at once with `length`
+    and the text the first one held back."""
+    from tandem_engine.router.engines import EngineLost
+    from test_router_disagg import PROMPT, TARGET, scripted_dispatcher
+
+    def dies(request_id, prompt, sampling, pin, resume, pull):
+        dispatcher.pool.by_key[A].connected = False
+        return [p.Output(request_id, TARGET[:3], "x"), EngineLost("gone")]
+
+    def finishes(request_id, prompt, sampling, pin, resume, pull):
+        assert resume == p.Resume(TARGET[:3], 1)
+        return [p.Output(request_id, [], "yz", finished=True, finish_reason="length")]
+
+    dispatcher, calls, _ = scripted_dispatcher({A: ("mixed", dies), B: ("mixed", finishes)})
+    dispatcher.pool.by_key[B].load = p.Load("RUNNING", 5, 0, 0.0, "v1", 1)
+    deltas = _generate(dispatcher, SamplingParams(max_tokens=3), PROMPT)
+    assert [c.key for c in calls] == [A, B]
+    assert "".join(d.text for d in deltas) == "xyz"
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+
+
+def test_a_choice_gives_up_after_max_attempts() -> None:
+    from tandem_engine.router.attempts import GenerationFailed
+    from test_router_disagg import scripted_dispatcher
+
+    def refuses(request_id, prompt, sampling, pin, resume, pull):
+        return [p.Output(request_id, [1], "a"), p.Reject(request_id, 503, "busy")]
+
+    dispatcher, calls, _ = scripted_dispatcher({A: ("mixed", refuses), B: ("mixed", refuses)},
+                                               max_attempts=2, failover_timeout=0.1)
+    with pytest.raises(GenerationFailed):
+        _generate(dispatcher, SamplingParams(max_tokens=6))
+    assert [c.resume for c in calls] == [None, p.Resume([1], 1)]  # both tried, then none
+
+
+def test_a_client_that_leaves_aborts_the_request_on_its_engine() -> None:
+    import asyncio
+
+    from test_router_disagg import scripted_dispatcher
+
+    def slow(request_id, prompt, sampling, pin, resume, pull):
+        return [p.Output(request_id, [1], "a")]  # and then nothing for a while
+
+    dispatcher, _, _ = scripted_dispatcher({A: ("mixed", slow)})
+
+    async def go() -> None:
+        stream = dispatcher.generate("r", [5, 6, 7], SamplingParams(max_tokens=6))
+        assert (await stream.__anext__()).token_ids == [1]
+        await stream.aclose()
+
+    asyncio.run(go())
+    assert dispatcher.pool.by_key[A].aborted == ["r.1"]
 
 
 # ---- the app with no engine reachable ------------------------------------------------------------

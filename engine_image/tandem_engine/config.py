@@ -28,6 +28,17 @@ _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "ha
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 KERNEL_CHOICES = ("auto", "native", "torch")
 
+# The engine's defaults, stated once: `EngineConfig`, the `tandem-engine` and `tandem` flags
+# and the operator's spec parser import them. The CRD repeats them as schema defaults
+# (tests/test_crd.py checks that they agree).
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block
+DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_KV_PIN_TTL_S = 60  # prefill: how long a handed-off prompt's KV stays pinned at most
+DEFAULT_KERNELS = "auto"
+DEFAULT_THREADS = 1  # torch threads per engine process
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -268,11 +279,11 @@ def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
 class EngineConfig:
     """How the engine runs a model; every field has a vLLM-style name."""
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None  # exact count; overrides kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 512 * 1024 * 1024
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     dtype: str = "auto"  # auto = the checkpoint's dtype
     device: str = "cpu"
@@ -280,11 +291,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # How long a prefill engine keeps a handed-off prompt's KV pinned when the decode
     # engine never says it is done pulling.
-    kv_pin_ttl_s: float = 60.0
+    kv_pin_ttl_s: float = float(DEFAULT_KV_PIN_TTL_S)
     # CPU kernels: "native" = the compiled decode-attention kernel and oneDNN-packed
     # projections; "torch" = plain torch ops (gather + SDPA, default matmul);
     # "auto" = native on CPU when the kernel builds (a warning says when not), else torch.
-    kernels: str = "auto"
+    kernels: str = DEFAULT_KERNELS
 
     def validate(self) -> None:
         def check(ok: bool, name: str, value: Any, limit: str) -> None:

@@ -77,6 +77,10 @@ TRANSITIONS: dict[Signal, Transition] = {
 STABLE_STATES = frozenset({S.RUNNING, S.PAUSED, S.SUSPENDED, S.RESUMED, S.STOPPED})
 # States in which the engine does not step and weights may be swapped.
 REFIT_STATES = frozenset({S.PAUSED, S.SUSPENDED, S.RESUMED})
+# States a signal passes through; a fleet waits them out rather than send another signal.
+TRANSIENT_STATES = frozenset(t.transient for t in TRANSITIONS.values())
+# An engine on its way out (STOP): routers and refits no longer count it.
+LEAVING_STATES = frozenset({S.STOPPING, S.STOPPED})
 
 
 class EngineStateError(TandemError):
@@ -98,9 +102,11 @@ def transition_for(state: EngineState, signal: Signal) -> Transition:
 
 
 def _check_table() -> None:
+    # A state read off the wire is a plain str; it finds itself in the sets above only
+    # because every name equals its value (an Enum hashes by name).
+    assert all(s.name == s.value for s in EngineState)
     # Every stable state but STOPPED has a way out; transient states are never a source.
-    transient = {t.transient for t in TRANSITIONS.values()}
-    assert transient.isdisjoint(STABLE_STATES)
+    assert TRANSIENT_STATES.isdisjoint(STABLE_STATES)
     for t in TRANSITIONS.values():
         assert t.allowed_from <= STABLE_STATES and t.target in STABLE_STATES
     for state in STABLE_STATES - {S.STOPPED}:

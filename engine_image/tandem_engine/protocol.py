@@ -17,11 +17,23 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+from tandem_engine.sampling_params import SamplingParams
+
+# 2: typed SamplingParams in SUBMIT, RESUME of a generation begun elsewhere, HANDOFF in OUTPUT.
+PROTOCOL_VERSION = 2
 
 
 class ProtocolError(ValueError):
     """A frame that cannot be accepted; the message says why."""
+
+
+class InvalidSubmit(ProtocolError):
+    """A SUBMIT whose body does not validate (a bad sampling parameter, a wrong type):
+    unlike other bad frames its sender is told, with a REJECT naming the problem."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 class Kind(enum.IntEnum):
@@ -87,12 +99,32 @@ class KVTransferInfo(msgspec.Struct, frozen=True):
 
 
 class PullSource(msgspec.Struct, frozen=True):
-    """Where a decode engine finds a prompt's KV: computed and pinned by a prefill engine."""
+    """Where a decode engine finds a prompt's KV: computed and pinned by a prefill engine.
+    The first token that engine sampled travels in the SUBMIT's `resume`."""
 
     agent: KVTransferInfo
     pin_id: str  # the prefill engine's name for the pin, sent back when the pull is done
     block_ids: list[int]  # the prompt's blocks there, in position order
-    first_token: int
+
+
+class Resume(msgspec.Struct, frozen=True):
+    """A generation that began on another engine (a failover, or a decode engine after a
+    handoff): `token_ids` are its first generated tokens (not prompt), and the client
+    already has the first `sent_chars` characters of their text. The engine counts them
+    against max_tokens / min_tokens, derives their text itself (so a stop string that
+    spans the hand-over is found, and text held back there is not lost) and streams
+    from the next character and token on."""
+
+    token_ids: list[int]
+    sent_chars: int = 0
+
+
+class Handoff(msgspec.Struct, frozen=True):
+    """A prefill engine's part of a request is done: the prompt's KV is pinned there for
+    a decode engine to pull (sent in the final OUTPUT instead of a finish reason)."""
+
+    pin_id: str  # name the pin in the decode engine's PullSource
+    block_ids: list[int]  # the prompt's pinned blocks, in position order
 
 
 class Welcome(msgspec.Struct, frozen=True):
@@ -122,10 +154,12 @@ class StateChange(msgspec.Struct, frozen=True):
 class Submit(msgspec.Struct, frozen=True):
     request_id: str
     prompt_token_ids: list[int]
-    # SamplingParams fields by name (max_tokens, temperature, stop, logprobs, ...).
-    sampling: dict[str, Any]
+    sampling: SamplingParams  # validated at the router's edge; the whole generation's
     cache_salt: str | None = None
-    pin_for_handoff: bool = False  # prefill: keep the prompt's KV pinned for a decode engine
+    # prefill: stop after the first token and keep the prompt's KV pinned for a decode
+    # engine (unless that token ends the generation)
+    pin_for_handoff: bool = False
+    resume: Resume | None = None  # tokens generated elsewhere that this engine continues
     pull: PullSource | None = None  # decode: pull the prompt's KV instead of computing it
 
 
@@ -141,13 +175,11 @@ class Output(msgspec.Struct, frozen=True):
     token_ids: list[int]  # new since the previous Output of this request
     text: str  # new text since the previous Output (stop strings are never half-sent)
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort
+    finished: bool = False  # no more Outputs for this request from this engine
+    finish_reason: str | None = None  # stop | length | abort; None with a handoff
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    pin_id: str | None = None  # a pinned prefill: name the pin in the decode's PullSource
-    pinned_blocks: list[int] | None = None
+    handoff: Handoff | None = None  # a prefill engine's final output: continue elsewhere
 
 
 class Abort(msgspec.Struct, frozen=True):
@@ -175,6 +207,13 @@ assert set(BODIES) == set(Kind), "every kind needs a body struct"
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders = {kind: msgspec.msgpack.Decoder(body) for kind, body in BODIES.items()}
+
+
+class _RequestIdOnly(msgspec.Struct):
+    request_id: str
+
+
+_request_id_decoder = msgspec.msgpack.Decoder(_RequestIdOnly)
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
@@ -215,7 +254,15 @@ def decode(frame: bytes) -> msgspec.Struct:
         kind = Kind(kind_value)
     except ValueError:
         raise ProtocolError(f"unknown message kind {kind_value}") from None
+    body = bytes(frame[2:])
     try:
-        return _decoders[kind].decode(bytes(frame[2:]))
+        return _decoders[kind].decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        if kind is Kind.SUBMIT:
+            try:
+                request_id = _request_id_decoder.decode(body).request_id
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+            else:
+                raise InvalidSubmit(request_id, f"invalid request: {exc}") from None
         raise ProtocolError(f"malformed {kind.name} body: {exc}") from None

@@ -26,21 +26,18 @@ def checkpoint_path(uri: str, what: str = "weights uri") -> str:
     WeightsURIError."""
     parsed = urlparse(uri)
     if parsed.scheme != "file":
-        raise WeightsURIError(f"{what} {uri!r}: must be a file:// URI naming a checkpoint, "
-                              "e.g. file:///models/my-model-v2")
+        got = (f"scheme {parsed.scheme!r} is not supported" if parsed.scheme
+               else "a bare path is not a URI")
+        raise WeightsURIError(f"{what} {uri!r}: must be a file:// URI naming a checkpoint "
+                              f"folder ({got}), e.g. file:///models/my-model-v2")
     if parsed.netloc not in ("", "localhost"):
         raise WeightsURIError(f"{what} {uri!r}: a file:// URI must not name a host "
                               "(write file:///absolute/path)")
     path = unquote(parsed.path)
     if not path.startswith("/") or PurePosixPath(path) == PurePosixPath("/"):
-        raise WeightsURIError(f"{what} {uri!r}: needs an absolute checkpoint path, "
+        raise WeightsURIError(f"{what} {uri!r}: needs an absolute checkpoint folder, "
                               "e.g. file:///models/demo")
     return path
-
-
-def file_uri(path: str) -> str:
-    """The `file://` URI of an absolute local path."""
-    return PurePosixPath(path).as_uri()
 
 
 @dataclass(frozen=True)
@@ -71,7 +68,3 @@ class WeightIdentity:
     uri: str
     version: str
     epoch: int
-
-    @property
-    def ref(self) -> WeightsRef:
-        return WeightsRef(self.uri, self.version)

@@ -1,12 +1,18 @@
-"""The kopf wiring: thin handlers that only decide *when* a pool is reconciled.
+"""The kopf wiring: thin handlers that only decide *when* a pool is reconciled, and the
+watches that tell a reconcile what the pool has.
 
 One daemon per pool owns that pool's reconciles, so two never run at once for one pool. It
 reconciles, then sleeps until woken or until the resync interval passes (sooner while a refit
 runs: the reconcile asks for it). Everything else only wakes it: the pool's
-create/update/resume handlers and any event on a pod labelled with the pool's name. A burst
-of events while a reconcile runs costs one more reconcile, not one each. Deleting a pool
-stops its daemon; the finalizer (the delete handler) drains the engines, best effort, then
-garbage collection removes the pods.
+create/update/resume handlers and any event on a pod or object labelled with the pool's name.
+A burst of events while a reconcile runs costs one more reconcile, not one each. Deleting a
+pool stops its daemon; the finalizer (the delete handler) drains the engines, best effort,
+then garbage collection removes the pods.
+
+kopf watches the pools' pods and objects (server-side filtered by the pool label) into two
+indexes, and hands the daemon the pool's live body: a steady pool is reconciled without a
+single API call. The reconcile falls back to reading the cluster while a watch does not show
+the operator's own last writes yet (`kube.Writes`).
 """
 
 from __future__ import annotations
@@ -19,10 +25,9 @@ from typing import Any
 import kopf
 
 from tandem_operator import metrics
-from tandem_operator.engines import EngineAdmin
-from tandem_operator.kube import Kube, KubeError, load_configuration
+from tandem_operator.kube import KINDS, POOL_OBJECT_KINDS, Kube, KubeError, login_credentials
 from tandem_operator.manifests import POOL_LABEL
-from tandem_operator.reconcile import Context, drain_pool, reconcile
+from tandem_operator.reconcile import Context, Watched, drain_pool, reconcile
 from tandem_operator.spec import GROUP, PLURAL, VERSION
 
 log = logging.getLogger("tandem_operator.handlers")
@@ -72,13 +77,14 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 30
+    for kind in ("Pod", *POOL_OBJECT_KINDS):  # only what some pool owns, filtered by the server
+        settings.watching.label_selectors[KINDS[kind]] = POOL_LABEL
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         # httpx (the refit's admin calls) logs every request at INFO; a refit polls each
         # engine on every pass. Our events say what happened.
         logging.getLogger("httpx").setLevel(logging.WARNING)
-    kube = Kube.from_configuration(load_configuration(ours.kubeconfig))
-    memo.tandem = Runtime(ours, Context(kube=kube, admin=EngineAdmin(),
-                                        check_weights=ours.check_weights))
+    kube = await Kube.connect(ours.kubeconfig)
+    memo.tandem = Runtime(ours, Context(kube=kube, check_weights=ours.check_weights))
 
 
 @kopf.on.cleanup()
@@ -87,23 +93,40 @@ async def close(memo: Any, **_: Any) -> None:
     if rt is not None:
         await rt.ctx.drains.close()
         await rt.ctx.fleet.close()
-        await rt.ctx.admin.close()
-        rt.ctx.kube.close()
+        await rt.ctx.kube.close()
 
 
 @kopf.on.login()
-def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
-    """The same credentials as our own client (kubeconfig read now, not at import)."""
+async def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
+    """The same credentials as our own client, read now (kopf asks again after a 401)."""
     ours: Settings = getattr(memo, "settings", None) or Settings()
-    cfg = load_configuration(ours.kubeconfig)
-    header = (cfg.get_api_key_with_prefix("BearerToken")
-              or cfg.get_api_key_with_prefix("authorization"))
-    scheme, _, token = (header or "").rpartition(" ")
+    c = await login_credentials(ours.kubeconfig)
     return kopf.ConnectionInfo(
-        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
-        username=cfg.username or None, password=cfg.password or None,
-        scheme=scheme or None, token=token or None, certificate_path=cfg.cert_file,
-        private_key_path=cfg.key_file)
+        server=c.server, ca_path=c.ca_path, insecure=c.insecure, scheme=c.scheme,
+        token=c.token, certificate_path=c.certificate_path,
+        private_key_path=c.private_key_path)
+
+
+# ---- what each pool has, as kopf's watches see it -----------------------------------------------
+
+
+@kopf.index(*KINDS["Pod"], labels={POOL_LABEL: kopf.PRESENT})
+def tandem_pods(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Any, Any]:
+    """(namespace, pool) -> the pool's pods."""
+    return {(namespace, labels[POOL_LABEL]): dict(body)}
+
+
+def tandem_objects(namespace: str, labels: Any, body: Any, resource: Any, **_: Any
+                   ) -> dict[Any, Any]:
+    """(namespace, pool) -> (kind, body) of the pool's Secret, Services, PDBs, RBAC."""
+    return {(namespace, labels[POOL_LABEL]): (resource.kind, dict(body))}
+
+
+def watched(pods: Any, objects: Any, namespace: str, name: str) -> Watched:
+    key = (namespace, name)
+    return Watched(pods=tuple(pods.get(key, ())),
+                   objects={(kind, body["metadata"]["name"]): body
+                            for kind, body in objects.get(key, ())})
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -113,16 +136,22 @@ def wake_pool(namespace: str, name: str, memo: Any, **_: Any) -> None:
     _runtime(memo).wake(namespace, name)
 
 
-@kopf.on.event("", "v1", "pods", labels={POOL_LABEL: kopf.PRESENT})
+@kopf.on.event(*KINDS["Pod"], labels={POOL_LABEL: kopf.PRESENT})
 def wake_owner(namespace: str, labels: Any, memo: Any, **_: Any) -> None:
     rt: Runtime | None = getattr(memo, "tandem", None)
     if rt is not None:
         rt.wake(namespace, labels.get(POOL_LABEL))
 
 
+for _kind in POOL_OBJECT_KINDS:  # one index and one wake-up over all of them
+    kopf.index(*KINDS[_kind], labels={POOL_LABEL: kopf.PRESENT})(tandem_objects)
+    kopf.on.event(*KINDS[_kind], labels={POOL_LABEL: kopf.PRESENT})(wake_owner)
+
+
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
 async def pool_daemon(namespace: str, name: str, body: Any, stopped: Any, memo: Any,
-                      **_: Any) -> None:
+                      tandem_pods: kopf.Index, tandem_objects: kopf.Index, **_: Any) -> None:
+    """`body` is live (kopf updates it from its watch); so are the indexes."""
     rt = _runtime(memo)
     waker = rt.waker(namespace, name)
     metrics.POOLS.inc()
@@ -130,15 +159,17 @@ async def pool_daemon(namespace: str, name: str, body: Any, stopped: Any, memo: 
         while not stopped:
             waker.clear()
             requeue: float | None = None
-            try:
-                pool = await rt.ctx.kube.get_pool(namespace, name)
-            except KubeError as exc:
-                log.warning("%s/%s: cannot read the pool: %s", namespace, name, exc)
-                pool = dict(body)
+            pool: dict[str, Any] | None = dict(body)
+            if not rt.ctx.kube.writes.shown("InferencePool", namespace, name, body):
+                try:  # the watch has not shown our last status write yet
+                    pool = await rt.ctx.kube.get_pool(namespace, name)
+                except KubeError as exc:
+                    log.warning("%s/%s: cannot read the pool: %s", namespace, name, exc)
             if pool is None or (pool.get("metadata") or {}).get("deletionTimestamp"):
                 break
             try:
-                requeue = (await reconcile(pool, rt.ctx)).requeue_after
+                requeue = (await reconcile(pool, rt.ctx, watched(
+                    tandem_pods, tandem_objects, namespace, name))).requeue_after
             except Exception:  # a bug in one pass must not end the pool's reconciles
                 log.exception("%s/%s: reconcile failed", namespace, name)
                 metrics.RECONCILE_ERRORS.inc()

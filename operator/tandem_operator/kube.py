@@ -1,52 +1,61 @@
 """All of the operator's Kubernetes I/O (besides kopf's own watching), in one place.
 
-The `kubernetes` client loads the configuration (kubeconfig or in-cluster service account,
-token refresh included) and sends the requests; bodies stay plain JSON dicts end to end (no
-generated model classes), so what `manifests` builds is exactly what the API server gets. The
-client is synchronous: every call runs on a small thread pool of its own, with a timeout.
+Requests go through `tandem_engine.kubeclient`, the client the router's discovery uses too
+(kubernetes_asyncio: kubeconfig with exec credential plugins or the pod's service account, a
+deadline on every call). Bodies stay plain JSON dicts end to end, so what `manifests` builds
+is exactly what the API server gets.
+
+What a reconcile reads comes from kopf's watches (indexes of each pool's pods and objects,
+and the pool's own live body), not from a LIST per pass. A watch lags behind the operator's
+own writes, and acting on a view that misses them would, say, create a pod twice. So `Writes`
+remembers the resourceVersion every write produced, and a watched view is trusted only once
+it shows each of them (client-go's "expectations"); until then the reconcile reads the
+cluster directly.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
-import json
 import os
 import socket
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote
 
-from kubernetes import client, config
+from tandem_engine.kubeclient import (
+    Credentials,
+    KubeClient,
+    KubeError,
+    credentials,
+    load_configuration,
+)
 
+from tandem_operator.manifests import POOL_LABEL
 from tandem_operator.spec import GROUP, PLURAL, VERSION
 
-# kind -> (API prefix, plural); every kind here is namespaced.
-KINDS: dict[str, tuple[str, str]] = {
-    "Pod": ("/api/v1", "pods"),
-    "Secret": ("/api/v1", "secrets"),
-    "Service": ("/api/v1", "services"),
-    "ServiceAccount": ("/api/v1", "serviceaccounts"),
-    "Event": ("/api/v1", "events"),
-    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
-    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
-    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
-    "InferencePool": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+__all__ = ["KINDS", "POOL_OBJECT_KINDS", "Kube", "KubeError", "Writes", "login_credentials",
+           "now", "parse_time"]
+
+# kind -> (API group, version, plural); every kind here is namespaced.
+KINDS: dict[str, tuple[str, str, str]] = {
+    "Pod": ("", "v1", "pods"),
+    "Secret": ("", "v1", "secrets"),
+    "Service": ("", "v1", "services"),
+    "ServiceAccount": ("", "v1", "serviceaccounts"),
+    "Event": ("", "v1", "events"),
+    "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+    "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    "InferencePool": (GROUP, VERSION, PLURAL),
 }
+# What a pool owns besides its pods (the admin Secret and `manifests.support_objects`): the
+# operator watches these, labelled with the pool's name.
+POOL_OBJECT_KINDS = ("Secret", "Service", "ServiceAccount", "PodDisruptionBudget", "Role",
+                     "RoleBinding")
 MERGE_PATCH = "application/merge-patch+json"
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-
-
-class KubeError(RuntimeError):
-    """An API call answered with an error status (or not at all: status 0)."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"{status} {reason}: {message}")
-        self.status = status
-        self.reason = reason
-        self.message = message
+WRITE_TTL_SECONDS = 60.0  # a write a watch never shows stops holding the watch back
 
 
 def now() -> str:
@@ -58,78 +67,116 @@ def parse_time(stamp: str) -> dt.datetime:
     return dt.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=dt.timezone.utc)
 
 
-def load_configuration(kubeconfig: str | os.PathLike[str] | None = None
-                       ) -> client.Configuration:
-    """$KUBECONFIG (or the given file) if set, else the pod's service account, else
-    ~/.kube/config. Read at call time, not at import time."""
-    cfg = client.Configuration()
-    path = kubeconfig or os.environ.get("KUBECONFIG")
-    if path:
-        config.load_kube_config(config_file=str(path).split(os.pathsep)[0],
-                                client_configuration=cfg, persist_config=False)
-    elif os.environ.get("KUBERNETES_SERVICE_HOST") and SERVICE_ACCOUNT_DIR.exists():
-        config.load_incluster_config(client_configuration=cfg)
-    else:
-        config.load_kube_config(client_configuration=cfg, persist_config=False)
-    return cfg
+async def login_credentials(kubeconfig: str | None = None) -> Credentials:
+    """The operator's credentials, read now (an exec plugin runs again), for kopf's client."""
+    return await credentials(await load_configuration(kubeconfig))
+
+
+# ---- the operator's own writes, until the watches show them --------------------------------------
+
+
+def _version(body: Mapping[str, Any] | None) -> int | None:
+    """resourceVersion as a number (Kubernetes' are comparable integers), None if not one."""
+    raw = ((body or {}).get("metadata") or {}).get("resourceVersion")
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class _Write:
+    version: int | None  # the resourceVersion the write produced (None: unknown)
+    deleted: bool
+    pool: str | None  # the pool label of the object written (None: unknown, any pool)
+    at: float  # time.monotonic()
+
+    def shown_by(self, body: Mapping[str, Any] | None) -> bool:
+        """Whether a watched body (None: the watch has no such object) includes the write."""
+        if body is None:
+            return self.deleted
+        if self.deleted and self.version is None:
+            return bool((body.get("metadata") or {}).get("deletionTimestamp"))
+        seen = _version(body)
+        return seen is not None and self.version is not None and seen >= self.version
+
+
+class Writes:
+    """The objects this process wrote, with the resourceVersion each write produced."""
+
+    def __init__(self, ttl: float = WRITE_TTL_SECONDS) -> None:
+        self.ttl = ttl
+        self._writes: dict[tuple[str, str, str], _Write] = {}
+
+    def __len__(self) -> int:
+        return len(self._writes)
+
+    def record(self, kind: str, namespace: str, name: str, answer: Mapping[str, Any] | None,
+               *, deleted: bool = False) -> None:
+        meta = (answer or {}).get("metadata") or {}
+        if (answer or {}).get("kind") == "Status":  # a delete that answers with a Status
+            meta = {}
+        self._writes[(kind, namespace, name)] = _Write(
+            _version(answer) if meta else None, deleted,
+            (meta.get("labels") or {}).get(POOL_LABEL), time.monotonic())
+
+    def shown(self, kind: str, namespace: str, name: str,
+              body: Mapping[str, Any] | None) -> bool:
+        """Whether `body` (as a watch has it) shows this process's last write of the object;
+        forgets the write once it does."""
+        key = (kind, namespace, name)
+        write = self._writes.get(key)
+        if write is None or write.shown_by(body) or time.monotonic() - write.at > self.ttl:
+            self._writes.pop(key, None)
+            return True
+        return False
+
+    def missing(self, namespace: str, pool: str, kinds: Iterable[str],
+                watched: Mapping[tuple[str, str], Mapping[str, Any]]) -> list[str]:
+        """The writes to the pool's objects of these kinds that `watched` ((kind, name) ->
+        body) does not show yet, as "Kind/name"; those it shows are forgotten."""
+        kinds = frozenset(kinds)
+        return [f"{kind}/{name}" for (kind, ns, name), write in list(self._writes.items())
+                if ns == namespace and kind in kinds and write.pool in (pool, None)
+                and not self.shown(kind, ns, name, watched.get((kind, name)))]
+
+    def forget_gone(self, namespace: str, pool: str, kinds: Iterable[str],
+                    fresh: Mapping[tuple[str, str], Mapping[str, Any]]) -> None:
+        """After a direct read: a written object that no longer exists (someone deleted it
+        since) will never show up in a watch."""
+        kinds = frozenset(kinds)
+        for (kind, ns, name), write in list(self._writes.items()):
+            if (ns == namespace and kind in kinds and write.pool in (pool, None)
+                    and not write.deleted and (kind, name) not in fresh):
+                self._writes.pop((kind, ns, name), None)
+
+
+# ---- the client ---------------------------------------------------------------------------------
 
 
 class Kube:
     """Namespaced CRUD over plain dicts, events and the pool's status subresource."""
 
-    def __init__(self, api: client.ApiClient, *, timeout: float = 15.0,
-                 threads: int = 16) -> None:
-        self.api = api
-        self.timeout = timeout
-        self._executor = ThreadPoolExecutor(max_workers=threads,
-                                            thread_name_prefix="tandem-kube")
+    def __init__(self, client: KubeClient) -> None:
+        self.client = client
+        self.writes = Writes()
         self.instance = os.environ.get("POD_NAME") or socket.gethostname()
 
     @classmethod
-    def from_configuration(cls, cfg: client.Configuration, **kwargs: Any) -> Kube:
-        cfg.connection_pool_maxsize = max(cfg.connection_pool_maxsize or 0,
-                                          kwargs.get("threads", 16))
-        return cls(client.ApiClient(cfg), **kwargs)
+    async def connect(cls, kubeconfig: str | os.PathLike[str] | None = None, *,
+                      timeout: float = 15.0) -> Kube:
+        """$KUBECONFIG (or the given file) if set, else the pod's service account, else
+        ~/.kube/config; call it inside the event loop that uses the client."""
+        cfg = await load_configuration(kubeconfig)
+        return cls(KubeClient(cfg, timeout=timeout, user_agent="tandem-operator"))
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self.api.close()
-
-    # ---- transport ------------------------------------------------------------------------------
-
-    def _send(self, method: str, path: str, query: Mapping[str, Any] | None,
-              body: Any, content_type: str | None) -> dict[str, Any]:
-        headers = {"Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = content_type or "application/json"
-        if query:
-            path = f"{path}?{urlencode(query)}"
-        method, url, headers, body, post = self.api.param_serialize(
-            method, path, header_params=headers, body=body, auth_settings=["BearerToken"])
-        try:
-            rsp = self.api.call_api(method, url, headers, body, post,
-                                    _request_timeout=self.timeout)
-            raw = rsp.read()
-        except Exception as exc:  # urllib3 errors, timeouts: no answer at all
-            raise KubeError(0, type(exc).__name__, f"{method} {path}: {exc}") from exc
-        try:
-            data = json.loads(raw) if raw else {}
-        except ValueError:
-            data = {"message": raw[:200].decode(errors="replace")}
-        if not 200 <= rsp.status <= 299:
-            raise KubeError(rsp.status, str(data.get("reason") or rsp.reason),
-                            f"{method} {path}: {data.get('message') or raw[:200]!r}")
-        return data
-
-    async def request(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,
-                      body: Any = None, content_type: str | None = None) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, self._send, method, path, query, body, content_type)
+    async def close(self) -> None:
+        await self.client.close()
 
     @staticmethod
     def path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
-        prefix, plural = KINDS[kind]
+        group, version, plural = KINDS[kind]
+        prefix = f"/apis/{group}/{version}" if group else f"/api/{version}"
         path = f"{prefix}/namespaces/{quote(namespace)}/{plural}"
         if name is not None:
             path += f"/{quote(name)}"
@@ -141,7 +188,7 @@ class Kube:
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return await self.request("GET", self.path(kind, namespace, name))
+            return await self.client.request("GET", self.path(kind, namespace, name))
         except KubeError as exc:
             if exc.status == 404:
                 return None
@@ -150,8 +197,8 @@ class Kube:
     async def list(self, kind: str, namespace: str, labels: Mapping[str, str]
                    ) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-        data = await self.request("GET", self.path(kind, namespace),
-                                  query={"labelSelector": selector} if selector else None)
+        data = await self.client.request("GET", self.path(kind, namespace),
+                                         query={"labelSelector": selector} if selector else None)
         items = data.get("items") or []
         # A selector the server ignored must not make us act on another pool's pods.
         return [i for i in items if all(((i.get("metadata") or {}).get("labels") or {})
@@ -159,12 +206,18 @@ class Kube:
 
     async def create(self, body: Mapping[str, Any]) -> dict[str, Any]:
         ns = body["metadata"]["namespace"]
-        return await self.request("POST", self.path(body["kind"], ns), body=dict(body))
+        created = await self.client.request("POST", self.path(body["kind"], ns), body=dict(body))
+        name = (created.get("metadata") or {}).get("name")
+        if name:
+            self.writes.record(body["kind"], ns, name, created)
+        return created
 
     async def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any]
                     ) -> dict[str, Any]:
-        return await self.request("PATCH", self.path(kind, namespace, name), body=dict(patch),
-                                  content_type=MERGE_PATCH)
+        patched = await self.client.request("PATCH", self.path(kind, namespace, name),
+                                            body=dict(patch), content_type=MERGE_PATCH)
+        self.writes.record(kind, namespace, name, patched)
+        return patched
 
     async def annotate(self, kind: str, namespace: str, name: str,
                        annotations: Mapping[str, str | None]) -> dict[str, Any]:
@@ -180,11 +233,13 @@ class Kube:
         if uid:
             body["preconditions"] = {"uid": uid}
         try:
-            await self.request("DELETE", self.path(kind, namespace, name), body=body)
+            answer = await self.client.request("DELETE", self.path(kind, namespace, name),
+                                               body=body)
         except KubeError as exc:
             if exc.status in (404, 409):  # gone, or the uid is a namesake's
                 return False
             raise
+        self.writes.record(kind, namespace, name, answer, deleted=True)
         return True
 
     # ---- the pool -------------------------------------------------------------------------------
@@ -194,8 +249,11 @@ class Kube:
 
     async def patch_pool_status(self, namespace: str, name: str, status: Mapping[str, Any]
                                 ) -> dict[str, Any]:
-        return await self.request("PATCH", self.path("InferencePool", namespace, name, "status"),
-                                  body={"status": dict(status)}, content_type=MERGE_PATCH)
+        patched = await self.client.request(
+            "PATCH", self.path("InferencePool", namespace, name, "status"),
+            body={"status": dict(status)}, content_type=MERGE_PATCH)
+        self.writes.record("InferencePool", namespace, name, patched)
+        return patched
 
     async def event(self, pool: Mapping[str, Any], reason: str, message: str,
                     type_: str = "Normal") -> None:
@@ -214,4 +272,5 @@ class Kube:
                 "source": {"component": "tandem-operator"},
                 "reportingComponent": "tandem-operator", "reportingInstance": self.instance,
                 "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1}
-        await self.create(body)
+        await self.client.request("POST", self.path("Event", body["metadata"]["namespace"]),
+                                  body=body)

@@ -14,7 +14,9 @@ import hashlib
 import json
 from typing import Any
 
-from tandem_operator.spec import API_VERSION, KIND, Group, PoolSpec, Weights
+from tandem_engine.weights import WeightsRef
+
+from tandem_operator.spec import API_VERSION, KIND, Group, PoolSpec
 
 ENGINE_ZMQ_PORT = 5555
 ENGINE_ADMIN_PORT = 8080
@@ -33,7 +35,7 @@ ADMIN_TOKEN_KEY = "token"
 MANAGER = "tandem-operator"
 
 # What the template hash sees instead of the weights and the drain timeout.
-_HASH_WEIGHTS = Weights(uri="file:///weights", version="weights")
+_HASH_WEIGHTS = WeightsRef(uri="file:///weights", version="weights")
 _HASH_DRAIN_SECONDS = 0
 
 
@@ -94,7 +96,7 @@ def _http_probe(path: str, port: str, **timing: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, **timing}
 
 
-def engine_args(spec: PoolSpec, group: Group, weights: Weights, drain_seconds: int,
+def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: int,
                 epoch: int | None = None) -> list[str]:
     """The engine's command line; `epoch` None leaves --weight-epoch out (the template
     hash, which a refit never changes)."""
@@ -131,7 +133,7 @@ def _engine_env(spec: PoolSpec) -> list[dict[str, Any]]:
     return [*env, *(dict(v) for v in spec.engine.env)]
 
 
-def _pod_spec(spec: PoolSpec, group: Group, weights: Weights, drain_seconds: int,
+def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: int,
               epoch: int | None = None) -> dict[str, Any]:
     e = spec.engine
     if group == "router":
@@ -200,7 +202,7 @@ def template_hash(spec: PoolSpec, group: Group) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
 
-def pod(spec: PoolSpec, group: Group, weights: Weights, epoch: int = 0) -> dict[str, Any]:
+def pod(spec: PoolSpec, group: Group, weights: WeightsRef, epoch: int = 0) -> dict[str, Any]:
     """A new pod of `group` (created with generateName `<pool>-<group>-`) on `weights`, whose
     pool-wide weight epoch is `epoch` (engines start with it; routers prefer the highest)."""
     meta = _meta(spec, "", _pod_labels(spec, group))

@@ -26,8 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem_engine.weights import WeightsRef
+
 from tandem_operator import manifests as m
-from tandem_operator.spec import ENGINE_GROUPS, GROUPS, Group, PoolSpec, Weights
+from tandem_operator.spec import ENGINE_GROUPS, GROUPS, Group, PoolSpec
 
 # ---- what is observed ---------------------------------------------------------------------------
 
@@ -40,7 +42,7 @@ class PodView:
     group: Group
     role: str = ""  # the engine role it runs (prefill, decode, mixed) or "router"
     template_hash: str = ""
-    weights: Weights | None = None
+    weights: WeightsRef | None = None
     epoch: int | None = None  # the weight epoch of `weights` (tandem.dev/weights-epoch)
     phase: str = "Pending"
     ready: bool = False
@@ -73,7 +75,7 @@ class PodView:
                     for c in status.get("conditions") or ())
         weights = None
         if ann.get(m.WEIGHTS_VERSION) and ann.get(m.WEIGHTS_URI):
-            weights = Weights(uri=ann[m.WEIGHTS_URI], version=ann[m.WEIGHTS_VERSION])
+            weights = WeightsRef(uri=ann[m.WEIGHTS_URI], version=ann[m.WEIGHTS_VERSION])
         phase = status.get("phase") or "Pending"
         try:
             epoch = max(0, int(ann[m.WEIGHTS_EPOCH])) if m.WEIGHTS_EPOCH in ann else None
@@ -99,7 +101,7 @@ class Observed:
     objects: Mapping[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)
     previous: Mapping[str, Any] = field(default_factory=dict)
     weights_error: str | None = None
-    pod_weights: Weights | None = None
+    pod_weights: WeightsRef | None = None
 
     def group(self, group: Group) -> list[PodView]:
         return [p for p in self.pods if p.group == group and not p.deleting]
@@ -166,7 +168,7 @@ Action = CreateObject | CreateAdminSecret | PatchObject | CreatePod | DrainPod |
 # ---- planning -----------------------------------------------------------------------------------
 
 
-def serving_weights(spec: PoolSpec, observed: Observed) -> Weights:
+def serving_weights(spec: PoolSpec, observed: Observed) -> WeightsRef:
     """The weights new pods load: what most engines serve now; the spec's when none runs (or
     when the spec's ties for most)."""
     counts = Counter(p.weights for p in observed.engine_pods() if p.weights is not None)
@@ -179,7 +181,7 @@ def serving_weights(spec: PoolSpec, observed: Observed) -> Weights:
     return min(candidates, key=lambda w: (w.version, w.uri))
 
 
-def pod_epoch(observed: Observed, weights: Weights) -> int:
+def pod_epoch(observed: Observed, weights: WeightsRef) -> int:
     """The weight epoch new pods on `weights` start with: the one the pool's engines on those
     weights carry; else the pool-wide epoch in status."""
     epochs = [p.epoch for p in observed.engine_pods()
@@ -271,7 +273,7 @@ def _create_reason(spec: PoolSpec, group: Group, observed: Observed, failed: boo
     return "ScaleUp"
 
 
-def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: Weights,
+def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: WeightsRef,
                 epoch: int) -> list[Action]:
     replicas = spec.replicas(group)
     surge, unavailable = spec.rollout.max_surge, spec.rollout.max_unavailable

@@ -7,7 +7,9 @@ one left. Even a drain keeps its progress in the cluster (the pod's `tandem.dev/
 annotation, whose time bounds the drain); the asyncio task polling the engine is only the
 in-memory half, started again after a restart. A refit keeps its transaction in
 `status.refit`: each pass takes one round of engine steps (`refit`) and asks to be run again
-soon while the transaction lasts. A spec the schema accepts but the operator cannot serve
+soon while the transaction lasts. What a pass observes comes from kopf's watches when the
+handlers pass them in (`Watched`) and they show the operator's own last writes; otherwise (and
+without kopf) it lists and reads the pool's pods and objects. A spec the schema accepts but the operator cannot serve
 (weights it cannot find at first load) creates nothing and says why in the `Degraded`
 condition.
 """
@@ -24,10 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tandem_engine.fleet import AdminError, EngineAdmin, admin_url
+from tandem_engine.weights import WeightsRef
+
 from tandem_operator import manifests as m
 from tandem_operator import metrics
-from tandem_operator.engines import EngineAdmin, EngineAdminError, admin_url
-from tandem_operator.kube import Kube, KubeError, now, parse_time
+from tandem_operator.kube import POOL_OBJECT_KINDS, Kube, KubeError, now, parse_time
 from tandem_operator.plan import (
     Action,
     CreateAdminSecret,
@@ -43,7 +47,7 @@ from tandem_operator.plan import (
     status,
 )
 from tandem_operator.refit import REQUEUE_SECONDS, FleetClients, RefitPass, refit_pass
-from tandem_operator.spec import ENGINE_GROUPS, PoolSpec, SpecError, Weights
+from tandem_operator.spec import ENGINE_GROUPS, PoolSpec, SpecError
 
 log = logging.getLogger("tandem_operator.reconcile")
 
@@ -80,10 +84,17 @@ class Context:
     """What a reconcile needs besides the pool: clients and operator-wide settings."""
 
     kube: Kube
-    admin: EngineAdmin = field(default_factory=EngineAdmin)
     check_weights: bool = True  # look for <weights path>/config.json before the first pods
     drains: Drains = field(default_factory=Drains)
-    fleet: FleetClients = field(default_factory=FleetClients)  # refit calls to the engines
+    fleet: FleetClients = field(default_factory=FleetClients)  # admin calls to the engines
+
+
+@dataclass(frozen=True)
+class Watched:
+    """One pool's pods and objects as kopf's watches have them (the operator's indexes)."""
+
+    pods: tuple[Mapping[str, Any], ...] = ()
+    objects: Mapping[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,7 @@ class Outcome:
     requeue_after: float | None = None  # reconcile again this soon (a refit under way)
 
 
-def weights_problem(weights: Weights) -> str | None:
+def weights_problem(weights: WeightsRef) -> str | None:
     """Why the operator cannot serve these weights, or None when it can."""
     folder = Path(weights.path)
     if not (folder / "config.json").is_file():
@@ -105,21 +116,41 @@ def weights_problem(weights: Weights) -> str | None:
     return None
 
 
+def _name(body: Mapping[str, Any]) -> str:
+    return str((body.get("metadata") or {}).get("name") or "")
+
+
 def _owned(body: Mapping[str, Any], uid: str) -> bool:
     refs = (body.get("metadata") or {}).get("ownerReferences") or ()
     return not uid or any(r.get("uid") == uid and r.get("controller") for r in refs)
 
 
-async def observe(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any]) -> Observed:
-    ns = spec.namespace
-    pods = await ctx.kube.list("Pod", ns, {m.POOL_LABEL: spec.name})
-    views = tuple(v for p in pods if _owned(p, spec.uid)
-                  if (v := PodView.from_body(p)) is not None)
+async def observe(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any],
+                  watched: Watched | None = None) -> Observed:
+    ns, kinds = spec.namespace, ("Pod", *POOL_OBJECT_KINDS)
     wanted = [("Secret", m.admin_secret_name(spec.name)),
               *((o["kind"], o["metadata"]["name"]) for o in m.support_objects(spec))]
-    found = await asyncio.gather(*(ctx.kube.get(kind, ns, name) for kind, name in wanted))
-    objects = {key: body for key, body in zip(wanted, found, strict=True)
-               if body is not None and _owned(body, spec.uid)}
+    pods: list[Mapping[str, Any]] | None = None
+    bodies: Mapping[tuple[str, str], Mapping[str, Any]] = {}
+    if watched is not None:
+        seen = {**{("Pod", _name(p)): p for p in watched.pods}, **watched.objects}
+        behind = ctx.kube.writes.missing(ns, spec.name, kinds, seen)
+        if behind:
+            log.debug("%s/%s: the watches do not show %s yet; reading the cluster", ns,
+                      spec.name, ", ".join(behind))
+        else:
+            pods, bodies = list(watched.pods), watched.objects
+    if pods is None:
+        pods = await ctx.kube.list("Pod", ns, {m.POOL_LABEL: spec.name})
+        found = await asyncio.gather(*(ctx.kube.get(kind, ns, name) for kind, name in wanted))
+        bodies = {key: body for key, body in zip(wanted, found, strict=True) if body is not None}
+        if watched is not None:
+            ctx.kube.writes.forget_gone(ns, spec.name, kinds,
+                                        {**{("Pod", _name(p)): p for p in pods}, **bodies})
+    views = tuple(v for p in pods if _owned(p, spec.uid)
+                  if (v := PodView.from_body(p)) is not None)
+    objects = {key: bodies[key] for key in wanted
+               if key in bodies and _owned(bodies[key], spec.uid)}
     engines_run = any(v.group in ENGINE_GROUPS and not v.deleting and not v.failed
                       for v in views)
     problem = None
@@ -129,8 +160,10 @@ async def observe(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any]) -> Obse
                     weights_error=problem)
 
 
-async def reconcile(pool: Mapping[str, Any], ctx: Context) -> Outcome:
-    """Bring one pool one step closer to its spec and write what was observed to status."""
+async def reconcile(pool: Mapping[str, Any], ctx: Context, watched: Watched | None = None
+                    ) -> Outcome:
+    """Bring one pool one step closer to its spec and write what was observed to status.
+    `watched`: the pool's pods and objects from kopf's watches (None: read the cluster)."""
     meta = pool.get("metadata") or {}
     if meta.get("deletionTimestamp"):
         return Outcome()  # the finalizer drains; garbage collection removes the rest
@@ -148,7 +181,7 @@ async def reconcile(pool: Mapping[str, Any], ctx: Context) -> Outcome:
             return Outcome(errors=(str(exc), f"status: {write_error}"), status=new)
         return Outcome(errors=(str(exc),), status=new)
     try:
-        observed = await observe(ctx, spec, pool)
+        observed = await observe(ctx, spec, pool, watched)
     except KubeError as exc:
         metrics.RECONCILE_ERRORS.inc()
         log.warning("%s/%s: cannot observe the pool: %s", spec.namespace, spec.name, exc)
@@ -204,7 +237,7 @@ async def act(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], actions: li
         for action, result in zip(batch, results, strict=True):
             metrics.ACTIONS.labels(type(action).__name__).inc()
             if isinstance(result, BaseException):
-                if not isinstance(result, KubeError | EngineAdminError):
+                if not isinstance(result, KubeError | AdminError):
                     log.error("%s/%s: %s failed", spec.namespace, spec.name, action,
                               exc_info=result)
                 errors.append(f"{_describe(action)}: {result}")
@@ -286,9 +319,11 @@ async def _start_drain(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], ac
                      _drain_then_delete(ctx, spec, pool, pod, deadline))
 
 
-async def admin_token(ctx: Context, spec: PoolSpec) -> str | None:
+async def _admin(ctx: Context, spec: PoolSpec) -> EngineAdmin:
+    """The pool's engine admin client, with the token from its Secret."""
     secret = await ctx.kube.get("Secret", spec.namespace, m.admin_secret_name(spec.name))
-    return m.secret_token(secret) if secret else None
+    token = m.secret_token(secret) if secret else None
+    return await ctx.fleet.admin(spec.namespace, spec.name, token)
 
 
 async def _drain_then_delete(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any],
@@ -297,8 +332,9 @@ async def _drain_then_delete(ctx: Context, spec: PoolSpec, pool: Mapping[str, An
     remaining = deadline - time.time()
     if pod.group != "router" and pod.ip and pod.phase == "Running" and remaining > 0:
         try:
-            token = await admin_token(ctx, spec)
-            result = await ctx.admin.drain(admin_url(pod.ip), token, remaining)
+            admin = await _admin(ctx, spec)
+            result = await admin.drain(pod.name, admin_url(pod.ip, m.ENGINE_ADMIN_PORT),
+                                       remaining)
             if not result.supported:
                 outcome, note = "delegated", "the engine drains itself on SIGTERM"
             elif result.drained:
@@ -307,7 +343,7 @@ async def _drain_then_delete(ctx: Context, spec: PoolSpec, pool: Mapping[str, An
                 outcome = "timeout"
                 note = (f"drain timed out with {result.num_running} running, "
                         f"{result.num_waiting} waiting")
-        except (EngineAdminError, KubeError) as exc:
+        except (AdminError, KubeError) as exc:
             outcome, note = "failed", f"admin API: {exc}"
     elif pod.group != "router" and remaining <= 0:
         outcome, note = "timeout", "drain timed out"
@@ -334,13 +370,14 @@ async def drain_pool(pool: Mapping[str, Any], ctx: Context) -> None:
                and not v.deleting]
     if not engines:
         return
-    token = await admin_token(ctx, spec)
+    admin = await _admin(ctx, spec)
     await _event(ctx, pool, "Draining",
                  f"pool deleted: draining {len(engines)} engines (at most "
                  f"{spec.refit.drain_timeout_seconds} s)")
     results = await asyncio.gather(
-        *(ctx.admin.drain(admin_url(v.ip or ""), token, spec.refit.drain_timeout_seconds)
-          for v in engines), return_exceptions=True)
+        *(admin.drain(v.name, admin_url(v.ip or "", m.ENGINE_ADMIN_PORT),
+                      spec.refit.drain_timeout_seconds) for v in engines),
+        return_exceptions=True)
     for v, r in zip(engines, results, strict=True):
         if isinstance(r, BaseException):
             log.info("%s/%s: drain of %s: %s", spec.namespace, spec.name, v.name, r)

@@ -28,44 +28,45 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem_engine.fleet import (
+    EngineAdmin,
     EngineObs,
     EngineRecord,
     Event,
-    FleetAdmin,
     Phase,
     Transaction,
+    admin_url,
     advance,
     observe,
 )
-from tandem_engine.fleet import Weights as FleetWeights
+from tandem_engine.lifecycle import LEAVING_STATES, EngineState
+from tandem_engine.weights import WeightsRef
 
 from tandem_operator import manifests as m
 from tandem_operator import metrics
-from tandem_operator.engines import admin_url
 from tandem_operator.kube import Kube, KubeError
 from tandem_operator.plan import Condition, Observed, PodView, RefitReport
-from tandem_operator.spec import PoolSpec, Weights
+from tandem_operator.spec import PoolSpec
 
 log = logging.getLogger("tandem_operator.refit")
 
 REQUEUE_SECONDS = 0.5  # the next pass while a transaction runs (engine steps are quick)
 MESSAGE_LIMIT = 4000  # of an engine's error kept in status.refit.failure
-LEAVING = frozenset({"STOPPING", "STOPPED"})  # an engine on its way out takes no part
 
 
 class FleetClients:
-    """One `FleetAdmin` per pool (it carries the pool's admin token), kept across passes."""
+    """One `EngineAdmin` per pool (it carries the pool's admin token), kept across passes:
+    the refit's calls and the drains of engines leaving the pool."""
 
     def __init__(self) -> None:
-        self._admins: dict[tuple[str, str], tuple[str | None, FleetAdmin]] = {}
+        self._admins: dict[tuple[str, str], tuple[str | None, EngineAdmin]] = {}
 
-    async def admin(self, namespace: str, name: str, token: str | None) -> FleetAdmin:
+    async def admin(self, namespace: str, name: str, token: str | None) -> EngineAdmin:
         have = self._admins.get((namespace, name))
         if have is not None and have[0] == token:
             return have[1]
         if have is not None:
             await have[1].close()
-        admin = FleetAdmin(token)
+        admin = EngineAdmin(token)
         self._admins[(namespace, name)] = (token, admin)
         return admin
 
@@ -87,7 +88,7 @@ class RefitPass:
 
     tx: Transaction | None = None
     report: RefitReport | None = None
-    pod_weights: Weights | None = None
+    pod_weights: WeightsRef | None = None
     events: list[Event] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -97,14 +98,6 @@ class RefitPass:
 
 
 # ---- the transaction the pool is in -------------------------------------------------------------
-
-
-def fleet_weights(weights: Weights) -> FleetWeights:
-    return FleetWeights(weights.uri, weights.version)
-
-
-def spec_weights(weights: FleetWeights) -> Weights:
-    return Weights(uri=weights.uri, version=weights.version)
 
 
 def load(record: Mapping[str, Any] | None) -> Transaction | None:
@@ -131,15 +124,15 @@ def needs_refit(spec: PoolSpec, observed: Observed) -> bool:
 
 
 def reused_version(spec: PoolSpec, old: Transaction | None, observed: Observed
-                   ) -> Weights | None:
+                   ) -> WeightsRef | None:
     """Weights the pool runs (or is moving to) under the spec's version but from another
     uri, or None. Engines are told apart by version alone, so other weights under a name
     already in use cannot be refit to: they would count as done."""
     known = [p.weights for p in observed.engine_pods() if p.weights is not None]
     if old is not None:
-        known.append(spec_weights(old.previous))
+        known.append(old.previous)
         if not old.phase.finished:
-            known.append(spec_weights(old.target))
+            known.append(old.target)
     want = spec.weights
     return next((w for w in known if w.version == want.version and w.uri != want.uri), None)
 
@@ -153,22 +146,22 @@ def configure(tx: Transaction, spec: PoolSpec) -> None:
 
 
 def settled_weights(old: Transaction | None, observed: Observed,
-                    target: FleetWeights) -> FleetWeights:
+                    target: WeightsRef) -> WeightsRef:
     """The weights the pool last served as a whole: where a failed refit goes back to."""
     if old is not None and old.phase is Phase.SUCCEEDED:
         return old.target
     if old is not None and old.phase is not Phase.HALTED:
         return old.previous  # superseded or rolled back: its starting point still holds
     counts = Counter(p.weights for p in observed.engine_pods() if p.weights is not None)
-    others = [w for w in counts if fleet_weights(w) != target]
+    others = [w for w in counts if w != target]
     if not others:
         return target
-    return fleet_weights(max(others, key=lambda w: (counts[w], w.version, w.uri)))
+    return max(others, key=lambda w: (counts[w], w.version, w.uri))
 
 
 def begin(spec: PoolSpec, old: Transaction | None, observed: Observed) -> Transaction:
     """A transaction toward the spec's weights, numbered above every epoch the pool has seen."""
-    target = fleet_weights(spec.weights)
+    target = spec.weights
     epochs = [p.epoch for p in observed.engine_pods() if p.epoch is not None]
     epochs.append(int((observed.previous.get("weights") or {}).get("epoch") or 0))
     if old is not None:
@@ -179,11 +172,11 @@ def begin(spec: PoolSpec, old: Transaction | None, observed: Observed) -> Transa
     return tx
 
 
-def new_pod_weights(tx: Transaction, observed: Observed) -> Weights:
+def new_pod_weights(tx: Transaction, observed: Observed) -> WeightsRef:
     """The weights a pod created now loads: ones some engine already serves verified, so
     no untested checkpoint is loaded at start-up and each version keeps its engines; the
     pod then joins the transaction like any engine not on the goal."""
-    target, previous = spec_weights(tx.target), spec_weights(tx.previous)
+    target, previous = tx.target, tx.previous
     annotated = Counter(p.weights for p in observed.engine_pods() if p.weights is not None)
     if tx.phase is Phase.SUCCEEDED:
         return target
@@ -205,7 +198,7 @@ def _rejoin(tx: Transaction, engines: list[EngineObs], now: float) -> list[Event
     if tx.phase not in (Phase.SUCCEEDED, Phase.ROLLED_BACK):
         return []
     final = tx.target if tx.phase is Phase.SUCCEEDED else tx.previous
-    strays = [e for e in engines if e.state is not None and e.state not in LEAVING
+    strays = [e for e in engines if e.state is not None and e.state not in LEAVING_STATES
               and e.version != final.version]
     if not strays:
         return []
@@ -222,12 +215,12 @@ def _adopt(tx: Transaction, engines: list[EngineObs], now: float) -> None:
     """Out-of-service engines the transaction does not know join it, and a drain it did
     not record (lost with a status write) is timed from now."""
     for e in engines:
-        if e.state is None or e.state in LEAVING:
+        if e.state is None or e.state in LEAVING_STATES:
             continue
         record = tx.engines.get(e.name)
         if record is None and not e.serving:
             record = tx.engines[e.name] = EngineRecord(since=now, version=e.version)
-        if record is not None and e.state == "RUNNING" and e.draining \
+        if record is not None and e.state is EngineState.RUNNING and e.draining \
                 and record.drained_at is None:
             record.drained_at = now
 
@@ -258,7 +251,7 @@ async def refit_pass(kube: Kube, fleet: FleetClients, spec: PoolSpec, observed: 
     old = load(observed.previous.get("refit"))
     out = RefitPass()
     tx = old
-    if tx is None or tx.target != fleet_weights(spec.weights):
+    if tx is None or tx.target != spec.weights:
         reused = reused_version(spec, old, observed)
         if reused is not None:  # the edit cannot be refit: whatever the pool did goes on
             out.report = _reused_report(spec, reused)
@@ -281,8 +274,8 @@ async def refit_pass(kube: Kube, fleet: FleetClients, spec: PoolSpec, observed: 
         secret = observed.objects.get(("Secret", m.admin_secret_name(spec.name)))
         token = m.secret_token(dict(secret)) if secret else None
         admin = await fleet.admin(spec.namespace, spec.name, token)
-        engines = await observe(admin, [(p.name, p.role, admin_url(p.ip or ""))
-                                        for p in pods.values()])
+        engines = await observe(admin, [
+            (p.name, p.role, admin_url(p.ip or "", m.ENGINE_ADMIN_PORT)) for p in pods.values()])
         # One that does not answer yet (starting) joins once it does.
         engines = [e for e in engines if e.state is not None or e.name in tx.engines]
         out.events += _rejoin(tx, engines, now)
@@ -308,7 +301,7 @@ async def refit_pass(kube: Kube, fleet: FleetClients, spec: PoolSpec, observed: 
     return out
 
 
-def _reused_report(spec: PoolSpec, reused: Weights) -> RefitReport:
+def _reused_report(spec: PoolSpec, reused: WeightsRef) -> RefitReport:
     w = spec.weights
     message = (f"spec.model.weights names version {w.version} at {w.uri}, but the pool knows "
                f"{w.version} as {reused.uri}; engines are told apart by version, so these "

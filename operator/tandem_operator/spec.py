@@ -1,18 +1,36 @@
-"""The InferencePool as data: typed raw bodies, and the parsed `PoolSpec` every other module reads.
+"""The InferencePool as data: the parsed `PoolSpec` every other module reads.
 
-Raw Kubernetes bodies stay plain dicts on the wire; the TypedDicts below name their shape. The
-operator never reasons over raw dicts: `PoolSpec.from_body` applies the CRD's defaults (the same
-ones as crds/inferencepools.tandem.dev.yaml, so a body from an API server that did not default
-it means the same thing), re-checks the cross-field rules the CRD states in CEL (the operator
+The operator never reasons over raw dicts: `PoolSpec.from_body` reads a raw body (a plain
+dict, checked field by field as it is read), applies the CRD's defaults (the same ones as
+crds/inferencepools.tandem.dev.yaml, so a body from an API server that did not default it
+means the same thing), re-checks the cross-field rules the CRD states in CEL (the operator
 must never act on a spec the schema would refuse), and returns frozen dataclasses.
+
+Each default is stated once here, as the dataclass field's default; the engine's own ones
+come from `tandem_engine.config` and the refit's from `tandem_engine.refit_policy`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict
-from urllib.parse import unquote, urlparse
+from typing import Any, Literal
+
+from tandem_engine.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KV_PIN_TTL_S,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_THREADS,
+)
+from tandem_engine.refit_policy import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    InFlight,
+    OnFailure,
+    RefitStrategy,
+    choices,
+)
+from tandem_engine.weights import WeightsRef, WeightsURIError, checkpoint_path
 
 GROUP = "tandem.dev"
 VERSION = "v1alpha1"
@@ -26,159 +44,6 @@ GROUPS: tuple[Group, ...] = ("prefill", "decode", "router")
 ENGINE_GROUPS: tuple[Group, ...] = ("prefill", "decode")
 
 
-# ---- raw bodies ---------------------------------------------------------------------------------
-
-
-class ObjectMeta(TypedDict, total=False):
-    name: str
-    generateName: str
-    namespace: str
-    uid: str
-    generation: int
-    resourceVersion: str
-    creationTimestamp: str
-    deletionTimestamp: str
-    labels: dict[str, str]
-    annotations: dict[str, str]
-    ownerReferences: list[dict[str, Any]]
-    finalizers: list[str]
-
-
-class WeightsDict(TypedDict, total=False):
-    uri: str
-    version: str
-
-
-class ModelDict(TypedDict, total=False):
-    name: str
-    weights: WeightsDict
-
-
-class KVCacheDict(TypedDict, total=False):
-    blockSize: int
-    numBlocks: int
-    memoryMiB: int
-
-
-class EngineDict(TypedDict, total=False):
-    image: str
-    imagePullPolicy: str
-    resources: dict[str, dict[str, Any]]
-    env: list[dict[str, Any]]
-    args: list[str]
-    kvCache: KVCacheDict
-    maxNumSeqs: int
-    maxNumBatchedTokens: int
-    threads: int
-
-
-class RoleDict(TypedDict, total=False):
-    replicas: int
-    resources: dict[str, dict[str, Any]]
-    nodeSelector: dict[str, str]
-    tolerations: list[dict[str, Any]]
-    affinity: dict[str, Any]
-
-
-class ServiceDict(TypedDict, total=False):
-    type: str
-    port: int
-
-
-class RouterDict(TypedDict, total=False):
-    replicas: int
-    service: ServiceDict
-
-
-class RolloutDict(TypedDict, total=False):
-    maxSurge: int
-    maxUnavailable: int
-
-
-class RefitDict(TypedDict, total=False):
-    strategy: str
-    inflight: str
-    drainTimeoutSeconds: int
-    onFailure: str
-
-
-class UcxDict(TypedDict, total=False):
-    transports: str
-    netDevices: str
-
-
-class KVTransferDict(TypedDict, total=False):
-    backend: str
-    pinTTLSeconds: int
-    ucx: UcxDict
-
-
-class PoolSpecDict(TypedDict, total=False):
-    model: ModelDict
-    engine: EngineDict
-    prefill: RoleDict
-    decode: RoleDict
-    router: RouterDict
-    rollout: RolloutDict
-    refit: RefitDict
-    kvTransfer: KVTransferDict
-
-
-class ConditionDict(TypedDict, total=False):
-    type: str
-    status: str
-    reason: str
-    message: str
-    observedGeneration: int
-    lastTransitionTime: str
-
-
-class RoleStatusDict(TypedDict, total=False):
-    replicas: int
-    ready: int
-    updated: int
-
-
-class WeightsStatusDict(TypedDict, total=False):
-    current: str
-    target: str
-    epoch: int
-
-
-class PoolStatusDict(TypedDict, total=False):
-    observedGeneration: int
-    conditions: list[ConditionDict]
-    prefill: RoleStatusDict
-    decode: RoleStatusDict
-    router: RoleStatusDict
-    weights: WeightsStatusDict
-    routerEndpoint: str
-    refit: dict[str, Any]
-
-
-class PoolBody(TypedDict, total=False):
-    apiVersion: str
-    kind: str
-    metadata: ObjectMeta
-    spec: PoolSpecDict
-    status: PoolStatusDict
-
-
-class PodStatusDict(TypedDict, total=False):
-    phase: str
-    podIP: str
-    conditions: list[dict[str, Any]]
-    containerStatuses: list[dict[str, Any]]
-
-
-class PodBody(TypedDict, total=False):
-    apiVersion: str
-    kind: str
-    metadata: ObjectMeta
-    spec: dict[str, Any]
-    status: PodStatusDict
-
-
 # ---- the parsed spec ----------------------------------------------------------------------------
 
 
@@ -187,19 +52,8 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
-class Weights:
-    uri: str
-    version: str
-
-    @property
-    def path(self) -> str:
-        """The checkpoint folder named by the file:// uri (as the engine containers see it)."""
-        return weights_path(self.uri)
-
-
-@dataclass(frozen=True)
 class KVCache:
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None
     memory_mib: int | None = None
 
@@ -214,9 +68,9 @@ class EngineSettings:
     volumes: tuple[Mapping[str, Any], ...] = ()  # added to engine and router pods
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
     kv_cache: KVCache = KVCache()
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    threads: int = 1
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    threads: int = DEFAULT_THREADS
 
 
 @dataclass(frozen=True)
@@ -243,16 +97,16 @@ class Rollout:
 
 @dataclass(frozen=True)
 class RefitSettings:
-    strategy: str = "Rolling"
-    inflight: str = "Drain"
-    drain_timeout_seconds: int = 120
-    on_failure: str = "Rollback"
+    strategy: RefitStrategy = RefitStrategy.ROLLING
+    inflight: InFlight = InFlight.DRAIN
+    drain_timeout_seconds: int = DEFAULT_DRAIN_TIMEOUT_S
+    on_failure: OnFailure = OnFailure.ROLLBACK
 
 
 @dataclass(frozen=True)
 class KVTransfer:
     backend: str = "NIXL"
-    pin_ttl_seconds: int = 60
+    pin_ttl_seconds: int = DEFAULT_KV_PIN_TTL_S
     ucx_transports: str = ""
     ucx_net_devices: str = ""
 
@@ -266,7 +120,7 @@ class PoolSpec:
     uid: str
     generation: int
     model_name: str
-    weights: Weights
+    weights: WeightsRef
     engine: EngineSettings = EngineSettings()
     prefill: RoleSettings = RoleSettings()
     decode: RoleSettings = RoleSettings()
@@ -301,19 +155,9 @@ class PoolSpec:
         raise ValueError(f"{group!r} is not an engine group (prefill or decode)")
 
 
-def weights_path(uri: str) -> str:
-    """`file:///abs/path` (or `file://localhost/abs/path`) -> `/abs/path`."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "file":
-        raise SpecError(f"spec.model.weights.uri {uri!r}: weights.uri must be a file:// URI")
-    if parsed.netloc not in ("", "localhost"):
-        raise SpecError(f"spec.model.weights.uri {uri!r}: a file:// URI must not name a host "
-                        "(write file:///absolute/path)")
-    path = unquote(parsed.path)
-    if not path.startswith("/") or path == "/":
-        raise SpecError(f"spec.model.weights.uri {uri!r}: needs an absolute checkpoint folder, "
-                        "e.g. file:///models/demo")
-    return path
+# The defaults parse_pool applies: the dataclasses' own.
+_ENGINE, _KV, _ROLE = EngineSettings(), KVCache(), RoleSettings()
+_ROUTER, _ROLLOUT, _REFIT, _KVT = RouterSettings(), Rollout(), RefitSettings(), KVTransfer()
 
 
 # ---- parsing with the CRD's defaults and rules --------------------------------------------------
@@ -387,7 +231,7 @@ def _role(spec: Mapping[str, Any], key: str) -> RoleSettings:
     d = _obj(spec, key, "spec")
     path = f"spec.{key}"
     return RoleSettings(
-        replicas=_req_int(d, "replicas", path, 1, 0, 64),
+        replicas=_req_int(d, "replicas", path, _ROLE.replicas, 0, 64),
         resources=_obj(d, "resources", path) or None,
         node_selector=_obj(d, "nodeSelector", path) or None,
         tolerations=_list(d, "tolerations", path, 32),
@@ -402,27 +246,31 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
     model = _obj(spec, "model", "spec")
     weights = _obj(model, "weights", "spec.model")
     uri = _str(weights, "uri", "spec.model.weights", None, 1024, min_len=8)
-    weights_path(uri)
+    try:
+        checkpoint_path(uri, what="spec.model.weights.uri")
+    except WeightsURIError as exc:
+        raise SpecError(str(exc)) from None
     version = _str(weights, "version", "spec.model.weights", None, 63, min_len=1)
 
     e = _obj(spec, "engine", "spec")
     kv = _obj(e, "kvCache", "spec.engine")
     engine = EngineSettings(
-        image=_str(e, "image", "spec.engine", "tandem/engine:0.1.0", 512, min_len=1),
-        image_pull_policy=_str(e, "imagePullPolicy", "spec.engine", "IfNotPresent", 32,
-                               ("Always", "IfNotPresent", "Never")),
+        image=_str(e, "image", "spec.engine", _ENGINE.image, 512, min_len=1),
+        image_pull_policy=_str(e, "imagePullPolicy", "spec.engine", _ENGINE.image_pull_policy,
+                               32, ("Always", "IfNotPresent", "Never")),
         resources=_obj(e, "resources", "spec.engine") or None,
         env=_list(e, "env", "spec.engine", 64),
         args=tuple(str(a) for a in _list(e, "args", "spec.engine", 64)),
         volumes=_list(e, "volumes", "spec.engine", 16),
         volume_mounts=_mounts(e, _list(e, "volumes", "spec.engine", 16)),
         kv_cache=KVCache(
-            block_size=_req_int(kv, "blockSize", "spec.engine.kvCache", 16, 1, 256),
+            block_size=_req_int(kv, "blockSize", "spec.engine.kvCache", _KV.block_size, 1, 256),
             num_blocks=_int(kv, "numBlocks", "spec.engine.kvCache", None, 16, 1048576),
             memory_mib=_int(kv, "memoryMiB", "spec.engine.kvCache", None, 16, 1048576)),
-        max_num_seqs=_req_int(e, "maxNumSeqs", "spec.engine", 64, 1, 1024),
-        max_num_batched_tokens=_req_int(e, "maxNumBatchedTokens", "spec.engine", 512, 16, 65536),
-        threads=_req_int(e, "threads", "spec.engine", 1, 1, 256))
+        max_num_seqs=_req_int(e, "maxNumSeqs", "spec.engine", _ENGINE.max_num_seqs, 1, 1024),
+        max_num_batched_tokens=_req_int(e, "maxNumBatchedTokens", "spec.engine",
+                                        _ENGINE.max_num_batched_tokens, 16, 65536),
+        threads=_req_int(e, "threads", "spec.engine", _ENGINE.threads, 1, 256))
 
     r = _obj(spec, "router", "spec")
     svc = _obj(r, "service", "spec.router")
@@ -436,31 +284,37 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         uid=str(meta.get("uid") or ""),
         generation=int(meta.get("generation") or 0),
         model_name=_str(model, "name", "spec.model", None, 253, min_len=1),
-        weights=Weights(uri=uri, version=version),
+        weights=WeightsRef(uri=uri, version=version),
         engine=engine,
         prefill=_role(spec, "prefill"),
         decode=_role(spec, "decode"),
         router=RouterSettings(
-            replicas=_req_int(r, "replicas", "spec.router", 1, 1, 16),
-            service_type=_str(svc, "type", "spec.router.service", "ClusterIP", 32,
+            replicas=_req_int(r, "replicas", "spec.router", _ROUTER.replicas, 1, 16),
+            service_type=_str(svc, "type", "spec.router.service", _ROUTER.service_type, 32,
                               ("ClusterIP", "NodePort", "LoadBalancer")),
-            service_port=_req_int(svc, "port", "spec.router.service", 8000, 1, 65535)),
+            service_port=_req_int(svc, "port", "spec.router.service", _ROUTER.service_port, 1,
+                                  65535)),
         rollout=Rollout(
-            max_surge=_req_int(ro, "maxSurge", "spec.rollout", 1, 0, 64),
-            max_unavailable=_req_int(ro, "maxUnavailable", "spec.rollout", 0, 0, 64)),
+            max_surge=_req_int(ro, "maxSurge", "spec.rollout", _ROLLOUT.max_surge, 0, 64),
+            max_unavailable=_req_int(ro, "maxUnavailable", "spec.rollout",
+                                     _ROLLOUT.max_unavailable, 0, 64)),
         refit=RefitSettings(
-            strategy=_str(rf, "strategy", "spec.refit", "Rolling", 32,
-                          ("Rolling", "AllAtOnce")),
-            inflight=_str(rf, "inflight", "spec.refit", "Drain", 32, ("Drain", "Recompute")),
-            drain_timeout_seconds=_req_int(rf, "drainTimeoutSeconds", "spec.refit", 120, 1,
-                                           3600),
-            on_failure=_str(rf, "onFailure", "spec.refit", "Rollback", 32,
-                            ("Rollback", "Halt"))),
+            strategy=RefitStrategy(_str(rf, "strategy", "spec.refit", _REFIT.strategy, 32,
+                                        choices(RefitStrategy))),
+            inflight=InFlight(_str(rf, "inflight", "spec.refit", _REFIT.inflight, 32,
+                                   choices(InFlight))),
+            drain_timeout_seconds=_req_int(rf, "drainTimeoutSeconds", "spec.refit",
+                                           _REFIT.drain_timeout_seconds, 1, 3600),
+            on_failure=OnFailure(_str(rf, "onFailure", "spec.refit", _REFIT.on_failure, 32,
+                                      choices(OnFailure)))),
         kv_transfer=KVTransfer(
-            backend=_str(kt, "backend", "spec.kvTransfer", "NIXL", 32, ("NIXL",)),
-            pin_ttl_seconds=_req_int(kt, "pinTTLSeconds", "spec.kvTransfer", 60, 1, 3600),
-            ucx_transports=_str(ucx, "transports", "spec.kvTransfer.ucx", "", 256),
-            ucx_net_devices=_str(ucx, "netDevices", "spec.kvTransfer.ucx", "", 256)))
+            backend=_str(kt, "backend", "spec.kvTransfer", _KVT.backend, 32, ("NIXL",)),
+            pin_ttl_seconds=_req_int(kt, "pinTTLSeconds", "spec.kvTransfer",
+                                     _KVT.pin_ttl_seconds, 1, 3600),
+            ucx_transports=_str(ucx, "transports", "spec.kvTransfer.ucx", _KVT.ucx_transports,
+                                256),
+            ucx_net_devices=_str(ucx, "netDevices", "spec.kvTransfer.ucx",
+                                 _KVT.ucx_net_devices, 256)))
     _check_rules(pool)
     return pool
 

@@ -11,6 +11,7 @@ verbs do lives in api_lifecycle, storage in api_storage, discovery in api_resour
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -37,6 +38,21 @@ SERVER_VERSION = {"major": "1", "minor": "32", "gitVersion": "v1.32.0", "platfor
                   "buildDate": "2025-01-01T00:00:00Z", "goVersion": "go1.23"}
 SEED_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 WATCH_POLL_SECONDS = 2.0  # how often an idle watch checks that its client is still there
+
+
+@dataclass(frozen=True)
+class LoggedRequest:
+    """One request as the API server saw it: enough to count a client's calls."""
+
+    method: str
+    path: str
+    query: dict[str, str]
+    user_agent: str
+    at: float  # time.monotonic() on arrival
+
+    @property
+    def watch(self) -> bool:
+        return self.query.get("watch") in ("true", "1")
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,10 @@ class TestAPIServer(kmock.KubernetesEmulator):
     store: ObjectStore = attrs.field(init=False)
     lifecycle: ObjectLifecycle = attrs.field(init=False)
     internal_errors: list[Exception] = attrs.field(factory=list, init=False)
+    # Every request (method, path, query, client), cheap enough to keep always: tests count
+    # the API calls a client makes (`TestCluster.requests`).
+    request_log: collections.deque[LoggedRequest] = attrs.field(
+        factory=lambda: collections.deque(maxlen=200_000), init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -93,6 +113,9 @@ class TestAPIServer(kmock.KubernetesEmulator):
 
     async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         path = raw.path.rstrip("/") or "/"
+        self.request_log.append(LoggedRequest(raw.method, path, dict(raw.query),
+                                              raw.headers.get("User-Agent", ""),
+                                              time.monotonic()))
         if path == "/version":
             return _json(SERVER_VERSION)
         if path == "/api":

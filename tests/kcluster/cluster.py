@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import yaml
 from aiohttp.test_utils import RawTestServer
 
-from .apiserver import TestAPIServer
+from .apiserver import LoggedRequest, TestAPIServer
 
 KUBECTL = "/usr/bin/kubectl"
 T = TypeVar("T")
@@ -160,6 +160,10 @@ class TestCluster:
             return function(*args)
 
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(30)
+
+    def requests(self, since: float = 0.0) -> list[LoggedRequest]:
+        """The requests the API server received at or after `since` (time.monotonic())."""
+        return self.call(lambda: [r for r in self.server.request_log if r.at >= since])
 
     def create(self, body: dict[str, Any]) -> dict[str, Any]:
         """Create an object directly (no HTTP); its apiVersion and kind pick the resource."""

@@ -8,7 +8,22 @@ import sys
 import time
 from collections.abc import Sequence
 
+from tandem_engine.config import (
+    DEFAULT_KERNELS,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_THREADS,
+    KERNEL_CHOICES,
+)
 from tandem_engine.errors import TandemError
+from tandem_engine.refit_policy import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_MAX_UNAVAILABLE,
+    InFlight,
+    OnFailure,
+    RefitStrategy,
+    choices,
+)
 
 
 def _demo_model(args: argparse.Namespace) -> int:
@@ -100,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    gen.add_argument("--max-num-seqs", type=int, default=64)
-    gen.add_argument("--max-num-batched-tokens", type=int, default=512)
+    gen.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    gen.add_argument("--max-num-batched-tokens", type=int,
+                     default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     gen.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=_generate)
@@ -119,10 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="router (OpenAI API) port")
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--threads", type=int, default=1, help="torch threads per engine")
-    serve.add_argument("--max-num-seqs", type=int, default=64)
-    serve.add_argument("--max-num-batched-tokens", type=int, default=512)
-    serve.add_argument("--kernels", choices=["auto", "native", "torch"], default="auto")
+    serve.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                       help="torch threads per engine")
+    serve.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    serve.add_argument("--max-num-batched-tokens", type=int,
+                       default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    serve.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS)
     serve.set_defaults(func=_serve)
 
     refit = sub.add_parser("refit", help="change the weights of a running `tandem serve` in "
@@ -130,13 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     refit.add_argument("--uri", required=True, help="the new checkpoint: file:///path/to/dir")
     refit.add_argument("--version", required=True, help="the new weights' version name")
     refit.add_argument("--port", type=int, default=8000, help="the stack's router port")
-    refit.add_argument("--strategy", choices=["Rolling", "AllAtOnce"], default="Rolling")
-    refit.add_argument("--inflight", choices=["Drain", "Recompute"], default="Drain",
+    refit.add_argument("--strategy", choices=choices(RefitStrategy),
+                       default=str(RefitStrategy.ROLLING))
+    refit.add_argument("--inflight", choices=choices(InFlight), default=str(InFlight.DRAIN),
                        help="in-flight requests finish first, or continue on the new weights")
-    refit.add_argument("--on-failure", choices=["Rollback", "Halt"], default="Rollback")
-    refit.add_argument("--max-unavailable", type=int, default=1,
+    refit.add_argument("--on-failure", choices=choices(OnFailure),
+                       default=str(OnFailure.ROLLBACK))
+    refit.add_argument("--max-unavailable", type=int, default=DEFAULT_MAX_UNAVAILABLE,
                        help="engines per role refitted at once (Rolling)")
-    refit.add_argument("--drain-timeout", type=float, default=120.0,
+    refit.add_argument("--drain-timeout", type=float, default=float(DEFAULT_DRAIN_TIMEOUT_S),
                        help="seconds an engine's in-flight requests get to finish (Drain)")
     refit.add_argument("--timeout", type=float, default=3600.0,
                        help="seconds the whole refit may take")

@@ -36,21 +36,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
-from urllib.parse import unquote, urlparse
 
 from tandem_engine.cli.serve import default_log_dir, read_stack
 from tandem_engine.fleet import (
+    EngineAdmin,
     EngineObs,
     EngineRecord,
     Event,
-    FleetAdmin,
     Phase,
     Transaction,
-    Weights,
     new_transaction,
     observe,
     run,
 )
+from tandem_engine.lifecycle import EngineState
+from tandem_engine.refit_policy import RefitStrategy
+from tandem_engine.weights import WeightsRef, checkpoint_path
 
 # Calls that take a serving engine out of service (no new requests reach it).
 _STOP_SERVING = ("/v1/drain", "/v1/pause")
@@ -59,14 +60,10 @@ SUPERSEDED = 3  # exit status of a refit a newer one superseded
 SUPERSEDE_WAIT = 15.0  # seconds a superseded refit gets to stop before SIGKILL
 
 
-def checkpoint_uri(uri: str) -> Path:
+def checkpoint_folder(uri: str) -> Path:
     """The folder a `file://` refit target names; ValueError (naming the input) unless it
     is a local folder with a config.json."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
-        raise ValueError(f"--uri {uri!r}: a local refit target must be a file:// URI "
-                         "naming a checkpoint folder, e.g. file:///models/my-model-v2")
-    path = Path(unquote(parsed.path))
+    path = Path(checkpoint_path(uri, what="--uri"))
     if not path.is_dir():
         what = "is not a folder" if path.exists() else "does not exist"
         raise ValueError(f"--uri {uri!r}: {path} {what}; give the checkpoint folder "
@@ -96,8 +93,8 @@ class AdminCall:
     ended: float
 
 
-class RecordingAdmin(FleetAdmin):
-    """The fleet admin client, remembering every call it made (for the unavailable window
+class RecordingAdmin(EngineAdmin):
+    """The engine admin client, remembering every call it made (for the unavailable window
     and per-engine step times) and the last observation of every engine (the display)."""
 
     def __init__(self, token: str | None = None, **options: Any) -> None:
@@ -105,8 +102,8 @@ class RecordingAdmin(FleetAdmin):
         self.calls: list[AdminCall] = []
         self.last: dict[str, dict[str, Any] | None] = {}
 
-    async def state(self, url: str) -> dict[str, Any] | None:
-        self.last[url] = reply = await super().state(url)
+    async def probe(self, url: str) -> dict[str, Any] | None:
+        self.last[url] = reply = await super().probe(url)
         return reply
 
     async def call(self, engine: str, url: str, path: str, body: dict[str, Any] | None = None,
@@ -142,7 +139,7 @@ def _engine_line(engines: list[tuple[str, str, str]],
             parts.append(f"{name} unreachable")
             continue
         what = str(state["state"]).lower()
-        if what == "running":
+        if state["state"] == EngineState.RUNNING:
             what = "draining" if state.get("draining") else "serving"
         parts.append(f"{name} {state['weight_version']}/{state['weight_epoch']} {what}")
     return " | ".join(parts)
@@ -216,7 +213,7 @@ class RefitLock:
     there). A live holder is superseded: SIGTERM, up to `SUPERSEDE_WAIT` s to exit, then
     SIGKILL; a holder that is gone left a stale lock, taken over with a note."""
 
-    def __init__(self, port: int, target: Weights, out: TextIO,
+    def __init__(self, port: int, target: WeightsRef, out: TextIO,
                  wait: float = SUPERSEDE_WAIT) -> None:
         self.path = default_log_dir(port) / LOCK_FILE
         self.mine = {"pid": os.getpid(), "version": target.version, "uri": target.uri}
@@ -290,7 +287,7 @@ class RefitLock:
             self.path.unlink(missing_ok=True)
 
 
-async def _refit(args: argparse.Namespace, stack: dict[str, Any], target: Weights,
+async def _refit(args: argparse.Namespace, stack: dict[str, Any], target: WeightsRef,
                  out: TextIO, stop: _Stop) -> int:
     engines = [(e["name"], e["role"], e["admin_url"]) for e in stack["engines"]]
     admin = RecordingAdmin(stack.get("admin_token"))
@@ -331,7 +328,7 @@ async def _refit(args: argparse.Namespace, stack: dict[str, Any], target: Weight
                   f"stopped between steps, engines now: {_engine_line(engines, admin.last)}",
                   file=sys.stderr, flush=True)
             return SUPERSEDED
-        if tx.strategy == "AllAtOnce":
+        if tx.strategy == RefitStrategy.ALL_AT_ONCE:
             window = unavailable_window(admin.calls, [n for n, _, _ in engines])
             shown = "none (some engine kept serving)" if window is None else f"{window:.3f} s"
             print(f"fleet unavailable window: {shown}", file=out, flush=True)
@@ -340,7 +337,7 @@ async def _refit(args: argparse.Namespace, stack: dict[str, Any], target: Weight
         await admin.close()
 
 
-def _continuing(target: Weights, engines: list[EngineObs]) -> tuple[list[EngineObs],
+def _continuing(target: WeightsRef, engines: list[EngineObs]) -> tuple[list[EngineObs],
                                                                        int | None]:
     """(engines the previous weights are read from, the epoch) for `new_transaction`.
     Engines already on the target — an interrupted `tandem refit` to it — keep their
@@ -391,9 +388,9 @@ def _outcome(tx: Transaction, out: TextIO) -> int:
 
 def refit(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """`tandem refit`: ValueError for bad input (the CLI exits 2), else the exit status."""
-    path = checkpoint_uri(args.uri)
+    path = checkpoint_folder(args.uri)
     _check_options(args)
-    target = Weights(path.as_uri(), args.version)
+    target = WeightsRef(path.as_uri(), args.version)
     out = out or sys.stdout
     stack = read_stack(args.port)
     stop = _Stop()

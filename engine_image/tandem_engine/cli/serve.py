@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem_engine.errors import TandemError
+from tandem_engine.lifecycle import EngineState
 
 _PR_SET_PDEATHSIG = 1
 STACK_FILE = "stack.json"
@@ -174,7 +175,7 @@ class LocalStack:
                 with urllib.request.urlopen(url, timeout=1) as r:
                     engines = json.loads(r.read())["engines"]
                 if len(engines) == self.num_engines and all(
-                        e.get("alive") and e.get("state") == "RUNNING" for e in engines):
+                        e.get("alive") and e.get("state") == EngineState.RUNNING for e in engines):
                     return
             except (urllib.error.URLError, OSError, ValueError, KeyError):
                 pass

@@ -24,6 +24,9 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"
+    # A prefill engine's part is done after the first token: the prompt's KV is pinned
+    # and the generation continues on a decode engine (never shown to a client).
+    HANDOFF = "handoff"
 
     def __str__(self) -> str:
         return self.value
@@ -50,7 +53,6 @@ class Request:
     num_preemptions: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
-    output_text: str = ""
     # Prefix caching: the chain salt (weight epoch + cache_salt), the full-block hashes
     # under it, and how many leading blocks are registered in the cache.
     cache_salt: str | None = None
@@ -60,7 +62,8 @@ class Request:
     # (weight epoch, index of the first output token generated under it), one entry
     # per epoch the request generated tokens in.
     epoch_segments: list[tuple[int, int]] = field(default_factory=list)
-    # Disaggregation: keep the prompt's KV pinned for another engine when finished.
+    # Disaggregation: after the first token, end with HANDOFF and keep the prompt's KV
+    # pinned for another engine (unless that token ends the generation).
     pin_for_handoff: bool = False
     pinned_blocks: list[int] | None = None
 

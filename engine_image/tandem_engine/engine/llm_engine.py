@@ -4,20 +4,25 @@ One `step()` = schedule → prepare inputs → forward → sample → post-proce
 token, detokenize, check stop conditions, release finished requests' blocks). Every
 phase is timed so benchmarks can show where a step's time goes.
 
-Lifecycle (engine_state.py holds the table): pause stops stepping with every request
+Lifecycle (lifecycle.py holds the table): pause stops stepping with every request
 kept; suspend also releases KV memory under a mode; refit swaps weights while paused or
 suspended and bumps the weight epoch, which salts prefix-cache hashes so KV computed by
-old weights is never matched again. All public methods hold one lock, so a server
-thread may signal while another thread steps: a signal waits for the current step.
+old weights is never matched again.
+
+Threads: every public method holds one lock, so a server thread may signal while
+another thread steps (a signal waits for the current step). Readers that must never
+wait for a step (heartbeats, `/v1/state`, the KV progress thread) read `stats`, an
+immutable snapshot published at the end of every step and every change; nothing
+outside this package reaches into the engine's fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,9 +30,11 @@ import torch
 from tandem_engine.config import EngineConfig, ModelConfig
 from tandem_engine.core.kv import KVCacheManager
 from tandem_engine.core.kv.hashing import block_salt
-from tandem_engine.core.request import FinishReason, Logprob, Request
+from tandem_engine.core.request import FinishReason, Request
 from tandem_engine.core.scheduler import Scheduler
-from tandem_engine.engine.outputs import CompletionOutput, RequestOutput
+from tandem_engine.engine.output_processor import OutputProcessor
+from tandem_engine.engine.outputs import PullPlan, RequestOutput
+from tandem_engine.engine.stats import EngineStats, PrefixCacheStats, StepTiming
 from tandem_engine.errors import RequestRejected
 from tandem_engine.lifecycle import (
     REFIT_STATES,
@@ -40,37 +47,10 @@ from tandem_engine.lifecycle import (
 )
 from tandem_engine.model.checkpoint import load_checkpoint
 from tandem_engine.model.runner import ModelRunner, num_kv_blocks, resolve_dtype
-from tandem_engine.model.sampler import Sampler, SampleResult
+from tandem_engine.model.sampler import Sampler
 from tandem_engine.sampling_params import SamplingParams
-from tandem_engine.text import find_stop, trim_at_stop
-from tandem_engine.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-@dataclass(frozen=True)
-class PullPlan:
-    """Which prompt blocks a decode engine must pull, and where to."""
-
-    request_id: str
-    block_indices: list[int]  # positions in the prompt's block list (prefill side)
-    local_blocks: list[int]  # this engine's blocks, one per index
-    reused_blocks: int  # leading blocks this engine already had cached
-
-
-@dataclass(frozen=True)
-class StepTiming:
-    num_running: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    schedule_s: float
-    prepare_s: float
-    forward_s: float
-    sample_s: float
-    postprocess_s: float
-
-    @property
-    def total_s(self) -> float:
-        return (self.schedule_s + self.prepare_s + self.forward_s + self.sample_s
-                + self.postprocess_s)
+from tandem_engine.tokenizer import Tokenizer
+from tandem_engine.weights import WeightIdentity
 
 
 class LLMEngine:
@@ -99,79 +79,188 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens)
         self.sampler = Sampler(engine_config.seed)
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids or model_config.eos_token_ids)
+        self.outputs = OutputProcessor(
+            tokenizer, frozenset(tokenizer.eos_token_ids or model_config.eos_token_ids),
+            self.max_model_len)
         self.requests: dict[str, Request] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.step_timings: list[StepTiming] = []
         self.num_preemptions = 0
-        self.weight_epoch = 0
-        self.weight_version = "initial"
-        self.weight_uri = ""  # file:// URI of the checkpoint serving now (set by its loader)
+        self._weights = WeightIdentity(uri="", version="initial", epoch=0)
         self._state = EngineState.RUNNING
         self._pulling: dict[str, Request] = {}
         self.num_pull_fallbacks = 0
         self._suspend_mode: KVMode | None = None
         self._lock = threading.RLock()
         self._state_changed = threading.Condition(self._lock)
+        self._publish()
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, engine_config: EngineConfig) -> LLMEngine:
         dtype = None if engine_config.dtype == "auto" else engine_config.dtype
         model_config, tensors = load_checkpoint(path, dtype)
-        return cls(model_config, engine_config, tensors, Tokenizer.from_dir(path))
+        engine = cls(model_config, engine_config, tensors, Tokenizer.from_dir(path))
+        engine.set_weights(WeightIdentity(Path(path).resolve().as_uri(), "initial", 0))
+        return engine
+
+    # ---- what other threads read --------------------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        """The latest snapshot (lock-free: published at the end of every step and change)."""
+        return self._stats
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Blocks pinned for pulls right now; safe from any thread without the lock."""
+        return self.kv.num_pinned_blocks
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    @property
+    def weights(self) -> WeightIdentity:
+        return self._weights
+
+    @property
+    def weight_version(self) -> str:
+        return self._weights.version
+
+    @property
+    def weight_epoch(self) -> int:
+        return self._weights.epoch
+
+    @property
+    def weight_uri(self) -> str:
+        return self._weights.uri
+
+    def _publish(self) -> None:
+        """Called with the lock held (or before any other thread exists)."""
+        kv = self.kv
+        self._stats = EngineStats(
+            state=self._state, weights=self._weights,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_pulling=len(self._pulling), kv_usage=kv.usage,
+            num_pinned_blocks=kv.num_pinned_blocks, block_size=kv.block_size,
+            max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
+            prefix_cache=PrefixCacheStats(kv.queried_tokens, kv.hit_tokens,
+                                          kv.pool.evictions, kv.pool.num_cached),
+            num_preemptions=self.num_preemptions, num_pull_fallbacks=self.num_pull_fallbacks)
+
+    def set_weights(self, weights: WeightIdentity) -> None:
+        """Name the weights serving now (the checkpoint loaded at start, under the version
+        and epoch its fleet knows it by)."""
+        with self._lock:
+            self._weights = weights
+            self._publish()
+
+    def drain_step_timings(self) -> list[StepTiming]:
+        """The timings of the steps since the last call (for metrics)."""
+        with self._lock:
+            timings, self.step_timings = self.step_timings, []
+            return timings
+
+    def kv_pool(self) -> torch.Tensor | None:
+        """The KV pool tensor (None while suspended without it), for a KV transfer agent
+        to register."""
+        with self._lock:
+            return self.runner.kv_cache
 
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None,
-                    cache_salt: str | None = None, pin_for_handoff: bool = False) -> Request:
+                    cache_salt: str | None = None, pin_for_handoff: bool = False,
+                    resumed_token_ids: Sequence[int] = (), sent_chars: int = 0) -> Request:
         """Queue a request (also while paused or suspended). Raises RequestRejected (and
         changes nothing) if it cannot run. `cache_salt` isolates its prefix cache. With
-        `pin_for_handoff` (a prefill engine's request) the prompt's KV blocks stay pinned
-        when it finishes, listed in its final output, until `unpin` or the pin TTL."""
+        `pin_for_handoff` (a prefill engine's request) it ends after its first token unless
+        that token ends the generation, keeping the prompt's KV pinned (listed in its final
+        output) until `unpin` or the pin TTL. `resumed_token_ids` continue a generation
+        begun elsewhere (their text is re-derived; `sent_chars` of it were already shown)."""
         with self._lock:
             request = self._new_request(request_id, prompt, params or SamplingParams(),
-                                        cache_salt)
+                                        cache_salt, resumed_token_ids, sent_chars)
             request.pin_for_handoff = pin_for_handoff
-            self.scheduler.add(request)
+            if not self._end_at_admission(request):
+                self.scheduler.add(request)
+            self._publish()
             return request
 
     def _new_request(self, request_id: str, prompt: str | Sequence[int],
-                     params: SamplingParams, cache_salt: str | None) -> Request:
+                     params: SamplingParams, cache_salt: str | None,
+                     resumed_token_ids: Sequence[int], sent_chars: int) -> Request:
         if self._state in (EngineState.STOPPING, EngineState.STOPPED):
             raise EngineStateError(f"the engine is {self._state}: it accepts no requests")
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use; pick a new one")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
-        self._check_prompt(token_ids)
+        resumed = list(resumed_token_ids)
+        self._check_tokens(token_ids, resumed)
         request = Request(request_id, token_ids, params, next(self._arrivals), prompt=text,
-                          cache_salt=cache_salt,
+                          token_ids=token_ids + resumed, cache_salt=cache_salt,
                           salt=block_salt(self.weight_epoch, cache_salt))
+        if resumed:
+            request.epoch_segments.append((self.weight_epoch, 0))
+            # A seeded request continues the random stream of the engine it came from.
+            self.sampler.skip_draws(request_id, params, len(resumed),
+                                    self.model_config.vocab_size)
         self.requests[request_id] = request
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.outputs.add(request, resumed, sent_chars)
         return request
+
+    def _end_at_admission(self, request: Request) -> bool:
+        """A resumed request that already reached its limits ends now (its output carries
+        the text the engine before held back)."""
+        reason = self.outputs.finish_reason_at_start(request)
+        if reason is None:
+            return False
+        self._finish(request, reason)
+        self._pending_outputs.append(self.outputs.output(request))
+        return True
+
+    def _check_tokens(self, token_ids: list[int], resumed: list[int]) -> None:
+        if not token_ids:
+            raise RequestRejected("prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        for what, ids in (("prompt", token_ids), ("resumed", resumed)):
+            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestRejected(
+                    f"{what} token id {bad!r} is outside the model's vocabulary [0, {vocab})")
+        if len(token_ids) > self.max_model_len:
+            raise RequestRejected(
+                f"prompt has {len(token_ids)} tokens, over this engine's limit of "
+                f"{self.max_model_len} (model context {self.model_context}, KV cache "
+                f"{self.kv.capacity_tokens} tokens): shorten the prompt or give the engine "
+                "a larger KV cache")
 
     # ---- KV handoff (disaggregated prefill/decode) ----------------------------------------
 
     def unpin(self, request_id: str) -> bool:
         """The puller is done with a handed-off prompt's KV: release it."""
         with self._lock:
-            return self.kv.unpin(request_id)
+            released = self.kv.unpin(request_id)
+            self._publish()
+            return released
 
     def add_pulled_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                           first_token: int, params: SamplingParams,
-                           cache_salt: str | None = None) -> PullPlan:
+                           params: SamplingParams, resumed_token_ids: Sequence[int],
+                           sent_chars: int = 0, cache_salt: str | None = None) -> PullPlan:
         """A decode engine's side of a handoff: the prompt was computed elsewhere and its
-        first token sampled there. Blocks are allocated (reusing this engine's own prefix
-        hits); the returned plan lists the prompt's block positions still to pull and the
-        local blocks to pull them into. Call `complete_pull` when the transfer ends."""
+        first token (`resumed_token_ids`) sampled there. Blocks are allocated (reusing
+        this engine's own prefix hits); the returned plan lists the prompt's block
+        positions still to pull and the local blocks to pull them into. Call
+        `complete_pull` when the transfer ends."""
         with self._lock:
             request = self._new_request(request_id, list(prompt_token_ids), params,
-                                        cache_salt)
+                                        cache_salt, resumed_token_ids, sent_chars)
+            if self._end_at_admission(request):
+                self._publish()
+                return PullPlan(request_id, [], [], reused_blocks=0)
             try:
                 hit = self.kv.acquire_cached_prefix(request)
                 n = request.num_prompt_tokens
@@ -182,15 +271,10 @@ class LLMEngine:
                 self.kv.free(request_id)
                 self._forget(request)
                 raise
-            self._append_token(request, None, None, token=first_token)
-            # A seeded request continues the prefill engine's random stream.
-            self.sampler.skip_draws(request_id, params, 1, self.model_config.vocab_size)
-            if request.finished:  # the first token already ended it (EOS, max_tokens=1)
-                self._pending_outputs.append(self._output(request))
-                return PullPlan(request_id, [], [], reused_blocks=0)
             table = self.kv.block_table(request_id)
             first = hit // self.kv.block_size
             self._pulling[request_id] = request
+            self._publish()
             return PullPlan(request_id, list(range(first, len(table))), table[first:],
                             reused_blocks=first)
 
@@ -210,21 +294,7 @@ class LLMEngine:
                 request.num_cached_blocks = 0
                 self.num_pull_fallbacks += 1
             self.scheduler.admit_pulled(request)
-
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise RequestRejected("prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestRejected(
-                f"prompt token id {bad!r} is outside the model's vocabulary [0, {vocab})")
-        if len(token_ids) > self.max_model_len:
-            raise RequestRejected(
-                f"prompt has {len(token_ids)} tokens, over this engine's limit of "
-                f"{self.max_model_len} (model context {self.model_context}, KV cache "
-                f"{self.kv.capacity_tokens} tokens): shorten the prompt or give the engine "
-                "a larger KV cache")
+            self._publish()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks are freed at once. False if unknown."""
@@ -233,7 +303,8 @@ class LLMEngine:
             if request is None:
                 return False
             self._finish(request, FinishReason.ABORT)
-            self._pending_outputs.append(self._output(request))
+            self._pending_outputs.append(self.outputs.output(request))
+            self._publish()
             return True
 
     def has_unfinished_requests(self) -> bool:
@@ -256,6 +327,7 @@ class LLMEngine:
             outputs, self._pending_outputs = self._pending_outputs, []
             if self._state is EngineState.RUNNING:
                 outputs += self._step()
+            self._publish()
             return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -274,12 +346,16 @@ class LLMEngine:
         requests = batch.requests
         result = self.sampler.sample(
             batch.logits, [r.request_id for r in requests], [r.params for r in requests],
-            [self._banned_tokens(r) for r in requests])
+            [self.outputs.banned_tokens(r) for r in requests])
         t4 = time.perf_counter()
         self.scheduler.advance(scheduled)
         for row, request in enumerate(requests):
-            self._append_token(request, row, result, token=result.token_ids[row])
-            outputs.append(self._output(request))
+            if not request.epoch_segments or request.epoch_segments[-1][0] != self.weight_epoch:
+                request.epoch_segments.append((self.weight_epoch, request.num_output_tokens))
+            reason = self.outputs.append(request, result.token_ids[row], row, result)
+            if reason is not None:
+                self._finish(request, reason)
+            outputs.append(self.outputs.output(request))
         t5 = time.perf_counter()
         self.step_timings.append(StepTiming(
             num_running=len(scheduled.chunks),
@@ -289,92 +365,23 @@ class LLMEngine:
             postprocess_s=t5 - t4))
         return outputs
 
-    def _banned_tokens(self, request: Request) -> tuple[int, ...]:
-        p = request.params
-        if request.num_output_tokens >= p.min_tokens:
-            return ()
-        eos = () if p.ignore_eos else tuple(self.eos_token_ids)
-        return eos + p.stop_token_ids
-
-    def _append_token(self, request: Request, row: int | None, result: SampleResult | None,
-                      token: int) -> None:
-        if not request.epoch_segments or request.epoch_segments[-1][0] != self.weight_epoch:
-            request.epoch_segments.append((self.weight_epoch, request.num_output_tokens))
-        request.token_ids.append(token)
-        p = request.params
-        if result is not None and result.logprobs is not None and request.logprobs is not None:
-            lp = result.logprobs[row]
-            request.cumulative_logprob += lp
-            entry = {token: Logprob(lp, result.ranks[row])}
-            for rank, (tid, value) in enumerate(
-                    zip(result.top_ids[row], result.top_logprobs[row], strict=True), start=1):
-                entry.setdefault(tid, Logprob(value, rank))
-            request.logprobs.append(entry)
-
-        n_out = request.num_output_tokens
-        may_stop = n_out >= p.min_tokens
-        if may_stop and (token in p.stop_token_ids
-                         or (not p.ignore_eos and token in self.eos_token_ids)):
-            request.stop_reason = token if token in p.stop_token_ids else None
-            self._finish(request, FinishReason.STOP)
-            return
-        delta = self._detokenizers[request.request_id].push(token)
-        request.output_text += delta
-        if may_stop and p.stop and self._check_stop_strings(request, len(delta)):
-            self._finish(request, FinishReason.STOP)
-        elif n_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
-            self._finish(request, FinishReason.LENGTH)
-
-    @staticmethod
-    def _check_stop_strings(request: Request, delta_len: int) -> bool:
-        """Find a stop string that the newest text completed; trim the text at it."""
-        p = request.params
-        match = find_stop(request.output_text, p.stop, delta_len)
-        if match is None:
-            return False
-        request.output_text = trim_at_stop(request.output_text, match,
-                                           p.include_stop_str_in_output)
-        request.stop_reason = match[1]
-        return True
-
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.finish_reason = reason
-        if request.pin_for_handoff and reason is FinishReason.LENGTH:
-            # Only a request that may go on elsewhere hands its KV over (not one that
-            # stopped at its first token, nor an aborted one).
+        if reason is FinishReason.HANDOFF:
             request.pinned_blocks = self.kv.pin(
                 request.request_id, time.monotonic() + self.config.kv_pin_ttl_s)
         self._pulling.pop(request.request_id, None)
         self.scheduler.finish(request)
-        self._forget(request)
-
-    def _forget(self, request: Request) -> None:
         self.sampler.forget(request.request_id)
-        self._detokenizers.pop(request.request_id, None)
         self.requests.pop(request.request_id, None)
 
-    def _output(self, request: Request) -> RequestOutput:
-        reason = request.finish_reason
-        completion = CompletionOutput(
-            index=0,
-            text=request.output_text,
-            token_ids=request.output_token_ids,
-            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None
-            else None,
-            logprobs=request.logprobs,
-            finish_reason=str(reason) if reason is not None else None,
-            stop_reason=request.stop_reason,
-        )
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             [completion], finished=reason is not None,
-                             epoch_segments=list(request.epoch_segments),
-                             pinned_blocks=request.pinned_blocks)
+    def _forget(self, request: Request) -> None:
+        """Drop a request that was never queued (refused at admission)."""
+        self.sampler.forget(request.request_id)
+        self.outputs.forget(request.request_id)
+        self.requests.pop(request.request_id, None)
 
     # ---- lifecycle ------------------------------------------------------------------------
-
-    @property
-    def state(self) -> EngineState:
-        return self._state
 
     def pause(self) -> None:
         """Stop stepping. In-flight requests keep their KV; new requests queue."""
@@ -432,7 +439,7 @@ class LLMEngine:
         def abort_all() -> None:
             for request in list(self.requests.values()):
                 self._finish(request, FinishReason.ABORT)
-                self._pending_outputs.append(self._output(request))
+                self._pending_outputs.append(self.outputs.output(request))
 
         self._signal(Signal.STOP, abort_all)
 
@@ -448,12 +455,13 @@ class LLMEngine:
                                    f"not {target}")
 
     def refit(self, source: str | Path, version: str | None = None,
-              epoch: int | None = None) -> int:
+              epoch: int | None = None, uri: str | None = None) -> int:
         """Swap in the weights of checkpoint folder `source` (PAUSED, SUSPENDED or
         RESUMED only). Everything is validated before any parameter changes; on error the
         old weights keep serving. Returns the new weight epoch: `epoch` when given (a
         fleet's orchestrator numbers its refits pool-wide, so every engine on the same
-        refit has the same epoch), else the current one + 1."""
+        refit has the same epoch), else the current one + 1. `uri` is how the fleet names
+        the checkpoint (default: the folder's file:// URI)."""
         with self._lock:
             if self._state not in REFIT_STATES:
                 raise EngineStateError(
@@ -463,22 +471,24 @@ class LLMEngine:
             config, tensors = load_checkpoint(source, dtype, reference=self.model_config)
             self.runner.load_weights(tensors)
             self.model_config = config
-            self.weight_epoch = self.weight_epoch + 1 if epoch is None else epoch
-            self.weight_version = version or str(source)
+            new_epoch = self.weight_epoch + 1 if epoch is None else epoch
+            self._weights = WeightIdentity(uri or Path(source).resolve().as_uri(),
+                                           version or str(source), new_epoch)
             # Requests holding no KV yet compute everything under the new weights; the
             # ones with KV keep their salt (their leading blocks are old-weight KV).
             for request in self.scheduler.waiting:
                 if request.num_computed_tokens == 0:
                     request.resalt(block_salt(self.weight_epoch, request.cache_salt))
+            self._publish()
             return self.weight_epoch
 
     def reset_prefix_cache(self) -> None:
         with self._lock:
             self.kv.reset_prefix_cache()
+            self._publish()
 
     def prefix_cache_stats(self) -> dict[str, int]:
-        return {"queried_tokens": self.kv.queried_tokens, "hit_tokens": self.kv.hit_tokens,
-                "evictions": self.kv.pool.evictions, "cached_blocks": self.kv.pool.num_cached}
+        return dataclasses.asdict(self.stats.prefix_cache)
 
     def _signal(self, signal: Signal, action=None) -> None:
         with self._state_changed:
@@ -490,6 +500,8 @@ class LLMEngine:
                     action()
             except BaseException:
                 self._state = before
+                self._publish()
                 raise
             self._state = transition.target
+            self._publish()
             self._state_changed.notify_all()

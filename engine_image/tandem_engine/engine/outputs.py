@@ -1,4 +1,5 @@
-"""What the engine hands back: vLLM-shaped `RequestOutput` / `CompletionOutput`."""
+"""What the engine hands back: vLLM-shaped `RequestOutput` / `CompletionOutput`, and a
+decode engine's `PullPlan` for a handed-over prompt."""
 
 from __future__ import annotations
 
@@ -33,3 +34,13 @@ class RequestOutput:
     epoch_segments: list[tuple[int, int]] = field(default_factory=list)
     # For a handoff request: the pinned prompt KV blocks, in position order.
     pinned_blocks: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """Which prompt blocks a decode engine must pull, and where to."""
+
+    request_id: str
+    block_indices: list[int]  # positions in the prompt's block list (prefill side)
+    local_blocks: list[int]  # this engine's blocks, one per index
+    reused_blocks: int  # leading blocks this engine already had cached

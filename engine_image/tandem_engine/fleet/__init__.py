@@ -4,7 +4,7 @@
 it is over); `orchestrator` takes the steps through the engines' admin API (`admin`).
 """
 
-from tandem_engine.fleet.admin import AdminError, FleetAdmin
+from tandem_engine.fleet.admin import AdminError, DrainResult, EngineAdmin, admin_url
 from tandem_engine.fleet.orchestrator import Event, advance, new_transaction, observe, run
 from tandem_engine.fleet.transaction import (
     Act,
@@ -13,11 +13,10 @@ from tandem_engine.fleet.transaction import (
     Failure,
     Phase,
     Transaction,
-    Weights,
     choose_wave,
     next_act,
 )
 
-__all__ = ["Act", "AdminError", "EngineObs", "EngineRecord", "Event", "Failure",
-           "FleetAdmin", "Phase", "Transaction", "Weights", "advance", "choose_wave",
+__all__ = ["Act", "AdminError", "DrainResult", "EngineAdmin", "EngineObs", "EngineRecord",
+           "Event", "Failure", "Phase", "Transaction", "admin_url", "advance", "choose_wave",
            "new_transaction", "next_act", "observe", "run"]

@@ -1,51 +1,120 @@
-"""The engines' admin API as the refit orchestration calls it (httpx, a deadline on every
-call, the pool's bearer token). Errors carry the engine, the call and the engine's own
-message, because they end up in a Degraded condition a human reads."""
+"""The one client of the engines' admin HTTP API (`tandem_engine.server.admin`), used by the
+operator (refit passes, drains on scale-down and pool deletion), `tandem refit` and the tests.
+Torch-free (httpx).
+
+* Every call has a deadline (`timeout`; a refit and the canary get longer ones): an engine
+  that does not answer is an error after it, never waited on without bound.
+* One error type, `AdminError`: the engine, the call (`POST /v1/drain`) and the cause (the
+  engine's own message with its HTTP status, or what the connection did: refused, timed
+  out). They end up in a Degraded condition or a command's stderr, read by a human.
+* The pool's bearer token is given once, to the client.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 
 class AdminError(Exception):
+    """An admin call failed; `status` is the engine's HTTP status (None: no answer)."""
+
     def __init__(self, engine: str, call: str, message: str, status: int | None = None):
         super().__init__(f"engine {engine}: {call}: {message}")
         self.engine, self.call, self.message, self.status = engine, call, message, status
 
 
-class FleetAdmin:
-    def __init__(self, token: str | None = None, timeout: float = 10.0,
-                 refit_timeout: float = 600.0) -> None:
+@dataclass(frozen=True)
+class DrainResult:
+    supported: bool  # the engine has POST /v1/drain
+    drained: bool  # nothing ran or waited when the drain ended
+    num_running: int = 0
+    num_waiting: int = 0
+    seconds: float = 0.0
+
+
+def admin_url(ip: str, port: int) -> str:
+    """The admin API of an engine at this address (IPv6 in brackets)."""
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}"
+
+
+class EngineAdmin:
+    """Admin calls to the engines of one pool (one bearer token), on one connection pool."""
+
+    def __init__(self, token: str | None = None, *, timeout: float = 10.0,
+                 refit_timeout: float = 600.0, poll_interval: float = 0.5) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = httpx.AsyncClient(headers=headers, timeout=timeout)
         self.refit_timeout = refit_timeout
+        self.poll_interval = poll_interval
 
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def state(self, url: str) -> dict[str, Any] | None:
-        """GET /v1/state, or None when the engine does not answer."""
+    async def _request(self, method: str, engine: str, url: str, path: str,
+                       body: dict[str, Any] | None = None, timeout: float | None = None
+                       ) -> dict[str, Any]:
+        call = f"{method} {path}"
         try:
-            r = await self._client.get(f"{url}/v1/state")
-        except httpx.HTTPError:
+            r = await self._client.request(
+                method, f"{url}{path}", json=body,
+                timeout=timeout if timeout is not None else self._client.timeout)
+        except httpx.HTTPError as exc:
+            raise AdminError(engine, call, f"{type(exc).__name__}: {exc}") from exc
+        try:
+            data = r.json()
+        except ValueError:
+            data = None
+        if r.status_code != 200:
+            detail = r.text[:500]
+            if isinstance(data, dict):
+                detail = ((data.get("error") or {}).get("message") or data.get("detail")
+                          or detail)
+            raise AdminError(engine, call, f"HTTP {r.status_code}: {detail}", r.status_code)
+        if not isinstance(data, dict):
+            raise AdminError(engine, call, f"HTTP 200 without a JSON object: {r.text[:200]!r}",
+                             r.status_code)
+        return data
+
+    async def state(self, url: str, engine: str | None = None) -> dict[str, Any]:
+        """GET /v1/state: state, weight_version, weight_epoch, num_running, num_waiting..."""
+        return await self._request("GET", engine or url, url, "/v1/state")
+
+    async def probe(self, url: str) -> dict[str, Any] | None:
+        """GET /v1/state, or None when the engine does not answer (an observation)."""
+        try:
+            return await self.state(url)
+        except AdminError:
             return None
-        return r.json() if r.status_code == 200 else None
 
     async def call(self, engine: str, url: str, path: str, body: dict[str, Any] | None = None,
                    timeout: float | None = None) -> dict[str, Any]:
+        """POST `path` (a lifecycle signal: /v1/pause, /v1/drain, /v1/refit ...)."""
+        return await self._request("POST", engine, url, path, body, timeout)
+
+    async def drain(self, engine: str, url: str, timeout: float) -> DrainResult:
+        """Stop admitting (`POST /v1/drain`), then wait at most `timeout` seconds until
+        nothing runs or waits. A drain must not pause: a paused engine stops stepping and its
+        requests would wait with it. An engine without the endpoint reports
+        `supported=False`: it drains itself on SIGTERM (`--shutdown-grace`)."""
+        started = time.monotonic()
         try:
-            r = await self._client.post(f"{url}{path}", json=body,
-                                        timeout=timeout or self._client.timeout)
-        except httpx.HTTPError as exc:
-            raise AdminError(engine, f"POST {path}", f"{type(exc).__name__}: {exc}") from exc
-        if r.status_code != 200:
-            try:
-                body = r.json()
-                detail = (body.get("error") or {}).get("message") or body.get("detail") or r.text
-            except (ValueError, AttributeError):
-                detail = r.text
-            raise AdminError(engine, f"POST {path}", f"HTTP {r.status_code}: {detail}",
-                             r.status_code)
-        return r.json()
+            await self.call(engine, url, "/v1/drain")
+        except AdminError as exc:
+            if exc.status in (404, 405):
+                return DrainResult(supported=False, drained=False)
+            raise
+        deadline = started + timeout
+        while True:
+            state = await self.state(url, engine)
+            running, waiting = int(state.get("num_running", 0)), int(state.get("num_waiting", 0))
+            if running == 0 and waiting == 0:
+                return DrainResult(True, True, 0, 0, time.monotonic() - started)
+            if time.monotonic() >= deadline:
+                return DrainResult(True, False, running, waiting, time.monotonic() - started)
+            await asyncio.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))

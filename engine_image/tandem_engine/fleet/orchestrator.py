@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from tandem_engine.fleet.admin import AdminError, FleetAdmin
+from tandem_engine.fleet.admin import AdminError, EngineAdmin
 from tandem_engine.fleet.transaction import (
     Act,
     EngineObs,
@@ -26,12 +26,13 @@ from tandem_engine.fleet.transaction import (
     Failure,
     Phase,
     Transaction,
-    Weights,
     choose_wave,
     finished_phase,
     next_act,
     suspend_mode,
 )
+from tandem_engine.refit_policy import OnFailure
+from tandem_engine.weights import WeightsRef
 
 log = logging.getLogger(__name__)
 CANARY = {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 4, "timeout": 30.0}
@@ -46,15 +47,15 @@ class Event:
     warning: bool = False
 
 
-async def observe(admin: FleetAdmin, engines: Sequence[tuple[str, str, str]]
+async def observe(admin: EngineAdmin, engines: Sequence[tuple[str, str, str]]
                   ) -> list[EngineObs]:
     """(name, role, admin URL) → what each engine reports now."""
-    states = await asyncio.gather(*(admin.state(url) for _, _, url in engines))
+    states = await asyncio.gather(*(admin.probe(url) for _, _, url in engines))
     return [EngineObs.from_state(name, role, url, state)
             for (name, role, url), state in zip(engines, states, strict=True)]
 
 
-async def advance(tx: Transaction, engines: list[EngineObs], admin: FleetAdmin,
+async def advance(tx: Transaction, engines: list[EngineObs], admin: EngineAdmin,
                   now: float | None = None) -> list[Event]:
     """One pass: start the next wave if the last one is done, take one step on every
     engine of the wave, fail or finish the transaction. Returns the events of the pass."""
@@ -123,7 +124,7 @@ class _StepFailed(Exception):
         self.step, self.message = step, message
 
 
-async def _step(tx: Transaction, engine: EngineObs, admin: FleetAdmin,
+async def _step(tx: Transaction, engine: EngineObs, admin: EngineAdmin,
                 now: float) -> Event | None:
     record = tx.engines[engine.name]
     goal = tx.goal_for(engine)
@@ -168,7 +169,7 @@ async def _step(tx: Transaction, engine: EngineObs, admin: FleetAdmin,
     return None
 
 
-async def _verify(tx: Transaction, engine: EngineObs, admin: FleetAdmin) -> None:
+async def _verify(tx: Transaction, engine: EngineObs, admin: EngineAdmin) -> None:
     """The engine reports the goal and a short greedy generation succeeds — and matches the
     one every other engine of that version produced."""
     goal = tx.goal_for(engine)
@@ -200,7 +201,7 @@ def _fail(tx: Transaction, engine: EngineObs, error: Exception, now: float) -> l
     # Engines under way are driven back (or to serving) from wherever they are; with
     # Rollback, the ones already verified on the target are refitted back in waves.
     tx.engines = {n: r for n, r in tx.engines.items() if not r.verified}
-    if tx.on_failure == "Rollback":
+    if tx.on_failure == OnFailure.ROLLBACK:
         tx.phase, tx.rollback_epoch = Phase.ROLLING_BACK, tx.epoch + 1
         then = f"rolling back to {tx.previous.version}"
     else:
@@ -214,7 +215,7 @@ def _describe(failure: Failure | None) -> str:
     return f"engine {failure.engine} failed at {failure.step}: {failure.message}"
 
 
-async def run(tx: Transaction, engines: Sequence[tuple[str, str, str]], admin: FleetAdmin,
+async def run(tx: Transaction, engines: Sequence[tuple[str, str, str]], admin: EngineAdmin,
               on_events: Callable[[list[Event], Transaction], Awaitable[None] | None]
               | None = None, interval: float = 0.1, timeout: float = 3600.0) -> Transaction:
     """Drive `tx` to its end against a fixed set of engines (a local stack)."""
@@ -233,7 +234,7 @@ async def run(tx: Transaction, engines: Sequence[tuple[str, str, str]], admin: F
     return tx
 
 
-def new_transaction(target: Weights, engines: list[EngineObs], *, epoch: int | None = None,
+def new_transaction(target: WeightsRef, engines: list[EngineObs], *, epoch: int | None = None,
                     **options) -> Transaction:
     """A transaction from what the engines serve now: the previous weights are the ones
     most of them run (every engine must report a version)."""
@@ -244,5 +245,5 @@ def new_transaction(target: Weights, engines: list[EngineObs], *, epoch: int | N
     previous_version = max(sorted(set(versions)), key=versions.count)
     previous_uri = next(e.uri for e in live if e.version == previous_version)
     top = max(e.epoch for e in live)
-    return Transaction(target=target, previous=Weights(previous_uri, previous_version),
+    return Transaction(target=target, previous=WeightsRef(previous_uri, previous_version),
                        epoch=epoch if epoch is not None else top + 1, **options)

@@ -19,10 +19,16 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-STRATEGIES = ("Rolling", "AllAtOnce")
-INFLIGHT = ("Drain", "Recompute")
-ON_FAILURE = ("Rollback", "Halt")
-TRANSIENT = frozenset({"PAUSING", "UNPAUSING", "SUSPENDING", "RESUMING", "STOPPING"})
+from tandem_engine.lifecycle import TRANSIENT_STATES, EngineState, KVMode
+from tandem_engine.refit_policy import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_MAX_UNAVAILABLE,
+    InFlight,
+    OnFailure,
+    RefitStrategy,
+    choices,
+)
+from tandem_engine.weights import WeightsRef
 
 
 class Phase(str, enum.Enum):
@@ -59,26 +65,13 @@ class Act(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class Weights:
-    uri: str
-    version: str
-
-    def to_dict(self) -> dict[str, str]:
-        return {"uri": self.uri, "version": self.version}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Weights:
-        return cls(str(data["uri"]), str(data["version"]))
-
-
-@dataclass(frozen=True)
 class EngineObs:
     """One engine as observed now (`GET /v1/state` of its admin API)."""
 
     name: str  # unique in the fleet: the pod name, or the local engine id
     role: str  # prefill, decode or mixed
     admin_url: str
-    state: str | None  # an EngineState name; None when the engine does not answer
+    state: EngineState | None  # None when the engine does not answer
     version: str = ""
     epoch: int = 0
     draining: bool = False
@@ -86,9 +79,13 @@ class EngineObs:
     num_waiting: int = 0
     uri: str = ""
 
+    def __post_init__(self) -> None:
+        if self.state is not None:  # the admin API's JSON gives the name as a plain str
+            object.__setattr__(self, "state", EngineState(self.state))
+
     @property
     def serving(self) -> bool:
-        return self.state == "RUNNING" and not self.draining
+        return self.state is EngineState.RUNNING and not self.draining
 
     @classmethod
     def from_state(cls, name: str, role: str, admin_url: str,
@@ -123,14 +120,14 @@ class Failure:
 class Transaction:
     """A refit of a fleet from `previous` to `target`; `epoch` numbers it pool-wide."""
 
-    target: Weights
-    previous: Weights
+    target: WeightsRef
+    previous: WeightsRef
     epoch: int
-    strategy: str = "Rolling"
-    inflight: str = "Drain"
-    drain_timeout: float = 120.0
-    on_failure: str = "Rollback"
-    max_unavailable: int = 1
+    strategy: RefitStrategy = RefitStrategy.ROLLING
+    inflight: InFlight = InFlight.DRAIN
+    drain_timeout: float = float(DEFAULT_DRAIN_TIMEOUT_S)
+    on_failure: OnFailure = OnFailure.ROLLBACK
+    max_unavailable: int = DEFAULT_MAX_UNAVAILABLE
     step_timeout: float = 300.0  # any one step of one engine (beyond the drain)
     phase: Phase = Phase.PROGRESSING
     wave: int = 0
@@ -146,17 +143,20 @@ class Transaction:
     unavailable_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        for name, value, allowed in (("strategy", self.strategy, STRATEGIES),
-                                     ("inflight", self.inflight, INFLIGHT),
-                                     ("on_failure", self.on_failure, ON_FAILURE)):
-            if value not in allowed:
-                raise ValueError(f"refit {name} {value!r} is not one of {', '.join(allowed)}")
+        for name, kind in (("strategy", RefitStrategy), ("inflight", InFlight),
+                           ("on_failure", OnFailure)):
+            value = getattr(self, name)
+            try:
+                setattr(self, name, kind(value))
+            except ValueError:
+                raise ValueError(f"refit {name} {value!r} is not one of "
+                                 f"{', '.join(choices(kind))}") from None
         self.phase = Phase(self.phase)
 
     # ---- where it is going ---------------------------------------------------------------------
 
     @property
-    def goal(self) -> Weights:
+    def goal(self) -> WeightsRef:
         return self.previous if self.phase is Phase.ROLLING_BACK else self.target
 
     @property
@@ -165,7 +165,7 @@ class Transaction:
             return self.rollback_epoch
         return self.epoch
 
-    def goal_for(self, engine: EngineObs) -> Weights | None:
+    def goal_for(self, engine: EngineObs) -> WeightsRef | None:
         """The weights `engine` must end on; while halting, whatever it has (it only has
         to serve again)."""
         if self.phase is Phase.HALTING:
@@ -176,15 +176,16 @@ class Transaction:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["phase"] = str(self.phase)
+        for name in ("phase", "strategy", "inflight", "on_failure"):
+            data[name] = str(data[name])  # plain strings in the pool's status
         data["target"], data["previous"] = self.target.to_dict(), self.previous.to_dict()
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Transaction:
         data = dict(data)
-        data["target"] = Weights.from_dict(data["target"])
-        data["previous"] = Weights.from_dict(data["previous"])
+        data["target"] = WeightsRef.from_dict(data["target"])
+        data["previous"] = WeightsRef.from_dict(data["previous"])
         data["engines"] = {k: EngineRecord(**v) for k, v in (data.get("engines") or {}).items()}
         failure = data.get("failure")
         data["failure"] = Failure(**failure) if failure else None
@@ -196,35 +197,35 @@ class Transaction:
 # ---- one engine ---------------------------------------------------------------------------------
 
 
-def next_act(engine: EngineObs, goal: Weights | None, inflight: str, record: EngineRecord,
-             drain_timeout: float, now: float) -> Act:
+def next_act(engine: EngineObs, goal: WeightsRef | None, inflight: InFlight,
+             record: EngineRecord, drain_timeout: float, now: float) -> Act:
     """The next step for `engine` toward serving `goal` (None: toward serving whatever it
     has). Decided from what the engine reports, so repeating it after a crash is safe."""
     state, on_goal = engine.state, goal is None or engine.version == goal.version
-    if state is None or state in TRANSIENT:
+    if state is None or state in TRANSIENT_STATES:
         return Act.WAIT  # unreachable, or a transition (PAUSING, SUSPENDING, ...) under way
-    if state == "RUNNING":
+    if state is EngineState.RUNNING:
         if on_goal:
             if not engine.draining:
                 return Act.DONE
             return Act.VERIFY  # refitted and unpaused, still refusing traffic
         if not engine.draining:
-            return Act.DRAIN if inflight == "Drain" else Act.PAUSE
+            return Act.DRAIN if inflight == InFlight.DRAIN else Act.PAUSE
         drained = engine.num_running + engine.num_waiting == 0
         started = record.drained_at if record.drained_at is not None else now
         return Act.PAUSE if drained or now - started >= drain_timeout else Act.WAIT
-    if state in ("PAUSED", "RESUMED"):
+    if state in (EngineState.PAUSED, EngineState.RESUMED):
         return Act.UNPAUSE if on_goal else Act.SUSPEND
-    if state == "SUSPENDED":
+    if state is EngineState.SUSPENDED:
         return Act.RESUME if on_goal else Act.REFIT
     return Act.WAIT  # STOPPED: the engine is leaving; the fleet no longer counts it
 
 
-def suspend_mode(engine: EngineObs, inflight: str) -> str:
+def suspend_mode(engine: EngineObs, inflight: InFlight) -> KVMode:
     """Recompute keeps in-flight requests (they finish on the new weights); a drained
     engine has none, so its KV stays where it is."""
     busy = engine.num_running + engine.num_waiting > 0
-    return "recompute" if inflight == "Recompute" or busy else "persist"
+    return KVMode.RECOMPUTE if inflight == InFlight.RECOMPUTE or busy else KVMode.PERSIST
 
 
 # ---- waves --------------------------------------------------------------------------------------
@@ -244,7 +245,7 @@ def choose_wave(tx: Transaction, engines: list[EngineObs]) -> list[str]:
               and e.name not in tx.engines]
     if not behind or any(not _settled(tx, e) for e in engines if e.name in tx.engines):
         return []
-    if tx.strategy == "AllAtOnce":
+    if tx.strategy == RefitStrategy.ALL_AT_ONCE:
         return sorted(e.name for e in behind)
     wave: list[str] = []
     roles = sorted({e.role for e in behind})

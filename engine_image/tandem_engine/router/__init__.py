@@ -5,13 +5,15 @@ tokenizer, the wire protocol, the pure prefix-cache hashing and the sampling
 parameters of `tandem_engine`, never the engine, runner or model.
 
     engines.py      one ZMQ connection per engine: handshake, heartbeats, per-request queues
-    routing.py      which engine serves a request: weight version, load, prefix affinity
-    dispatch.py     one generation across engines: submit, stream, fail over, cancel
-    continuation.py the text of a generation resumed on another engine after a failover
-    api_params.py   OpenAI request bodies -> validated generation jobs
+    discovery.py    the engine pool from Kubernetes endpoints, kept current while it runs
+    routing.py      pure routing rules: serving weight version, load, prefix affinity
+    picker.py       the routing state: which engine or prefill/decode pair, prefix indexes
+    attempts.py     one submission to one engine, streamed: Deltas, then its outcome
+    dispatch.py     one choice across engines: failover, handoff to decode, deadlines
+    api_params.py   OpenAI request bodies -> validated generation jobs (SamplingParams)
     chat.py         chat templates, rendered in a sandbox
-    openai_format.py  OpenAI response, chunk, logprobs and error shapes
+    openai_format.py  OpenAI response, chunk, logprobs and error shapes; the renderer
     metrics.py      Prometheus metrics of the router
-    openai_api.py   the FastAPI app
+    openai_api.py   the HTTP handlers and the FastAPI app
     main.py         the command line and the server's lifecycle
 """

@@ -60,7 +60,9 @@ class Options:
     seed: int | None
     logprobs: int | None  # top alternatives per token; None: no logprobs
     cache_salt: str | None
-    sampling: dict[str, Any]  # the other SamplingParams fields
+    # The other SamplingParams fields the body set, by name (the rest keep SamplingParams'
+    # defaults); `engine_sampling` turns them into each choice's SamplingParams.
+    sampling_args: dict[str, Any]
     return_token_ids: bool = False
 
 
@@ -133,18 +135,17 @@ def resolve_max_tokens(options: Options, prompt_len: int, max_model_len: int, *,
     return options.max_tokens
 
 
-def engine_sampling(options: Options, max_tokens: int, sample_index: int) -> dict[str, Any]:
-    """The `Submit.sampling` dict of one choice; validated as the engine would."""
-    fields = dict(options.sampling, max_tokens=max_tokens, logprobs=options.logprobs)
-    if options.seed is not None:
-        fields["seed"] = options.seed + sample_index
+def engine_sampling(options: Options, max_tokens: int, sample_index: int) -> SamplingParams:
+    """The SamplingParams of one choice (its `Submit.sampling`, for its whole generation),
+    validated here, at the edge: a problem is an InvalidRequest naming the parameter."""
+    seed = options.seed + sample_index if options.seed is not None else None
     try:
-        SamplingParams(**fields)
+        return SamplingParams(**options.sampling_args, max_tokens=max_tokens,
+                              logprobs=options.logprobs, seed=seed)
     except RequestRejected as exc:  # "sampling parameter NAME=..." names the parameter
         message = str(exc)
         param = message.removeprefix("sampling parameter ").split("=", 1)[0]
         raise InvalidRequest(message, param if param.isidentifier() else None) from None
-    return fields
 
 
 # ---- shared options ----------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
     if seed is not None and seed + n_value - 1 > MAX_SEED:
         raise InvalidRequest(f"seed={seed} is too large for n={n_value}: choice i uses "
                              f"seed + i, which must stay <= {MAX_SEED}", "seed")
-    sampling: dict[str, Any] = {}
+    sampling: dict[str, Any] = {}  # Options.sampling_args
     temperature = _number(body, "temperature", 0.0, 2.0)
     if temperature is not None:
         sampling["temperature"] = temperature
@@ -205,7 +206,7 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
                              "characters", "cache_salt")
     return Options(model=model, n=n_value, stream=stream, include_usage=include_usage,
                    max_tokens=max_tokens, seed=seed, logprobs=logprobs,
-                   cache_salt=cache_salt, sampling=sampling,
+                   cache_salt=cache_salt, sampling_args=sampling,
                    return_token_ids=bool(_bool(body, "return_token_ids", False)))
 
 

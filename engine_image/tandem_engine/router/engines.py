@@ -6,7 +6,7 @@ whose last message is older than `heartbeat_deadline`, or whose TCP connection t
 socket monitor reports closed, is dead at once), its latest `Load`, and one asyncio
 queue per in-flight request. When an engine dies, or comes back as a new incarnation
 (a restarted process knows none of our requests), every in-flight queue receives an
-`EngineLost`, which is how `dispatch` knows to resubmit elsewhere.
+`EngineLost`, which is how an attempt (`attempts`) knows to fail over.
 
 Sends never block: the socket only queues to a live connection (ZMQ_IMMEDIATE), and a
 send that cannot be queued fails at once (`EngineUnavailable`), never waits. An
@@ -34,6 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from tandem_engine import protocol as p
 from tandem_engine.router.routing import EngineView
+from tandem_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -123,20 +124,23 @@ class EngineClient:
     def inflight(self) -> int:
         return len(self._queues)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: dict[str, Any],
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                cache_salt: str | None = None, *, pin_for_handoff: bool = False,
-               pull: p.PullSource | None = None) -> asyncio.Queue[QueueItem]:
+               resume: p.Resume | None = None, pull: p.PullSource | None = None
+               ) -> asyncio.Queue[QueueItem]:
         """Hand a request to the engine; its outputs arrive on the returned queue.
 
-        `pin_for_handoff` (prefill) keeps the prompt's KV pinned for a decode engine;
-        `pull` (decode) pulls it from there instead of computing it."""
+        `pin_for_handoff` (prefill) stops after the first token and keeps the prompt's KV
+        pinned for a decode engine; `resume` continues tokens generated elsewhere;
+        `pull` (decode) pulls the prompt's KV from a prefill engine instead of computing
+        it."""
         if not self.connected:
             raise EngineUnavailable(f"engine {self.key} is not connected")
         queue: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
             self._send(p.Submit(request_id, prompt_token_ids, sampling, cache_salt,
-                                pin_for_handoff=pin_for_handoff, pull=pull))
+                                pin_for_handoff=pin_for_handoff, resume=resume, pull=pull))
         except EngineUnavailable:
             del self._queues[request_id]
             raise

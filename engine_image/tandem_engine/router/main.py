@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tandem-router: error: {exc}", file=sys.stderr)
         return 2
     served = args.served_model_name or args.model.name or args.model.resolve().name
-    dispatcher = Dispatcher(pool, tokenizer, config)
+    dispatcher = Dispatcher(pool, config)
     app = build_app(pool, tokenizer, served, dispatcher)
     server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", access_log=False,

@@ -8,6 +8,7 @@ from colliding in prometheus_client's global one.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -62,8 +63,9 @@ class RouterMetrics:
             "tandem_router_disaggregated_requests", "Choices routed disaggregated (prefill "
             "engine, then a decode engine pulling its KV), by outcome: handoff (the decode "
             "engine pulled), finished_at_prefill (done after the first token), no_pin (the "
-            "prefill engine pinned nothing: continued colocated), fallback (the prefill "
-            "failed: served colocated)", ["outcome"], registry=r)
+            "prefill engine pinned nothing: continued colocated), version_changed (the "
+            "prefill engine was refit under the request: continued colocated), fallback "
+            "(the prefill failed: served colocated)", ["outcome"], registry=r)
         self.handoff_versions = Counter(
             "tandem_router_kv_handoff_versions", "KV handoffs by the weight version of the "
             "prefill engine that computed the KV and of the decode engine that pulls it, as "
@@ -80,6 +82,33 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ChoiceLatency:
+    """The latencies of one choice as its client sees them: time to first token, the gap
+    between tokens (per token of a delta), end to end; and the tokens streamed. Does
+    nothing without metrics."""
+
+    def __init__(self, metrics: RouterMetrics | None, arrival: float) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self._last_token_at: float | None = None
+
+    def observe(self, num_tokens: int, finished: bool) -> None:
+        """A delta of `num_tokens` tokens is on its way to the client now."""
+        m = self.metrics
+        if m is None:
+            return
+        now = time.monotonic()
+        if num_tokens:
+            if self._last_token_at is None:
+                m.time_to_first_token.observe(now - self.arrival)
+            else:
+                m.inter_token_latency.observe((now - self._last_token_at) / num_tokens)
+            self._last_token_at = now
+            m.generated_tokens.inc(num_tokens)
+        if finished:
+            m.e2e_latency.observe(now - self.arrival)
 
 
 class _EngineCollector(Collector):

@@ -1,19 +1,24 @@
 """The OpenAI response shapes: completions, chat completions, stream chunks, logprobs,
 usage and errors.
 
-Pure builders of JSON-ready dicts, so every shape is tested without a server. Token
-strings in logprobs are each token decoded on its own (special tokens included); a
-logprob of -inf, which JSON cannot carry, is reported as -9999.0.
+Builders of JSON-ready dicts with no I/O, so every shape is tested without a server;
+`Renderer` turns one request's choice deltas into its endpoint's chunks or final body.
+Token strings in logprobs are each token decoded on its own (special tokens included);
+a logprob of -inf, which JSON cannot carry, is reported as -9999.0.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem_engine import protocol as p
+from tandem_engine.router.api_params import Options
+from tandem_engine.router.attempts import Delta
 from tandem_engine.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0
@@ -154,3 +159,101 @@ def chat_chunk_choice(index: int, delta: dict[str, Any],
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# ---- one request's choices ----------------------------------------------------------------------
+
+
+@dataclass
+class ChoiceResult:
+    """A choice's output accumulated for a non-streamed response."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Delta] = field(default_factory=list)  # the deltas that carry logprobs
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class Renderer:
+    """Turns one request's deltas into its endpoint's chunks and final body (`kind`:
+    cmpl for completions, chatcmpl for chat completions)."""
+
+    def __init__(self, kind: str, request_id: str, model: str, options: Options,
+                 num_choices: int, strings: TokenStrings) -> None:
+        self.chat = kind == "chatcmpl"
+        self.request_id = request_id
+        self.model = model
+        self.options = options
+        self.created = int(time.time())
+        self.strings = strings
+        self.num_choices = num_choices
+        self._text_offsets = [0] * num_choices  # completions logprobs text_offset
+        self._tokens = [0] * num_choices
+
+    def _logprobs(self, index: int, delta: Delta) -> Any:
+        if self.options.logprobs is None or delta.logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(delta.token_ids, delta.logprobs, self.strings)
+        lp = completion_logprobs(delta.token_ids, delta.logprobs, self.strings,
+                                 self._text_offsets[index])
+        self._text_offsets[index] += sum(len(s) for s in lp["tokens"])
+        return lp
+
+    def accumulate(self, result: ChoiceResult, delta: Delta) -> None:
+        result.text.append(delta.text)
+        result.token_ids += delta.token_ids
+        if delta.logprobs is not None and self.options.logprobs is not None:
+            result.logprobs.append(delta)
+        if delta.finished:
+            result.finish_reason, result.stop_reason = delta.finish_reason, delta.stop_reason
+
+    def response(self, results: list[ChoiceResult], prompt_tokens: int) -> dict[str, Any]:
+        choices = []
+        for i, r in enumerate(results):
+            text = "".join(r.text)
+            want = self.options.logprobs is not None
+            if self.chat:
+                entries = [e for d in r.logprobs for e in self._logprobs(i, d)] if want \
+                    else None
+                choice = chat_choice(i, text, entries, r.finish_reason, r.stop_reason)
+            else:
+                lp = merge_completion_logprobs([self._logprobs(i, d) for d in r.logprobs]) \
+                    if want else None
+                choice = completion_choice(i, text, lp, r.finish_reason, r.stop_reason)
+            if self.options.return_token_ids:
+                choice["token_ids"] = r.token_ids
+            choices.append(choice)
+        used = usage(prompt_tokens, sum(len(r.token_ids) for r in results))
+        build = chat_response if self.chat else completion_response
+        return build(self.request_id, self.created, self.model, choices, used)
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        if not self.chat:
+            return []
+        return [chat_chunk(self.request_id, self.created, self.model, [
+            chat_chunk_choice(i, {"role": "assistant", "content": ""})])
+            for i in range(self.num_choices)]
+
+    def chunk(self, index: int, delta: Delta) -> dict[str, Any] | None:
+        self._tokens[index] += len(delta.token_ids)
+        logprobs = self._logprobs(index, delta) if delta.token_ids else None
+        want_ids = self.options.return_token_ids and delta.token_ids
+        if not (delta.text or delta.finished or logprobs or want_ids):
+            return None
+        if self.chat:
+            choice = chat_chunk_choice(index, {"content": delta.text} if delta.text else {},
+                                       logprobs, delta.finish_reason, delta.stop_reason)
+        else:
+            choice = completion_choice(index, delta.text, logprobs, delta.finish_reason,
+                                       delta.stop_reason)
+        if self.options.return_token_ids:
+            choice["token_ids"] = delta.token_ids
+        build = chat_chunk if self.chat else completion_chunk
+        return build(self.request_id, self.created, self.model, [choice])
+
+    def usage_chunk(self, prompt_tokens: int) -> dict[str, Any]:
+        build = chat_chunk if self.chat else completion_chunk
+        return build(self.request_id, self.created, self.model, [],
+                     usage(prompt_tokens, sum(self._tokens)))

@@ -22,7 +22,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-RUNNING = "RUNNING"
+from tandem_engine.lifecycle import LEAVING_STATES, EngineState
+
+RUNNING = EngineState.RUNNING  # the one state an engine takes new requests in
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class EngineView:
     def coming_back(self) -> bool:
         """Alive but not serving for now (paused, suspended, refitting, verifying): new
         requests may wait for it rather than fail."""
-        return self.alive and not self.serving and self.state not in ("STOPPING", "STOPPED")
+        return self.alive and not self.serving and self.state not in LEAVING_STATES
 
 
 @dataclass(frozen=True)

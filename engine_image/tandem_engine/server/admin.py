@@ -1,17 +1,16 @@
 """The engine's admin HTTP API: what the operator (and `tandem serve`) calls.
 
-State, lifecycle signals, refit, health, readiness and Prometheus metrics. Lifecycle
-calls block on the engine lock, so they are plain (threadpool) handlers; each one
-announces the new state to the routers at once. With an admin token configured, every
+State, lifecycle signals, refit, health, readiness and Prometheus metrics. Every
+mutating call goes through `EngineControl` (server/control.py); reads come from the
+engine's published snapshot. Lifecycle calls block on the engine lock, so they are
+plain (threadpool) handlers. With an admin token configured, every
 mutating call needs `Authorization: Bearer <token>`.
 """
 
 from __future__ import annotations
 
 import hmac
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -20,7 +19,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pydantic import BaseModel, Field
 
 from tandem_engine.errors import CheckpointError, RequestRejected
-from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode
+from tandem_engine.lifecycle import EngineStateError, KVMode
+from tandem_engine.server.control import EngineControl, ShuttingDown
+from tandem_engine.server.handoff import HandoffStats
 from tandem_engine.server.worker import EngineWorker
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -44,21 +45,10 @@ class CanaryBody(BaseModel):
     timeout: float = Field(default=30.0, gt=0, le=600)
 
 
-def checkpoint_path(uri: str) -> Path:
-    """`file:///abs/path` (or a bare absolute path) -> Path; other schemes are refused."""
-    parsed = urlparse(uri)
-    if parsed.scheme in ("", "file"):
-        path = unquote(parsed.path if parsed.scheme else uri)
-        if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"refit uri {uri!r}: file URIs must not name a host")
-        return Path(path)
-    raise ValueError(f"refit uri {uri!r}: scheme {parsed.scheme!r} is not supported yet; "
-                     "use file:///path/to/checkpoint")
-
-
-def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> FastAPI:
+def build_admin_app(control: EngineControl, admin_token: str | None = None) -> FastAPI:
+    """The admin API: every mutating call goes through `control` (and needs the bearer
+    token when one is configured); reads come from published snapshots."""
     app = FastAPI(title="tandem-engine admin", docs_url=None, redoc_url=None)
-    engine = worker.engine
 
     def authorize(authorization: str | None) -> None:
         if admin_token is None:
@@ -73,8 +63,7 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
             fn(*args)
         except EngineStateError as exc:
             raise HTTPException(409, str(exc)) from exc
-        worker.announce_state()
-        return state()
+        return control.status()
 
     @app.exception_handler(HTTPException)
     async def _error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -83,26 +72,28 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
 
     @app.get("/v1/state")
     def state() -> dict[str, Any]:
-        load = worker.load()
-        return {"engine_id": worker.engine_id, "incarnation": worker.incarnation,
-                "role": worker.role, "model": worker.model_name, "state": load.state,
-                "weight_version": load.weight_version, "weight_epoch": load.weight_epoch,
-                "weight_uri": engine.weight_uri,
-                "num_running": load.num_running, "num_waiting": load.num_waiting,
-                "kv_usage": load.kv_usage, "draining": worker.draining,
-                "pinned_blocks": engine.kv.num_pinned_blocks,
-                "kv_pulls": {**worker.handoff.as_dict(),
-                             "recomputed": engine.num_pull_fallbacks}}
+        return control.status()
 
     @app.post("/v1/pause")
     def pause(authorization: str | None = Header(None)) -> dict[str, Any]:
         authorize(authorization)
-        return signal(engine.pause)
+        return signal(control.pause)
 
     @app.post("/v1/unpause")
     def unpause(authorization: str | None = Header(None)) -> dict[str, Any]:
         authorize(authorization)
-        return signal(engine.unpause)
+        return signal(control.unpause)
+
+    @app.post("/v1/suspend")
+    def suspend(body: SuspendBody | None = None,
+                authorization: str | None = Header(None)) -> dict[str, Any]:
+        authorize(authorization)
+        return signal(control.suspend, (body or SuspendBody()).mode)
+
+    @app.post("/v1/resume")
+    def resume(authorization: str | None = Header(None)) -> dict[str, Any]:
+        authorize(authorization)
+        return signal(control.resume)
 
     @app.post("/v1/drain")
     def drain(authorization: str | None = Header(None)) -> dict[str, Any]:
@@ -110,21 +101,18 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
         engine); running ones finish. The operator polls /v1/state until none is left,
         then deletes the pod. Not readiness-ready from now on."""
         authorize(authorization)
-        worker.draining = True
-        worker.announce_state()
-        return state()
+        return signal(control.drain)
 
     @app.post("/v1/undrain")
     def undrain(authorization: str | None = Header(None)) -> dict[str, Any]:
         """Admit new requests again (after a refit's verification, or a cancelled
         scale-down). An engine shutting down (SIGTERM) stays draining: 409."""
         authorize(authorization)
-        if worker.shutting_down:
-            raise HTTPException(409, f"engine {worker.engine_id} is shutting down; it "
-                                     "cannot admit new requests again")
-        worker.draining = False
-        worker.announce_state()
-        return state()
+        try:
+            control.undrain()
+        except ShuttingDown as exc:
+            raise HTTPException(409, str(exc)) from exc
+        return control.status()
 
     @app.post("/v1/canary")
     def canary(body: CanaryBody | None = None,
@@ -133,38 +121,23 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
         RUNNING engine (unpause it while it still drains, so routers send nothing)."""
         authorize(authorization)
         body = body or CanaryBody()
-        vocab = engine.model_config.vocab_size
-        if max(body.prompt_token_ids) >= vocab or min(body.prompt_token_ids) < 0:
-            raise HTTPException(400, f"canary prompt token ids must be in [0, {vocab})")
         try:
-            tokens = worker.canary(body.prompt_token_ids, body.max_tokens, body.timeout)
+            tokens = control.canary(body.prompt_token_ids, body.max_tokens, body.timeout)
         except RuntimeError as exc:
             raise HTTPException(409, str(exc)) from exc
         except TimeoutError as exc:
             raise HTTPException(504, str(exc)) from exc
         except RequestRejected as exc:
             raise HTTPException(400, str(exc)) from exc
-        return {"token_ids": tokens, "weight_version": engine.weight_version,
-                "weight_epoch": engine.weight_epoch}
-
-    @app.post("/v1/suspend")
-    def suspend(body: SuspendBody | None = None,
-                authorization: str | None = Header(None)) -> dict[str, Any]:
-        authorize(authorization)
-        return signal(worker.suspend, (body or SuspendBody()).mode)
-
-    @app.post("/v1/resume")
-    def resume(authorization: str | None = Header(None)) -> dict[str, Any]:
-        authorize(authorization)
-        return signal(worker.resume)
+        weights = control.engine.stats.weights
+        return {"token_ids": tokens, "weight_version": weights.version,
+                "weight_epoch": weights.epoch}
 
     @app.post("/v1/refit")
     def refit(body: RefitBody, authorization: str | None = Header(None)) -> dict[str, Any]:
         authorize(authorization)
         try:
-            path = checkpoint_path(body.uri)
-            engine.refit(path, body.version or body.uri, body.epoch)
-            engine.weight_uri = body.uri
+            control.refit(body.uri, body.version, body.epoch)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
         except CheckpointError as exc:
@@ -172,23 +145,22 @@ def build_admin_app(worker: EngineWorker, admin_token: str | None = None) -> Fas
                                      f"serving: {exc}") from exc
         except EngineStateError as exc:
             raise HTTPException(409, str(exc)) from exc
-        worker.announce_state()
-        return state()
+        return control.status()
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
-        ok = worker.alive
+        ok = control.worker.alive
         return JSONResponse({"status": "ok" if ok else "engine thread stopped"},
                             status_code=200 if ok else 503)
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
-        ready = worker.alive and engine.state is EngineState.RUNNING and not worker.draining
-        return JSONResponse({"ready": ready, "state": str(engine.state)},
+        ready = control.ready
+        return JSONResponse({"ready": ready, "state": str(control.engine.stats.state)},
                             status_code=200 if ready else 503)
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_EngineCollector(worker))
+    registry.register(_EngineCollector(control.worker))
 
     @app.get("/metrics")
     def metrics() -> PlainTextResponse:
@@ -234,7 +206,7 @@ class _EngineCollector:
             "peer, READ, wait), successful pulls", HANDOFF_BUCKETS)
 
     def collect(self):
-        w, e = self.worker, self.worker.engine
+        w, s = self.worker, self.worker.engine.stats
         labels = ["engine_id"]
         v = [w.engine_id]
 
@@ -253,17 +225,16 @@ class _EngineCollector:
                 c.add_metric(v, values)
             return c
 
-        yield gauge("tandem_requests_running", "Requests running", e.num_running)
-        yield gauge("tandem_requests_waiting", "Requests waiting", e.num_waiting)
-        yield gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks in use", e.kv.usage)
+        yield gauge("tandem_requests_running", "Requests running", s.num_running)
+        yield gauge("tandem_requests_waiting", "Requests waiting", s.num_waiting)
+        yield gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks in use", s.kv_usage)
         yield gauge("tandem_weight_epoch", "Weight epoch (bumped by each refit)",
-                    e.weight_epoch)
-        stats = e.prefix_cache_stats()
-        queried = stats["queried_tokens"]
+                    s.weights.epoch)
+        cache = s.prefix_cache
         yield gauge("tandem_prefix_cache_hit_ratio", "Prefix-cache hit tokens / queried",
-                    stats["hit_tokens"] / queried if queried else 0.0)
+                    cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0)
         yield counter("tandem_prefix_cache_evictions", "Cached blocks evicted",
-                      values=stats["evictions"])
+                      values=cache.evictions)
         yield counter("tandem_tokens", "Tokens processed", "kind", {
             "prompt": w.stats.prompt_tokens, "generation": w.stats.generation_tokens})
         yield counter("tandem_requests_finished", "Finished requests by reason", "reason",
@@ -271,9 +242,9 @@ class _EngineCollector:
         seconds, w.stats.step_seconds = w.stats.step_seconds, []
         yield self._steps.fold(seconds, labels, v)
         # KV handoff: pins on a prefill engine, pulls on a decode engine.
-        h = w.handoff
+        h = w.handoff.stats if w.handoff is not None else HandoffStats()
         yield gauge("tandem_kv_pinned_blocks", "KV blocks pinned for a decode engine's pull",
-                    e.kv.num_pinned_blocks)
+                    s.num_pinned_blocks)
         yield counter("tandem_kv_handoff_bytes", "KV bytes pulled from prefill engines",
                       values=h.bytes)
         yield counter("tandem_kv_handoff_blocks", "Prompt blocks of handed-over requests: "
@@ -283,6 +254,6 @@ class _EngineCollector:
                       {"geometry": 0, "peer": 0, "timeout": 0, **h.failures})
         yield counter("tandem_kv_handoff_recomputes", "Handed-over requests whose prompt "
                       "was recomputed here (failed pull, or a suspend during the pull)",
-                      values=e.num_pull_fallbacks)
+                      values=s.num_pull_fallbacks)
         seconds, h.seconds = h.seconds, []
         yield self._pulls.fold(seconds, labels, v)

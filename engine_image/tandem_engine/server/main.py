@@ -18,6 +18,17 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from tandem_engine.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_KERNELS,
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    DEFAULT_KV_PIN_TTL_S,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_THREADS,
+    KERNEL_CHOICES,
+)
+
 log = logging.getLogger("tandem_engine.server.main")
 
 
@@ -34,19 +45,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--pull-timeout", type=float, default=10.0,
                    help="decode: deadline of one KV pull from a prefill engine (s)")
-    p.add_argument("--kv-pin-ttl", type=float, default=60.0,
+    p.add_argument("--kv-pin-ttl", type=float, default=float(DEFAULT_KV_PIN_TTL_S),
                    help="prefill: seconds a handed-off prompt's KV stays pinned at most")
     p.add_argument("--shutdown-grace", type=float, default=30.0)
     p.add_argument("--admin-token-file", type=Path, default=None)
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=512 * 1024 * 1024)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help="tokens per KV block")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=DEFAULT_KV_CACHE_MEMORY_BYTES)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--kernels", choices=["auto", "native", "torch"], default="auto")
+    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weight-version", default="initial",
                    help="the version name of the weights at --model (the pool's weights.version)")
@@ -76,7 +89,9 @@ async def _run(args: argparse.Namespace) -> int:
     from tandem_engine.config import EngineConfig
     from tandem_engine.engine.llm_engine import LLMEngine
     from tandem_engine.server.admin import build_admin_app
+    from tandem_engine.server.control import EngineControl
     from tandem_engine.server.worker import EngineWorker
+    from tandem_engine.weights import WeightIdentity
 
     torch.set_num_threads(args.threads)
     token = _read_token(args.admin_token_file)
@@ -88,9 +103,8 @@ async def _run(args: argparse.Namespace) -> int:
         seed=args.seed, kv_pin_ttl_s=args.kv_pin_ttl)
     log.info("loading %s", args.model)
     engine = await asyncio.to_thread(LLMEngine.from_checkpoint, args.model, config)
-    engine.weight_version = args.weight_version
-    engine.weight_epoch = args.weight_epoch
-    engine.weight_uri = Path(args.model).resolve().as_uri()
+    engine.set_weights(WeightIdentity(Path(args.model).resolve().as_uri(),
+                                      args.weight_version, args.weight_epoch))
     engine_id = args.engine_id or f"{socket.gethostname()}:{args.port}"
     transfer = None
     if args.role != "mixed":  # prefill and decode engines hand KV over with NIXL
@@ -106,7 +120,7 @@ async def _run(args: argparse.Namespace) -> int:
 
     shutdown = asyncio.Event()
     admin = uvicorn.Server(uvicorn.Config(
-        build_admin_app(worker, token), host=args.host, port=args.admin_port,
+        build_admin_app(EngineControl(worker), token), host=args.host, port=args.admin_port,
         log_level="warning", lifespan="off"))
     # The admin server runs on its own thread and loop: off the main thread uvicorn
     # leaves SIGTERM/SIGINT alone, and a slow admin call never delays socket I/O.
@@ -122,7 +136,7 @@ async def _run(args: argparse.Namespace) -> int:
         if stopping:
             return
         stopping = True
-        worker.draining = True  # refuse new requests from now on
+        worker.set_draining(True)  # refuse new requests from now on
         log.info("signal %d: draining (grace %.0f s)", signum, args.shutdown_grace)
 
         async def drain_then_stop() -> None:

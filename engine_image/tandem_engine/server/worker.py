@@ -2,14 +2,15 @@
 
 The engine steps in its own thread so socket I/O never waits for a forward pass and a
 forward pass never waits for I/O. The asyncio side owns the ZMQ ROUTER socket (zmq
-sockets are not thread-safe): it decodes frames (a bad frame is logged and dropped),
-hands requests to the engine (thread-safe: the engine has its own lock), and sends
-whatever the stepping thread queues. Every router that said HELLO gets heartbeats and
-immediate state announcements.
+sockets are not thread-safe): it decodes frames (a bad frame is logged and dropped)
+and queues admissions and aborts for the stepping thread, which hands them to the
+engine between steps (a long step holds the engine's lock, and the socket loop must
+never wait for it: heartbeats and outputs would stop). Every router that said HELLO
+gets heartbeats and immediate state announcements, built from the engine's published
+snapshot (`LLMEngine.stats`), never from its fields.
 
-Streaming holds back text that could be the start of a stop string, so a stop string
-is never half-sent: the engine trims it at the end, and what was held back is either
-sent with the final output or dropped with the stop string.
+Text is the engine's (`tandem_engine.text`): an output's text is already safe to show,
+so a stream only sends what it has not sent yet.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import zmq
@@ -32,15 +32,10 @@ from tandem_engine import protocol as p
 from tandem_engine.engine.llm_engine import LLMEngine
 from tandem_engine.engine.outputs import RequestOutput
 from tandem_engine.errors import RequestRejected
-from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode
+from tandem_engine.lifecycle import EngineState, EngineStateError
 from tandem_engine.sampling_params import SamplingParams
-from tandem_engine.transfer import (
-    GeometryMismatch,
-    KVGeometry,
-    KVTransferBackend,
-    TransferError,
-    TransferTimeout,
-)
+from tandem_engine.server.handoff import KVHandoff
+from tandem_engine.transfer import KVTransferBackend
 
 log = logging.getLogger(__name__)
 
@@ -51,38 +46,9 @@ class _Stream:
 
     router: bytes
     client_id: str
-    hold_back: int  # characters that may be the start of a stop string
     logprobs: int | None
     sent_tokens: int = 0
     sent_chars: int = 0
-
-
-@dataclass
-class HandoffStats:
-    """KV handoff numbers for /v1/state and /metrics (decode side pulls, prefill side pins)."""
-
-    pulled_blocks: int = 0
-    reused_blocks: int = 0
-    bytes: int = 0
-    failures: dict[str, int] = field(default_factory=dict)  # by cause
-    seconds: list[float] = field(default_factory=list)  # pull latencies, drained by /metrics
-
-    def failed(self, cause: str) -> None:
-        self.failures[cause] = self.failures.get(cause, 0) + 1
-
-    def as_dict(self) -> dict[str, int]:
-        return {"pulled_blocks": self.pulled_blocks, "reused_blocks": self.reused_blocks,
-                "bytes": self.bytes, "failed": sum(self.failures.values()),
-                **{f"failed_{cause}": n for cause, n in sorted(self.failures.items())}}
-
-
-def failure_cause(exc: Exception) -> str:
-    """A pull failure's label: geometry, timeout or peer (dead, restarted, refused)."""
-    if isinstance(exc, GeometryMismatch):
-        return "geometry"
-    if isinstance(exc, TransferTimeout):
-        return "timeout"
-    return "peer"
 
 
 @dataclass
@@ -94,11 +60,9 @@ class WorkerStats:
 
 
 def stream_delta(stream: _Stream, out: RequestOutput) -> p.Output:
-    """The part of `out` not yet sent, with stop-string hold-back while unfinished."""
+    """The part of `out` not yet sent (the engine's text is already safe to show)."""
     completion = out.outputs[0]
     new_ids = completion.token_ids[stream.sent_tokens:]
-    text = completion.text
-    safe = len(text) if out.finished else max(stream.sent_chars, len(text) - stream.hold_back)
     logprobs = None
     if stream.logprobs is not None and completion.logprobs is not None:
         logprobs = []
@@ -106,15 +70,17 @@ def stream_delta(stream: _Stream, out: RequestOutput) -> p.Output:
             ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)[:stream.logprobs]
             logprobs.append(p.TokenLogprobs(entry[tid].logprob,
                                             [(t, lp.logprob) for t, lp in ranked]))
+    handoff = None
+    reason = completion.finish_reason
+    if reason == "handoff":
+        handoff, reason = p.Handoff(out.request_id, list(out.pinned_blocks or ())), None
     delta = p.Output(
         request_id=stream.client_id, token_ids=list(new_ids),
-        text=text[stream.sent_chars:safe], logprobs=logprobs, finished=out.finished,
-        finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-        num_prompt_tokens=len(out.prompt_token_ids),
-        pin_id=out.request_id if out.pinned_blocks is not None else None,
-        pinned_blocks=out.pinned_blocks)
+        text=completion.text[stream.sent_chars:], logprobs=logprobs, finished=out.finished,
+        finish_reason=reason, stop_reason=completion.stop_reason,
+        num_prompt_tokens=len(out.prompt_token_ids), handoff=handoff)
     stream.sent_tokens += len(new_ids)
-    stream.sent_chars = max(stream.sent_chars, safe)
+    stream.sent_chars = max(stream.sent_chars, len(completion.text))
     return delta
 
 
@@ -133,7 +99,6 @@ class EngineWorker:
         self.draining = False  # no new requests: a drain, a refit, or SIGTERM
         self.shutting_down = False  # SIGTERM: draining for good
         self._canaries: dict[str, tuple[threading.Event, list[RequestOutput]]] = {}
-        self._unpins: collections.deque[str] = collections.deque()  # pins to release
         # Work for the stepping thread from the socket loop (admissions, aborts).
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
         self._routers: set[bytes] = set()
@@ -145,57 +110,18 @@ class EngineWorker:
         self._outbox: asyncio.Queue[tuple[bytes, bytes]] | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._drops = p.DropLog(log, f"engine {engine_id}")
-        # KV handoff (prefill/decode roles): the transfer agent, and one thread that runs
-        # the blocking pulls so neither the socket loop nor the stepping waits on them.
-        self.transfer = transfer
-        self.pull_timeout = pull_timeout
-        self._kv_info: p.KVTransferInfo | None = None
-        self._pulls = ThreadPoolExecutor(1, thread_name_prefix="kv-pull") if transfer else None
-        self.handoff = HandoffStats()
-        if transfer is not None:
-            self._register_kv()
+        # KV handoff (prefill/decode roles): pulls, the passive side's progress, pins.
+        self.handoff = (KVHandoff(engine, transfer, pull_timeout=pull_timeout,
+                                  wake=self._wake.set) if transfer is not None else None)
 
-    def _register_kv(self) -> None:
-        assert self.transfer is not None
-        kv_cache = self.engine.runner.kv_cache
-        geometry = KVGeometry.of_tensor(kv_cache)
-        self.transfer.register(kv_cache, geometry)
-        self._kv_info = p.KVTransferInfo(self.transfer.name, self.transfer.agent_metadata(),
-                                         geometry.to_dict())
-
-    # ---- lifecycle that moves the KV pool ---------------------------------------------------
-
-    def suspend(self, mode: KVMode | str) -> int:
-        """Suspend the engine; when the pool tensor goes (offload, recompute), NIXL lets go
-        of it first. Pulls run on the pull thread, so the deregistration queues behind the
-        one in progress (bounded by its deadline)."""
-        released = self.engine.suspend(mode)
-        if self.transfer is not None and KVMode(mode) is not KVMode.PERSIST:
-            self._on_pull_thread(self.transfer.deregister)
-            self._kv_info = None
-        return released
-
-    def resume(self) -> None:
-        """Resume the engine and register its (new) pool; routers get a fresh WELCOME with
-        the new NIXL metadata, so decode engines re-add this peer."""
-        self.engine.resume()
-        if self.transfer is not None and self._kv_info is None:
-            self._on_pull_thread(self._register_kv)
-            welcome = p.encode(self._welcome())
-            for router in list(self._routers):
-                self._send_threadsafe(router, welcome)
-
-    def _on_pull_thread(self, fn) -> None:
-        assert self._pulls is not None
-        self._pulls.submit(fn).result(timeout=self.pull_timeout + 10)
-
-    # ---- load and state ------------------------------------------------------------------
+    # ---- load, state and admission -----------------------------------------------------------
 
     def load(self) -> p.Load:
-        e = self.engine
-        return p.Load(state=str(e.state), num_running=e.num_running, num_waiting=e.num_waiting,
-                      kv_usage=e.kv.usage, weight_version=e.weight_version,
-                      weight_epoch=e.weight_epoch, draining=self.draining)
+        s = self.engine.stats
+        return p.Load(state=str(s.state), num_running=s.num_running,
+                      num_waiting=s.num_waiting, kv_usage=s.kv_usage,
+                      weight_version=s.weights.version, weight_epoch=s.weights.epoch,
+                      draining=self.draining)
 
     def announce_state(self) -> None:
         """Tell every router about a lifecycle change now (thread-safe)."""
@@ -203,6 +129,16 @@ class EngineWorker:
         msg = p.encode(p.StateChange(self.engine_id, self.incarnation, self.load()))
         for router in list(self._routers):
             self._send_threadsafe(router, msg)
+
+    def welcome_routers(self) -> None:
+        """Send every router a fresh WELCOME (the KV transfer metadata changed)."""
+        welcome = p.encode(self._welcome())
+        for router in list(self._routers):
+            self._send_threadsafe(router, welcome)
+
+    def set_draining(self, draining: bool) -> None:
+        self.draining = draining
+        self.announce_state()
 
     @property
     def alive(self) -> bool:
@@ -223,11 +159,8 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._step_loop, name="engine-steps",
                                         daemon=True)
         self._thread.start()
-        progress = None
-        if self.transfer is not None:
-            progress = threading.Thread(target=self._progress_loop, name="kv-progress",
-                                        daemon=True)
-            progress.start()
+        if self.handoff is not None:
+            self.handoff.start()
         tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._send()),
                  asyncio.create_task(self._heartbeat())]
         try:
@@ -236,12 +169,8 @@ class EngineWorker:
             self._closing.set()
             self._wake.set()
             self._thread.join(timeout=10)
-            if progress is not None:
-                progress.join(timeout=10)
-            if self._pulls is not None:
-                self._pulls.shutdown(wait=True, cancel_futures=True)
-            if self.transfer is not None:
-                self.transfer.close()
+            if self.handoff is not None:
+                self.handoff.close()
             await asyncio.sleep(0.05)  # let the last outputs leave
             for t in tasks:
                 t.cancel()
@@ -252,7 +181,7 @@ class EngineWorker:
         abort the rest (their routers get final `abort` outputs). Blocking."""
         self.draining = self.shutting_down = True
         deadline = time.monotonic() + grace_seconds
-        while ((self._inbox or self.engine.has_unfinished_requests())
+        while ((self._inbox or self.engine.stats.has_unfinished_requests)
                and time.monotonic() < deadline):
             time.sleep(0.05)
         for request_id in list(self._streams):
@@ -271,6 +200,9 @@ class EngineWorker:
             router, frame = frames
             try:
                 msg = p.decode(frame)
+            except p.InvalidSubmit as exc:
+                self._queue(router, p.Reject(exc.request_id, 400, str(exc)))
+                continue
             except p.ProtocolError as exc:
                 self._drops.dropped(f"{exc} (from router {router.hex()})")
                 continue
@@ -301,136 +233,54 @@ class EngineWorker:
         self.engine.unpin(rid)  # a finished prefill whose KV no decode engine will pull
 
     def _welcome(self) -> p.Welcome:
-        e = self.engine
+        s = self.engine.stats
+        info = self.handoff.info if self.handoff is not None else None
         return p.Welcome(p.PROTOCOL_VERSION, self.engine_id, self.incarnation, self.role,
-                         self.model_name, e.kv.block_size, e.max_model_len, self.load(),
-                         self._kv_info)
+                         self.model_name, s.block_size, s.max_model_len, self.load(), info)
 
     @staticmethod
     def _engine_id(router: bytes, client_id: str) -> str:
         return f"{router.hex()}/{client_id}"
 
     def _submit(self, router: bytes, msg: p.Submit) -> None:
-        def reject(status: int, message: str) -> None:
-            self._queue(router, p.Reject(msg.request_id, status, message))
-
         if self.draining:
             why = "shutting down" if self.shutting_down else "draining (refusing new requests)"
-            return reject(503, f"engine {self.engine_id} is {why}")
-        try:
-            params = SamplingParams(**msg.sampling)
-        except TypeError as exc:
-            return reject(400, f"unknown sampling parameter: {exc}")
-        except RequestRejected as exc:
-            return reject(400, str(exc))
-        # The engine is changed only on the stepping thread, between steps: a long step
-        # holds the engine's lock, and the socket loop must never wait for it (heartbeats
-        # and outputs would stop).
-        self._inbox.append(lambda: self._admit(router, msg, params))
+            self._queue(router, p.Reject(msg.request_id, 503,
+                                         f"engine {self.engine_id} is {why}"))
+            return
+        self._inbox.append(functools.partial(self._admit, router, msg))
         self._wake.set()
 
-    def _admit(self, router: bytes, msg: p.Submit, params: SamplingParams) -> None:
-        """On the stepping thread: hand a validated SUBMIT to the engine."""
-        def reject(status: int, message: str) -> None:
-            self._send_threadsafe(router, p.encode(p.Reject(msg.request_id, status, message)))
-
+    def _admit(self, router: bytes, msg: p.Submit) -> None:
+        """On the stepping thread: hand a SUBMIT to the engine (its sampling parameters
+        were validated when the frame was decoded)."""
         rid = self._engine_id(router, msg.request_id)
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        if params.include_stop_str_in_output:
-            hold = max(hold, 0)
-        self._streams[rid] = _Stream(router, msg.request_id, hold, params.logprobs)
+        resumed = msg.resume.token_ids if msg.resume is not None else []
+        sent_chars = msg.resume.sent_chars if msg.resume is not None else 0
+        # The client already has the resumed tokens and `sent_chars` of their text.
+        self._streams[rid] = _Stream(router, msg.request_id, msg.sampling.logprobs,
+                                     sent_tokens=len(resumed), sent_chars=sent_chars)
         try:
             if msg.pull is not None:
-                self._start_pull(rid, msg, params)
+                if self.handoff is None:
+                    raise RequestRejected(f"engine {self.engine_id} (role {self.role}) "
+                                          "cannot pull KV: start it with --role decode")
+                plan = self.engine.add_pulled_request(rid, msg.prompt_token_ids,
+                                                      msg.sampling, resumed, sent_chars,
+                                                      cache_salt=msg.cache_salt)
+                self.handoff.start_pull(rid, msg.pull, plan)
             else:
-                self.engine.add_request(rid, msg.prompt_token_ids, params,
+                self.engine.add_request(rid, msg.prompt_token_ids, msg.sampling,
                                         cache_salt=msg.cache_salt,
-                                        pin_for_handoff=msg.pin_for_handoff)
-        except RequestRejected as exc:
+                                        pin_for_handoff=msg.pin_for_handoff,
+                                        resumed_token_ids=resumed, sent_chars=sent_chars)
+        except (RequestRejected, EngineStateError) as exc:
             del self._streams[rid]
-            return reject(400, str(exc))
-        except EngineStateError as exc:
-            del self._streams[rid]
-            return reject(503, str(exc))
+            status = 400 if isinstance(exc, RequestRejected) else 503
+            self._send_threadsafe(router, p.encode(p.Reject(msg.request_id, status, str(exc))))
+            return
         self.stats.prompt_tokens += len(msg.prompt_token_ids)
         self._wake.set()
-
-    # ---- KV handoff -------------------------------------------------------------------------
-
-    def _start_pull(self, rid: str, msg: p.Submit, params: SamplingParams) -> None:
-        if self.transfer is None or self._pulls is None:
-            raise RequestRejected(f"engine {self.engine_id} (role {self.role}) cannot pull "
-                                  "KV: start it with --role decode")
-        source = msg.pull
-        plan = self.engine.add_pulled_request(rid, msg.prompt_token_ids, source.first_token,
-                                              params, cache_salt=msg.cache_salt)
-        # The router already streamed the first token (from the prefill engine): start
-        # this stream after it.
-        stream = self._streams[rid]
-        stream.sent_tokens = 1
-        request = self.engine.requests.get(rid)
-        stream.sent_chars = len(request.output_text) if request is not None else 0
-        self._pulls.submit(self._pull, rid, source, plan)
-
-    def _pull(self, rid: str, source: p.PullSource, plan) -> None:
-        """Runs on the pull thread: READ the missing blocks, then tell the prefill engine
-        to unpin. Any failure (geometry, dead or frozen peer, deadline) makes the request
-        recompute its prompt here instead; it still completes."""
-        peer = source.agent.agent_name
-        ok = False
-        started = time.monotonic()
-        try:
-            try:
-                geometry = KVGeometry.from_dict(source.agent.geometry)
-            except (ValueError, TypeError, KeyError) as exc:
-                raise GeometryMismatch(f"peer {peer!r} sent an unreadable KV geometry "
-                                       f"{source.agent.geometry!r}: {exc}") from exc
-            self.transfer.add_peer(peer, source.agent.agent_metadata, geometry)
-            if plan.local_blocks:
-                remote = [source.block_ids[i] for i in plan.block_indices]
-                handle = self.transfer.start_read(peer, remote, plan.local_blocks,
-                                                  notif=source.pin_id.encode())
-                self.transfer.wait(handle, self.pull_timeout)
-                self.handoff.bytes += handle.nbytes
-            else:
-                self.transfer.notify(peer, source.pin_id.encode())
-            ok = True
-        except (TransferError, ValueError) as exc:
-            cause = failure_cause(exc)
-            log.warning("pull of %s from %s failed (%s), recomputing the prompt here: %s",
-                        rid, peer, cause, exc)
-            self.handoff.failed(cause)
-        if ok:
-            self.handoff.pulled_blocks += len(plan.local_blocks)
-            self.handoff.seconds.append(time.monotonic() - started)
-            del self.handoff.seconds[:-10_000]
-        self.handoff.reused_blocks += plan.reused_blocks
-        self.engine.complete_pull(rid, ok)
-        self._wake.set()
-
-    def _progress_loop(self) -> None:
-        """The passive side of transfers must make progress, or pulls from it stall — also
-        while a long prefill step runs. While pins exist (pulls may be under way) this
-        thread polls NIXL every millisecond (it sleeps in between: no busy spin), else
-        every 20 ms; the pin ids of finished pulls go to the stepping thread, which
-        unpins them between steps."""
-        assert self.transfer is not None
-        while not self._closing.is_set():
-            try:
-                notes = self.transfer.new_notifications()
-            except TransferError as exc:
-                log.warning("polling KV transfer notifications failed: %s", exc)
-                notes = {}
-            for messages in notes.values():
-                self._unpins.extend(m.decode(errors="replace") for m in messages)
-            if self._unpins:
-                self._wake.set()
-            time.sleep(0.001 if self.engine.kv.num_pinned_blocks else 0.02)
-
-    def _unpin_notified(self) -> None:
-        """Prefill side: every decode engine that finished a pull named the pin."""
-        while self._unpins:
-            self.engine.unpin(self._unpins.popleft())
 
     # ---- verification ---------------------------------------------------------------------------
 
@@ -438,9 +288,13 @@ class EngineWorker:
         """A short greedy generation outside any router's traffic (it runs while the engine
         refuses new requests): a refit is verified with it before the engine serves. Raises
         TimeoutError, or RuntimeError when the engine is not RUNNING."""
-        if self.engine.state is not EngineState.RUNNING:
-            raise RuntimeError(f"a canary needs a RUNNING engine; this one is "
-                               f"{self.engine.state} (unpause it first)")
+        state = self.engine.stats.state
+        if state is not EngineState.RUNNING:
+            raise RuntimeError(f"a canary needs a RUNNING engine; this one is {state} "
+                               "(unpause it first)")
+        vocab = self.engine.stats.vocab_size
+        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
+            raise RequestRejected(f"canary prompt token ids must be in [0, {vocab})")
         rid = f"canary-{uuid.uuid4().hex}"
         done, result = threading.Event(), []
         self._canaries[rid] = (done, result)
@@ -469,10 +323,10 @@ class EngineWorker:
                     self._inbox.popleft()()
                 except Exception:  # one bad message must not stop the engine
                     log.exception("failed to admit a message")
-            busy = engine.has_unfinished_requests() and engine.state is EngineState.RUNNING
-            if self.transfer is not None:
-                self._unpin_notified()
-            if not busy:
+            if self.handoff is not None:
+                self.handoff.unpin_notified()
+            s = engine.stats
+            if not (s.has_unfinished_requests and s.state is EngineState.RUNNING):
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
             try:
@@ -481,10 +335,10 @@ class EngineWorker:
                 log.exception("engine step failed")
                 time.sleep(0.1)
                 continue
-            if engine.step_timings:
-                self.stats.step_seconds.extend(t.total_s for t in engine.step_timings)
+            timings = engine.drain_step_timings()
+            if timings:
+                self.stats.step_seconds.extend(t.total_s for t in timings)
                 del self.stats.step_seconds[:-10_000]
-                engine.step_timings.clear()
             for out in outputs:
                 self._emit(out)
 
@@ -500,7 +354,7 @@ class EngineWorker:
         self.stats.generation_tokens += len(delta.token_ids)
         if out.finished:
             del self._streams[out.request_id]
-            reason = delta.finish_reason or "unknown"
+            reason = delta.finish_reason or ("handoff" if delta.handoff else "unknown")
             self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
         if delta.token_ids or delta.text or delta.finished:
             self._send_threadsafe(stream.router, p.encode(delta))

@@ -1,7 +1,7 @@
 """The KV handoff contract every transfer backend keeps, and the geometry both sides must share.
 
 A decode engine pulls the KV blocks of a prompt that a prefill engine in another process
-computed (DESIGN.md, "KV handoff"). What moves is decided by block ids alone, so both
+computed (docs/architecture.md, "KV handoff"). What moves is decided by block ids alone, so both
 engines' KV pools must agree on everything but their number of blocks; `KVGeometry`
 says what that is and refuses a peer whose pool differs, naming the field, before any
 byte moves. Backends are chosen explicitly by the caller, never from the environment.

@@ -34,6 +34,9 @@ class KVCacheManager:
         # KV handed off to another engine: blocks kept referenced until the puller says it
         # is done, or until the deadline passes (a dead puller must not strand memory).
         self._pins: dict[str, tuple[list[int], float]] = {}
+        # Kept as a plain int so another thread may read it without the owner's lock (a
+        # sum over `_pins` would iterate a dict the owner is changing).
+        self._num_pinned_blocks = 0
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -121,7 +124,8 @@ class KVCacheManager:
 
     @property
     def num_pinned_blocks(self) -> int:
-        return sum(len(t) for t, _ in self._pins.values())
+        """Blocks held by pins. Safe to read from any thread (one int, no iteration)."""
+        return self._num_pinned_blocks
 
     def pin(self, request_id: str, expires_at: float) -> list[int]:
         """Keep a finished request's blocks (its prompt KV) until `unpin` or `expires_at`;
@@ -129,12 +133,14 @@ class KVCacheManager:
         table = self._tables.pop(request_id, [])
         if table:
             self._pins[request_id] = (table, expires_at)
+            self._num_pinned_blocks += len(table)
         return list(table)
 
     def unpin(self, request_id: str) -> bool:
         pinned = self._pins.pop(request_id, None)
         if pinned is None:
             return False
+        self._num_pinned_blocks -= len(pinned[0])
         self.pool.free(list(reversed(pinned[0])))
         return True
 

@@ -1,0 +1,60 @@
+"""Immutable views of an engine that other threads may read without its lock.
+
+The engine publishes a fresh `EngineStats` at the end of every step and every call
+that changes what it reports (one attribute assignment, so a reader sees one whole
+snapshot, never a half-updated one). The process layer (heartbeats, `/v1/state`,
+`/metrics`, the KV progress thread) reads only these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem_engine.lifecycle import EngineState
+from tandem_engine.weights import WeightIdentity
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    num_running: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    schedule_s: float
+    prepare_s: float
+    forward_s: float
+    sample_s: float
+    postprocess_s: float
+
+    @property
+    def total_s(self) -> float:
+        return (self.schedule_s + self.prepare_s + self.forward_s + self.sample_s
+                + self.postprocess_s)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    cached_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    state: EngineState
+    weights: WeightIdentity
+    num_running: int
+    num_waiting: int
+    num_pulling: int  # handed-over requests whose KV is being pulled
+    kv_usage: float  # 0..1 of the KV pool in use
+    num_pinned_blocks: int  # KV kept for decode engines' pulls
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    prefix_cache: PrefixCacheStats
+    num_preemptions: int
+    num_pull_fallbacks: int  # handed-over requests recomputed here
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.num_running + self.num_waiting + self.num_pulling > 0

@@ -1,0 +1,175 @@
+"""Which engine (or prefill/decode pair) serves a choice, and what the router remembers
+of the prefixes it sent where.
+
+`EnginePicker` is the router's one owner of routing state: the engine pool it reads
+views from and, per engine, a `PrefixIndex` of the block hashes it sent there. The
+scoring rules themselves are the pure functions of `routing.py`; this module applies
+them to the live pool and keeps the indexes honest: an engine that restarted, refit or
+left the pool holds none of the blocks remembered for it, so its index starts over.
+
+It also owns waiting for an engine: `wait_until_serving` while the whole pool is only
+away for now (a refit's window), `wait_for_version` while a choice that has tokens
+looks for an engine of their weight version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+
+from tandem_engine.core.kv.hashing import block_hashes, block_salt
+from tandem_engine.router.engines import EngineClient, EnginePool
+from tandem_engine.router.routing import (
+    DEFAULT_WEIGHTS,
+    EngineView,
+    PrefixIndex,
+    RoutingWeights,
+    choose,
+    eligible,
+    serving_version,
+)
+
+POLL_INTERVAL = 0.05  # seconds between looks at the pool while waiting for an engine
+
+
+class EnginePicker:
+    def __init__(self, pool: EnginePool, *, weights: RoutingWeights = DEFAULT_WEIGHTS,
+                 prefix_index_blocks: int = 65536, wait_timeout: float = 30.0) -> None:
+        self.pool = pool
+        self.weights = weights
+        self.prefix_index_blocks = prefix_index_blocks
+        self.wait_timeout = wait_timeout  # the dispatcher's failover timeout
+        self._indexes: dict[str, PrefixIndex] = {}
+        # Per engine address: the client object and its epoch_changes the index is for.
+        self._index_generation: dict[str, tuple[EngineClient, int]] = {}
+        self._tie_break = itertools.count()
+
+    # ---- what the API layer asks before dispatching ----------------------------------------
+
+    def ready(self) -> bool:
+        return serving_version(self.pool.views()) is not None
+
+    async def wait_until_serving(self) -> bool:
+        """Whether an engine serves, waiting up to `wait_timeout` while engines are only
+        away for now (paused, suspended, refitting, verifying: an all-at-once refit's
+        window) rather than failing the request."""
+        deadline = time.monotonic() + self.wait_timeout
+        while not self.ready():
+            if time.monotonic() > deadline or not any(
+                    v.coming_back for v in self.pool.views()):
+                return False
+            await asyncio.sleep(POLL_INTERVAL)
+        return True
+
+    def max_model_len(self) -> int | None:
+        """The context limit of the serving version (the smallest among its engines)."""
+        engines = eligible(self.pool.views())
+        return min(e.max_model_len for e in engines) if engines else None
+
+    # ---- picking ------------------------------------------------------------------------------
+
+    def pick(self, token_ids: Sequence[int], cache_salt: str | None = None,
+             version: str | None = None, exclude: Sequence[str] = ()) -> EngineClient | None:
+        """The engine for `token_ids` (recorded in its prefix index), or None.
+
+        A colocated request avoids prefill-role engines while another engine can take it."""
+        candidates = eligible(self.pool.views(), version, exclude)
+        preferred = [e for e in candidates if self.pool.by_key[e.key].role != "prefill"]
+        return self._choose(preferred or candidates, token_ids, cache_salt)
+
+    async def wait_for_version(self, token_ids: Sequence[int], cache_salt: str | None,
+                               version: str | None, exclude: Sequence[str] = ()
+                               ) -> EngineClient | None:
+        """An engine of weight `version` to continue a generation on, waiting up to
+        `wait_timeout` for one (its engines may be paused or reconnecting); None when
+        none came."""
+        deadline = time.monotonic() + self.wait_timeout
+        while True:
+            client = self.pick(token_ids, cache_salt, version, exclude)
+            if client is not None or time.monotonic() > deadline:
+                return client
+            await asyncio.sleep(POLL_INTERVAL)
+
+    def pick_pair(self, token_ids: Sequence[int], cache_salt: str | None = None
+                  ) -> tuple[EngineClient, EngineClient] | None:
+        """(prefill engine, decode engine) of the serving version for a disaggregated
+        request, or None when the serving version lacks a prefill or a decode engine."""
+        candidates = eligible(self.pool.views())
+        clients = self.pool.by_key
+        if not (any(clients[e.key].role == "prefill" for e in candidates)
+                and any(clients[e.key].role == "decode" for e in candidates)):
+            return None
+        able = [e for e in candidates if clients[e.key].can_hand_over]
+        prefills = [e for e in able if clients[e.key].role in ("prefill", "mixed")]
+        if not prefills:
+            return None
+        # Prefer a dedicated prefill engine; a mixed one only when none is available.
+        prefills = [e for e in prefills if clients[e.key].role == "prefill"] or prefills
+        decodes = [e for e in able if clients[e.key].role in ("decode", "mixed")]
+        prefill = self._choose(prefills, token_ids, cache_salt)
+        assert prefill is not None
+        decodes = [e for e in decodes if e.key != prefill.key]
+        decodes = [e for e in decodes if clients[e.key].role == "decode"] or decodes
+        if not decodes:
+            return None
+        # Load only: the decode engine pulls whatever it lacks.
+        decode = choose(decodes, {}, self.weights, next(self._tie_break))
+        assert decode is not None
+        self._index(decode.key).add(block_hashes(token_ids, decode.block_size,
+                                                 block_salt(decode.weight_epoch, cache_salt)))
+        return prefill, clients[decode.key]
+
+    def remember(self, client: EngineClient, token_ids: Sequence[int],
+                 cache_salt: str | None) -> None:
+        """After a choice finished on `client`: it also caches the generated blocks."""
+        v = client.view()
+        self._index(client.key).add(
+            block_hashes(token_ids, v.block_size, block_salt(v.weight_epoch, cache_salt)))
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _choose(self, candidates: Sequence[EngineView], token_ids: Sequence[int],
+                cache_salt: str | None) -> EngineClient | None:
+        if not candidates:
+            return None
+        hashes: dict[str, list[int]] = {}
+        fraction: dict[str, float] = {}
+        by_chain: dict[tuple[int, int], list[int]] = {}
+        for e in candidates:
+            chain = (e.weight_epoch, e.block_size)
+            if chain not in by_chain:
+                by_chain[chain] = block_hashes(token_ids, e.block_size,
+                                               block_salt(e.weight_epoch, cache_salt))
+            hashes[e.key] = by_chain[chain]
+            n = len(hashes[e.key])
+            fraction[e.key] = self._index(e.key).match(hashes[e.key]) / n if n else 0.0
+        chosen = choose(candidates, fraction, self.weights, next(self._tie_break))
+        assert chosen is not None
+        self._index(chosen.key).add(hashes[chosen.key])
+        return self.pool.by_key[chosen.key]
+
+    def _index(self, key: str) -> PrefixIndex:
+        # An engine that restarted or refit holds none of the blocks we remember, nor does
+        # a new engine at the address of one that left the pool (Kubernetes discovery).
+        client = self.pool.by_key.get(key)
+        if client is None:  # it left the pool: nothing to remember
+            return PrefixIndex(1)
+        generation = (client, client.epoch_changes)
+        if key not in self._indexes:
+            for gone in self._indexes.keys() - self.pool.by_key.keys():
+                del self._indexes[gone], self._index_generation[gone]
+            self._indexes[key] = PrefixIndex(self.prefix_index_blocks)
+        elif self._index_generation[key] != generation:
+            self._indexes[key].clear()
+        self._index_generation[key] = generation
+        return self._indexes[key]
+
+
+def no_engine_message(pool: EnginePool, excluded: set[str] | frozenset[str] = frozenset()
+                      ) -> str:
+    views = pool.views()
+    states = ", ".join(f"{v.key}: {v.state if v.alive else 'unreachable'}" for v in views)
+    refused = f"; refused by {', '.join(sorted(excluded))}" if excluded else ""
+    return f"no engine is available to serve the request (engines: {states}{refused})"

@@ -1,0 +1,105 @@
+"""Every lifecycle change of an engine process goes through one object.
+
+`EngineControl` is what the admin API (and through it the operator and `tandem
+refit`) calls: pause, unpause, suspend, resume, refit, drain, undrain, canary. Each
+call drives the engine's state machine, keeps what must follow it in step (the KV
+transfer agent's registration of a pool that a suspend moves; admission while
+draining) and tells every router about the change at once. Callers never need to
+know which of the engine, the worker or the handoff owns a transition.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tandem_engine.lifecycle import EngineState, KVMode
+from tandem_engine.server.handoff import HandoffStats
+from tandem_engine.server.worker import EngineWorker
+from tandem_engine.weights import checkpoint_path
+
+
+class ShuttingDown(Exception):
+    """The engine is stopping for good (SIGTERM): it cannot admit requests again."""
+
+
+class EngineControl:
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+        self.engine = worker.engine
+
+    # ---- the state machine --------------------------------------------------------------
+
+    def pause(self) -> None:
+        self.engine.pause()
+        self.worker.announce_state()
+
+    def unpause(self) -> None:
+        self.engine.unpause()
+        self.worker.announce_state()
+
+    def suspend(self, mode: KVMode | str) -> int:
+        """Suspend; when the pool tensor goes (offload, recompute) the transfer agent lets
+        go of it first. Returns the bytes of KV storage released."""
+        released = self.engine.suspend(mode)
+        handoff = self.worker.handoff
+        if handoff is not None and KVMode(mode) is not KVMode.PERSIST:
+            handoff.pool_released()
+        self.worker.announce_state()
+        return released
+
+    def resume(self) -> None:
+        """Resume and register the (new) pool: routers get a fresh WELCOME with the new
+        transfer metadata, so decode engines re-add this peer."""
+        self.engine.resume()
+        handoff = self.worker.handoff
+        if handoff is not None and handoff.pool_restored():
+            self.worker.welcome_routers()
+        self.worker.announce_state()
+
+    def refit(self, uri: str, version: str | None, epoch: int | None) -> int:
+        """Load the checkpoint `uri` names (PAUSED, SUSPENDED or RESUMED). Raises
+        WeightsURIError (a ValueError) for a URI naming no local checkpoint,
+        CheckpointError for one that does not fit the running model (the old weights keep
+        serving), EngineStateError in any other state."""
+        path = Path(checkpoint_path(uri, "refit uri"))
+        epoch = self.engine.refit(path, version or uri, epoch, uri=uri)
+        self.worker.announce_state()
+        return epoch
+
+    # ---- admission ------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Stop admitting new requests (routers place them elsewhere); running ones finish."""
+        self.worker.set_draining(True)
+
+    def undrain(self) -> None:
+        """Admit new requests again. Raises ShuttingDown after SIGTERM."""
+        if self.worker.shutting_down:
+            raise ShuttingDown(f"engine {self.worker.engine_id} is shutting down; it cannot "
+                               "admit new requests again")
+        self.worker.set_draining(False)
+
+    def canary(self, prompt_token_ids: list[int], max_tokens: int, timeout: float) -> list[int]:
+        """A short greedy generation no router sees (a refit's verification)."""
+        return self.worker.canary(prompt_token_ids, max_tokens, timeout)
+
+    # ---- what it reports ------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        w = self.worker
+        return w.alive and self.engine.stats.state is EngineState.RUNNING and not w.draining
+
+    def status(self) -> dict[str, Any]:
+        """`GET /v1/state`: one snapshot of the engine and its process."""
+        w, stats = self.worker, self.engine.stats
+        handoff = (w.handoff.stats if w.handoff is not None else HandoffStats()).as_dict()
+        return {"engine_id": w.engine_id, "incarnation": w.incarnation, "role": w.role,
+                "model": w.model_name, "state": str(stats.state),
+                "weight_version": stats.weights.version, "weight_epoch": stats.weights.epoch,
+                "weight_uri": stats.weights.uri,
+                "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                "kv_usage": stats.kv_usage, "draining": w.draining,
+                "pinned_blocks": stats.num_pinned_blocks,
+                "kv_pulls": {**handoff, "recomputed": stats.num_pull_fallbacks}}
