@@ -67,8 +67,8 @@ def test_engine_stats_are_consistent_snapshots_under_concurrent_steps(
     """A prefill engine steps, pins and unpins on one thread while another reads its
     published stats and pin count, as heartbeats, /v1/state and the KV progress thread
     do: every read succeeds and describes a state the engine was really in."""
-    from tandem_engine.engine.llm_engine import LLMEngine
     from tandem_engine.config import EngineConfig
+    from tandem_engine.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_checkpoint(tiny_llama, EngineConfig(num_blocks=256))
     prompts = random_prompts(2048, [20] * 24, seed=5)

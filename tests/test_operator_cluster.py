@@ -27,7 +27,7 @@ import pytest
 import yaml
 from kcluster.cluster import TestCluster
 from kcluster.fixtures import test_cluster  # noqa: F401
-from tandem_operator.kube import Kube, load_configuration
+from tandem_operator.kube import Kube
 from tandem_operator.reconcile import Context, reconcile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -437,7 +437,7 @@ def test_reconcile_converges_then_writes_nothing(cluster: TestCluster, weights: 
     cluster.kubectl("apply", "-f", "-", input=pool_manifest(weights))
 
     async def scenario() -> None:
-        kube = Kube.from_configuration(load_configuration(cluster.kubeconfig))
+        kube = await Kube.connect(cluster.kubeconfig)
         ctx = Context(kube=kube)
         try:
             first = await reconcile(await kube.get_pool("default", "demo"), ctx)
@@ -465,7 +465,7 @@ def test_reconcile_converges_then_writes_nothing(cluster: TestCluster, weights: 
             assert "must not both be 0" in c["message"]
             assert counts(cluster) == {"prefill": 1, "decode": 1, "router": 1}
         finally:
-            await ctx.admin.close()
-            kube.close()
+            await ctx.fleet.close()
+            await kube.close()
 
     asyncio.run(scenario())

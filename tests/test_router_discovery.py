@@ -1,20 +1,28 @@
-"""Router engine discovery: which pod is which engine, list/watch bookkeeping, cluster config,
-the watch loop over HTTP, the router's flags, and (with the test cluster) a real router
-following real engine pods."""
+"""Router engine discovery: which pod is which engine, list/watch bookkeeping, cluster config
+(kubeconfig, exec credential plugins, in-cluster), the watch loop, the router's flags, and
+(with the test cluster) a watch through an exec-plugin kubeconfig and a real router following
+real engine pods."""
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import subprocess
 import sys
+import textwrap
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 from kcluster.fixtures import test_cluster  # noqa: F401
+from kubernetes_asyncio.config import incluster_config
+from tandem_engine import kubeclient
+from tandem_engine.kubeclient import KubeClient, KubeConfigError, KubeError, load_configuration
 from tandem_engine.router import discovery as d
 from tandem_engine.router.discovery import Change, EndpointTable, pod_endpoint
 
@@ -115,7 +123,7 @@ def test_pods_sharing_an_address_keep_it_until_both_are_gone() -> None:
     assert t.apply("DELETED", pod("new", ip="10.0.0.1")).removed == {"10.0.0.1:5555"}
 
 
-# ---- where the API server is --------------------------------------------------------------------
+# ---- where the API server is (tandem_engine.kubeclient) -----------------------------------------
 
 
 def _kubeconfig(user: dict[str, Any], server: str = "http://127.0.0.1:6443") -> dict[str, Any]:
@@ -127,41 +135,57 @@ def _kubeconfig(user: dict[str, Any], server: str = "http://127.0.0.1:6443") -> 
             "users": [{"name": "u", "user": user}]}
 
 
-def test_kubeconfig_json_and_yaml(tmp_path: Path) -> None:
-    import yaml
+def _load(env: dict[str, str], sa: Path | None = None) -> tuple[Any, str | None]:
+    """The configuration from `env`, and the Authorization header it sends now."""
+    async def load() -> tuple[Any, str | None]:
+        cfg = await load_configuration(env=env, service_account_dir=sa or Path("/nonexistent"))
+        return cfg, await cfg.get_api_key_with_prefix("BearerToken")
+    return asyncio.run(load())
 
+
+def test_kubeconfig_json_and_yaml(tmp_path: Path) -> None:
     as_json = tmp_path / "config.json"
     as_json.write_text(json.dumps(_kubeconfig({"token": "abc"})))
-    cfg = d.load_kube_config({"KUBECONFIG": f"{as_json}:/nonexistent"})
-    assert cfg.server == "http://127.0.0.1:6443"
-    assert cfg.headers() == {"Authorization": "Bearer abc"}
+    cfg, header = _load({"KUBECONFIG": f"{as_json}:/nonexistent"})
+    assert (cfg.host, header) == ("http://127.0.0.1:6443", "Bearer abc")
 
-    (tmp_path / "tok").write_text("from-file\n")
+    (tmp_path / "tok").write_text("from-file")
     as_yaml = tmp_path / "config"
     as_yaml.write_text(yaml.safe_dump(_kubeconfig({"tokenFile": "tok"})))
-    cfg = d.load_kube_config({"KUBECONFIG": str(as_yaml)})
-    assert cfg.headers() == {"Authorization": "Bearer from-file"}  # relative to the file
+    _, header = _load({"KUBECONFIG": str(as_yaml)})
+    assert header == "Bearer from-file"  # relative to the kubeconfig's folder
 
-    (tmp_path / "bad").write_text(json.dumps(_kubeconfig({"exec": {"command": "aws"}})))
-    with pytest.raises(d.DiscoveryError, match="exec"):
-        d.load_kube_config({"KUBECONFIG": str(tmp_path / "bad")})
-    with pytest.raises(d.DiscoveryError, match="cannot read"):
-        d.load_kube_config({"KUBECONFIG": str(tmp_path / "missing")})
+    with pytest.raises(KubeConfigError, match="cannot read"):
+        _load({"KUBECONFIG": str(tmp_path / "missing")})
+    (tmp_path / "bad").write_text(json.dumps({"current-context": "nowhere", "contexts": []}))
+    with pytest.raises(KubeConfigError, match="bad"):
+        _load({"KUBECONFIG": str(tmp_path / "bad")})
+
+    # Without KUBECONFIG or a pod around: ~/.kube/config, else a clear error.
+    with pytest.raises(KubeConfigError, match="KUBERNETES_SERVICE_HOST is not set"):
+        _load({"HOME": str(tmp_path)})
+    (tmp_path / ".kube").mkdir()
+    (tmp_path / ".kube" / "config").write_text(yaml.safe_dump(_kubeconfig({"token": "home"})))
+    assert _load({"HOME": str(tmp_path)})[1] == "Bearer home"
 
 
-def test_in_cluster_config_and_namespace(tmp_path: Path) -> None:
+def test_in_cluster_config_and_namespace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
     sa = tmp_path / "sa"
-    with pytest.raises(d.DiscoveryError, match="KUBERNETES_SERVICE_HOST"):
-        d.load_kube_config({}, sa)
     env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
-    with pytest.raises(d.DiscoveryError, match="token"):
-        d.load_kube_config(env, sa)
+    with pytest.raises(KubeConfigError, match="token"):
+        _load(env, sa)
     sa.mkdir()
     (sa / "token").write_text("t1")
-    cfg = d.load_kube_config(env, sa)
-    assert cfg.server == "https://10.96.0.1:443"
-    (sa / "token").write_text("t2")  # rotated tokens are picked up
-    assert cfg.headers() == {"Authorization": "Bearer t2"}
+    (sa / "ca.crt").write_text("a CA bundle")
+    cfg, header = _load(env, sa)
+    assert (cfg.host, cfg.ssl_ca_cert, header) == ("https://10.96.0.1:443", str(sa / "ca.crt"),
+                                                   "Bearer t1")
+    # Rotated tokens are read again (every minute; here at once).
+    monkeypatch.setattr(incluster_config, "TOKEN_REFRESH_PERIOD", dt.timedelta(0))
+    cfg, _ = _load(env, sa)
+    (sa / "token").write_text("t2")
+    assert asyncio.run(cfg.get_api_key_with_prefix("BearerToken")) == "Bearer t2"
 
     assert d.resolve_namespace(None, {}, sa) == "default"
     (sa / "namespace").write_text("from-sa")
@@ -172,31 +196,121 @@ def test_in_cluster_config_and_namespace(tmp_path: Path) -> None:
         d.resolve_namespace("Bad_NS", {}, sa)
 
 
-# ---- the watch loop over HTTP (the API server's side scripted) ----------------------------------
+def _exec_kubeconfig(tmp_path: Path, server: str) -> tuple[Path, Path, Path]:
+    """A kubeconfig whose user runs a credential plugin (as EKS, GKE and AKS ones do): a
+    script that prints an ExecCredential with the token in a file, counting its runs."""
+    token, runs = tmp_path / "token", tmp_path / "runs"
+    token.write_text("from-exec")
+    plugin = tmp_path / "credential-plugin"
+    plugin.write_text(f"#!{sys.executable}\n" + textwrap.dedent("""
+        import json, os, pathlib, sys
+        runs = pathlib.Path(sys.argv[2])
+        runs.write_text((runs.read_text() if runs.exists() else "") + "x")
+        info = json.loads(os.environ["KUBERNETES_EXEC_INFO"])
+        print(json.dumps({"apiVersion": info["apiVersion"], "kind": "ExecCredential",
+                          "status": {"token": pathlib.Path(sys.argv[1]).read_text()}}))
+        """))
+    plugin.chmod(0o755)
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(_kubeconfig({"exec": {
+        "apiVersion": "client.authentication.k8s.io/v1beta1", "command": str(plugin),
+        "args": [str(token), str(runs)], "interactiveMode": "Never"}}, server)))
+    return path, token, runs
+
+
+def test_exec_credentials_are_fetched_again(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    path, token, runs = _exec_kubeconfig(tmp_path, "https://api.example:443")
+    monkeypatch.setattr(kubeclient, "EXEC_REFRESH_SECONDS", 0.0)
+
+    async def scenario() -> list[str | None]:
+        cfg = await load_configuration(path)
+        first = await cfg.get_api_key_with_prefix("BearerToken")
+        token.write_text("rotated")  # a plugin without expiry is asked again (each minute)
+        return [first, await cfg.get_api_key_with_prefix("BearerToken")]
+
+    assert asyncio.run(scenario()) == ["Bearer from-exec", "Bearer rotated"]
+    assert runs.read_text() == "xxx"  # on loading, then (refresh period 0) on every look
+
+
+def test_discovery_with_an_exec_plugin_watches_the_test_cluster(
+        test_cluster, tmp_path: Path) -> None:  # noqa: F811
+    import kubernetes.client
+
+    path, _, runs = _exec_kubeconfig(tmp_path, test_cluster.url)
+    core = kubernetes.client.CoreV1Api(test_cluster.api())
+    engine = {"apiVersion": "v1", "kind": "Pod", "metadata": {
+        "name": "p-decode-0", "labels": {"tandem.dev/pool": "p", "tandem.dev/role": "decode"}},
+        "spec": {"containers": [{"name": "engine", "image": "tandem/engine:test",
+                                 "ports": [{"name": "zmq", "containerPort": 5555}]}]}}
+    running = {"status": {"phase": "Running", "podIP": "10.1.2.3", "containerStatuses": [
+        {"name": "engine", "ready": True, "restartCount": 0, "image": "tandem/engine:test",
+         "imageID": "", "state": {"running": {}}}]}}
+
+    async def scenario() -> list[Change]:
+        client = KubeClient(await load_configuration(path), timeout=5,
+                            user_agent="discovery-test")
+        changes: asyncio.Queue[Change] = asyncio.Queue()
+        watcher = d.PodWatcher(client, "default", "p", changes.put, watch_seconds=5)
+        task = asyncio.create_task(watcher.run())
+        seen = []
+        try:
+            await asyncio.to_thread(core.create_namespaced_pod, "default", engine)
+            await asyncio.to_thread(core.patch_namespaced_pod_status, "p-decode-0", "default",
+                                    running)
+            seen.append(await asyncio.wait_for(changes.get(), 20))
+            await asyncio.to_thread(core.delete_namespaced_pod, "p-decode-0", "default")
+            seen.append(await asyncio.wait_for(changes.get(), 20))
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await client.close()
+        return seen
+
+    assert asyncio.run(scenario()) == [Change(added=frozenset({"10.1.2.3:5555"})),
+                                       Change(removed=frozenset({"10.1.2.3:5555"}))]
+    ours = [r for r in test_cluster.requests() if r.user_agent == "discovery-test"]
+    assert ours and {r.watch for r in ours} == {False, True}  # a list, then a watch
+    assert {r.authorization for r in ours} == {"Bearer from-exec"}
+    assert runs.read_text() == "x"  # the plugin ran once
+
+
+# ---- the watch loop (the API server's side scripted) --------------------------------------------
 
 
 class ScriptedAPI:
-    """Answers list and watch requests from a script; records what was asked."""
+    """Stands in for the KubeClient: answers list and watch calls from a script, records them.
+    A script step is a list body (a dict), a watch's events (a list) or an exception."""
+
+    server = "https://scripted"
+    timeout = 2.0
 
     def __init__(self, script: list[Any]) -> None:
         self.script = script
-        self.requests: list[httpx.Request] = []
+        self.calls: list[tuple[str, str, dict[str, str]]] = []
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(request)
+    def _step(self) -> Any:
         if not self.script:
-            raise httpx.ConnectError("script done", request=request)
+            raise KubeError(0, "ClientConnectorError", "script done")
         step = self.script.pop(0)
         if isinstance(step, Exception):
             raise step
-        status, body = step
-        if isinstance(body, list):  # watch events, one JSON per line
-            return httpx.Response(status, content="".join(json.dumps(e) + "\n" for e in body))
-        return httpx.Response(status, json=body)
+        return step
+
+    async def request(self, method: str, path: str, *, query: dict[str, str] | None = None,
+                      **_: Any) -> dict[str, Any]:
+        self.calls.append(("list", path, dict(query or {})))
+        return self._step()
+
+    async def watch(self, path: str, query: dict[str, str], *, idle_timeout: float
+                    ) -> AsyncIterator[dict[str, Any]]:
+        self.calls.append(("watch", path, dict(query)))
+        for event in self._step():
+            yield event
 
 
-def _list(rv: str, *pods: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    return 200, {"kind": "PodList", "metadata": {"resourceVersion": rv}, "items": list(pods)}
+def _list(rv: str, *pods: dict[str, Any]) -> dict[str, Any]:
+    return {"kind": "PodList", "metadata": {"resourceVersion": rv}, "items": list(pods)}
 
 
 def _watch_changes(script: list[Any], expected: int) -> tuple[list[Change], ScriptedAPI]:
@@ -207,9 +321,8 @@ def _watch_changes(script: list[Any], expected: int) -> tuple[list[Change], Scri
         async def on_change(change: Change) -> None:
             changes.append(change)
 
-        watcher = d.PodWatcher(d.KubeConfig("http://api", token="tok"), "ns", "p", on_change,
-                               request_timeout=2, watch_seconds=5, backoff_initial=0.01,
-                               backoff_max=0.02, transport=httpx.MockTransport(api))
+        watcher = d.PodWatcher(api, "ns", "p", on_change,  # type: ignore[arg-type]
+                               watch_seconds=5, backoff_initial=0.01, backoff_max=0.02)
         task = asyncio.create_task(watcher.run())
         for _ in range(500):
             if len(changes) >= expected:
@@ -228,39 +341,38 @@ def test_watch_resumes_from_the_list_and_relists_on_410_gone() -> None:
     a["metadata"]["resourceVersion"] = "12"
     changes, api = _watch_changes([
         _list("10", a),
-        (200, [{"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "11"}}},
-               {"type": "MODIFIED", "object": pod("a", ip="10.0.0.1", running=False)}]),
-        (200, [{"type": "ERROR", "object": {"kind": "Status", "code": 410,
-                                            "message": "too old resource version"}}]),
+        [{"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "11"}}},
+         {"type": "MODIFIED", "object": pod("a", ip="10.0.0.1", running=False)}],
+        [{"type": "ERROR", "object": {"kind": "Status", "code": 410,
+                                      "message": "too old resource version"}}],
         _list("20", b),
     ], expected=3)
     assert changes == [Change(added=frozenset({"10.0.0.1:5555"})),
                        Change(removed=frozenset({"10.0.0.1:5555"})),
                        Change(added=frozenset({"10.0.0.2:5555"}))]
-    lst, watch, again, relist = api.requests[:4]
-    assert lst.url.params["labelSelector"] == "tandem.dev/pool=p"
-    assert lst.url.path == "/api/v1/namespaces/ns/pods"
-    assert lst.headers["Authorization"] == "Bearer tok"
-    assert watch.url.params["watch"] == "true" and watch.url.params["resourceVersion"] == "10"
+    lst, watch, again, relist = api.calls[:4]
+    assert lst == ("list", "/api/v1/namespaces/ns/pods", {"labelSelector": "tandem.dev/pool=p"})
+    assert watch[0] == "watch" and watch[2]["resourceVersion"] == "10"
+    assert watch[2]["labelSelector"] == "tandem.dev/pool=p"
     # The watch ended normally: the next one resumes from the last version it saw.
-    assert again.url.params["resourceVersion"] == "11"
-    assert "watch" not in relist.url.params
+    assert again[0] == "watch" and again[2]["resourceVersion"] == "11"
+    assert relist[0] == "list"
 
 
 def test_a_broken_watch_or_an_unreachable_api_relists_and_keeps_the_engines() -> None:
     changes, api = _watch_changes([
         _list("1", pod("a", ip="10.0.0.1")),
-        httpx.ReadError("connection reset"),
-        (500, {"kind": "Status", "code": 500}),
-        httpx.ConnectError("refused"),
+        KubeError(0, "ServerDisconnectedError", "connection reset"),
+        KubeError(500, "InternalError", "GET /api/v1/namespaces/ns/pods: boom"),
+        KubeError(0, "ClientConnectorError", "refused"),
         _list("2", pod("a", ip="10.0.0.1")),
-        (410, {"kind": "Status", "code": 410}),  # 410 as the watch's HTTP status
+        KubeError(410, "Expired", "too old"),  # 410 as the watch's HTTP status
         _list("3", pod("a", ip="10.0.0.1"), pod("b", ip="10.0.0.2")),
     ], expected=2)
     assert changes == [Change(added=frozenset({"10.0.0.1:5555"})),
                        Change(added=frozenset({"10.0.0.2:5555"}))]
-    kinds = ["watch" if r.url.params.get("watch") else "list" for r in api.requests[:7]]
-    assert kinds == ["list", "watch", "list", "list", "list", "watch", "list"]
+    assert [kind for kind, _, _ in api.calls[:7]] == ["list", "watch", "list", "list", "list",
+                                                      "watch", "list"]
 
 
 # ---- the router's flags -------------------------------------------------------------------------

@@ -110,7 +110,11 @@ class _ExecRefresh:
             if time.monotonic() < self.next:
                 return
             await self.loader.load_from_exec_plugin()
-            cfg.api_key["BearerToken"] = self.loader.token
+            # A plugin that answers with a client certificate instead keeps the first one:
+            # the connection pool's TLS context is made once.
+            token = getattr(self.loader, "token", None)
+            if token:
+                cfg.api_key["BearerToken"] = token
             self.next = time.monotonic() + EXEC_REFRESH_SECONDS
 
 

@@ -34,6 +34,17 @@ class EngineState(str, enum.Enum):
         return self.value
 
 
+class EngineRole(str, enum.Enum):
+    """What an engine does in a pool: everything, or one side of a KV handoff."""
+
+    MIXED = "mixed"  # prefill and decode, colocated
+    PREFILL = "prefill"  # computes prompts and hands their KV over
+    DECODE = "decode"  # pulls a prompt's KV and generates the rest
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class Signal(str, enum.Enum):
     PAUSE = "PAUSE"
     UNPAUSE = "UNPAUSE"

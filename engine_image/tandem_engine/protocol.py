@@ -13,11 +13,12 @@ Torch-free: the router imports it without the model stack.
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 import msgspec
 
+from tandem_engine.lifecycle import EngineRole
 from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.transfer.base import KVGeometry
 
 # 2: typed SamplingParams in SUBMIT, RESUME of a generation begun elsewhere, HANDOFF in OUTPUT.
 PROTOCOL_VERSION = 2
@@ -95,7 +96,7 @@ class KVTransferInfo(msgspec.Struct, frozen=True):
 
     agent_name: str
     agent_metadata: bytes
-    geometry: dict[str, Any]  # transfer.KVGeometry.to_dict()
+    geometry: KVGeometry  # validated when decoded: a bad one is a malformed frame
 
 
 class PullSource(msgspec.Struct, frozen=True):
@@ -131,7 +132,7 @@ class Welcome(msgspec.Struct, frozen=True):
     protocol_version: int
     engine_id: str
     incarnation: str  # new on every process start: a restart is a new engine
-    role: str  # mixed | prefill | decode
+    role: EngineRole
     model: str  # the served model name
     block_size: int
     max_model_len: int

@@ -122,7 +122,8 @@ def tandem_objects(namespace: str, labels: Any, body: Any, resource: Any, **_: A
     return {(namespace, labels[POOL_LABEL]): (resource.kind, dict(body))}
 
 
-def watched(pods: Any, objects: Any, namespace: str, name: str) -> Watched:
+def watched(pods: kopf.Index, objects: kopf.Index, namespace: str, name: str) -> Watched:
+    """One pool's share of the indexes, as reconcile takes it."""
     key = (namespace, name)
     return Watched(pods=tuple(pods.get(key, ())),
                    objects={(kind, body["metadata"]["name"]): body
@@ -151,7 +152,8 @@ for _kind in POOL_OBJECT_KINDS:  # one index and one wake-up over all of them
 @kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=10.0)
 async def pool_daemon(namespace: str, name: str, body: Any, stopped: Any, memo: Any,
                       tandem_pods: kopf.Index, tandem_objects: kopf.Index, **_: Any) -> None:
-    """`body` is live (kopf updates it from its watch); so are the indexes."""
+    """`body` is live (kopf updates it from its watch); so are the indexes, which kopf hands
+    to every handler under their functions' names."""
     rt = _runtime(memo)
     waker = rt.waker(namespace, name)
     metrics.POOLS.inc()

@@ -95,8 +95,10 @@ class _Write:
         """Whether a watched body (None: the watch has no such object) includes the write."""
         if body is None:
             return self.deleted
+        if self.deleted and not (body.get("metadata") or {}).get("deletionTimestamp"):
+            return False  # still there and not being deleted: the watch is behind
         if self.deleted and self.version is None:
-            return bool((body.get("metadata") or {}).get("deletionTimestamp"))
+            return True
         seen = _version(body)
         return seen is not None and self.version is not None and seen >= self.version
 
@@ -116,9 +118,12 @@ class Writes:
         meta = (answer or {}).get("metadata") or {}
         if (answer or {}).get("kind") == "Status":  # a delete that answers with a Status
             meta = {}
+        now = time.monotonic()  # forget what nobody asked about for long (a deleted pool's)
+        for key in [k for k, w in self._writes.items() if now - w.at > self.ttl]:
+            del self._writes[key]
         self._writes[(kind, namespace, name)] = _Write(
             _version(answer) if meta else None, deleted,
-            (meta.get("labels") or {}).get(POOL_LABEL), time.monotonic())
+            (meta.get("labels") or {}).get(POOL_LABEL), now)
 
     def shown(self, kind: str, namespace: str, name: str,
               body: Mapping[str, Any] | None) -> bool:

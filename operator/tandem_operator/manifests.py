@@ -66,7 +66,7 @@ def common_labels(spec: PoolSpec) -> dict[str, str]:
 
 def group_labels(spec: PoolSpec, group: Group) -> dict[str, str]:
     """Labels of the objects of one group: component prefill|decode|router, role as run."""
-    role = "router" if group == "router" else spec.engine_role(group)
+    role = "router" if group == "router" else str(spec.engine_role(group))
     return {**common_labels(spec), COMPONENT_LABEL: group, ROLE_LABEL: role}
 
 
@@ -101,7 +101,7 @@ def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds
     """The engine's command line; `epoch` None leaves --weight-epoch out (the template
     hash, which a refit never changes)."""
     e = spec.engine
-    args = ["--role", spec.engine_role(group), "--model", weights.path,
+    args = ["--role", str(spec.engine_role(group)), "--model", weights.path,
             "--served-model-name", spec.model_name,
             "--host", "$(POD_IP)", "--port", str(ENGINE_ZMQ_PORT),
             "--admin-port", str(ENGINE_ADMIN_PORT), "--engine-id", "$(POD_NAME)",

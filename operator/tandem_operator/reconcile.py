@@ -7,11 +7,13 @@ one left. Even a drain keeps its progress in the cluster (the pod's `tandem.dev/
 annotation, whose time bounds the drain); the asyncio task polling the engine is only the
 in-memory half, started again after a restart. A refit keeps its transaction in
 `status.refit`: each pass takes one round of engine steps (`refit`) and asks to be run again
-soon while the transaction lasts. What a pass observes comes from kopf's watches when the
-handlers pass them in (`Watched`) and they show the operator's own last writes; otherwise (and
-without kopf) it lists and reads the pool's pods and objects. A spec the schema accepts but the operator cannot serve
+soon while the transaction lasts. A spec the schema accepts but the operator cannot serve
 (weights it cannot find at first load) creates nothing and says why in the `Degraded`
 condition.
+
+What a pass observes comes from kopf's watches when the handlers pass them in (`Watched`) and
+they show the operator's own last writes; otherwise (and without kopf) it lists and reads the
+pool's pods and objects.
 """
 
 from __future__ import annotations

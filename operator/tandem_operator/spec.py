@@ -23,6 +23,7 @@ from tandem_engine.config import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_THREADS,
 )
+from tandem_engine.lifecycle import EngineRole
 from tandem_engine.refit_policy import (
     DEFAULT_DRAIN_TIMEOUT_S,
     InFlight,
@@ -39,7 +40,6 @@ KIND = "InferencePool"
 PLURAL = "inferencepools"
 
 Group = Literal["prefill", "decode", "router"]
-EngineRole = Literal["prefill", "decode", "mixed"]
 GROUPS: tuple[Group, ...] = ("prefill", "decode", "router")
 ENGINE_GROUPS: tuple[Group, ...] = ("prefill", "decode")
 
@@ -149,9 +149,9 @@ class PoolSpec:
         """What `--role` the group's engines run: decode engines serve whole requests (mixed)
         when the pool has no prefill engines."""
         if group == "prefill":
-            return "prefill"
+            return EngineRole.PREFILL
         if group == "decode":
-            return "decode" if self.prefill.replicas > 0 else "mixed"
+            return EngineRole.DECODE if self.prefill.replicas > 0 else EngineRole.MIXED
         raise ValueError(f"{group!r} is not an engine group (prefill or decode)")
 
 

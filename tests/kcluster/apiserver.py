@@ -48,6 +48,7 @@ class LoggedRequest:
     path: str
     query: dict[str, str]
     user_agent: str
+    authorization: str  # the header as sent (tests check which credentials a client used)
     at: float  # time.monotonic() on arrival
 
     @property
@@ -115,6 +116,7 @@ class TestAPIServer(kmock.KubernetesEmulator):
         path = raw.path.rstrip("/") or "/"
         self.request_log.append(LoggedRequest(raw.method, path, dict(raw.query),
                                               raw.headers.get("User-Agent", ""),
+                                              raw.headers.get("Authorization", ""),
                                               time.monotonic()))
         if path == "/version":
             return _json(SERVER_VERSION)
@@ -251,7 +253,6 @@ class TestAPIServer(kmock.KubernetesEmulator):
         bookmarks = params.get("allowWatchBookmarks") in ("true", "1")
 
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
-        await response.prepare(raw)
 
         async def send(kind: str, obj: dict[str, Any]) -> None:
             if as_table and kind in ("ADDED", "MODIFIED", "DELETED"):
@@ -263,6 +264,7 @@ class TestAPIServer(kmock.KubernetesEmulator):
 
         key = resource.storage_key
         try:
+            await response.prepare(raw)
             if initial:
                 cursor = self.store.revision
                 for obj in self._matching(resource, route, {}):

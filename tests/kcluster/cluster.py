@@ -25,6 +25,7 @@ from aiohttp.test_utils import RawTestServer
 from .apiserver import LoggedRequest, TestAPIServer
 
 KUBECTL = "/usr/bin/kubectl"
+TOKEN = "test-token"  # the kubeconfig's bearer token (the server accepts any)
 T = TypeVar("T")
 
 
@@ -89,7 +90,7 @@ class TestCluster:
     def kubeconfig_dict(self) -> dict[str, Any]:
         return {"apiVersion": "v1", "kind": "Config", "current-context": "test",
                 "clusters": [{"name": "test", "cluster": {"server": self.url}}],
-                "users": [{"name": "test", "user": {"token": "test-token"}}],
+                "users": [{"name": "test", "user": {"token": TOKEN}}],
                 "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test",
                                                           "namespace": "default"}}]}
 
@@ -117,7 +118,7 @@ class TestCluster:
 
         configuration = kubernetes.client.Configuration()
         configuration.host = self.url
-        configuration.api_key = {"authorization": "Bearer test-token"}
+        configuration.api_key = {"authorization": f"Bearer {TOKEN}"}
         return kubernetes.client.ApiClient(configuration)
 
     api = client  # the name the shared contract uses

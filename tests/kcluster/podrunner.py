@@ -51,7 +51,8 @@ from typing import Any
 
 import httpx
 from tandem_engine.cli.serve import die_with_parent
-from tandem_engine.router.discovery import kube_config_from_file
+
+from .cluster import TOKEN
 
 NODE_NAME = "tandem-test-node"
 HOST_IP = "127.0.0.1"
@@ -198,9 +199,8 @@ class PodRunner:
         self.tick = tick
         self.restart_backoff = restart_backoff
         self.extra_env = dict(extra_env or {})
-        config = kube_config_from_file(self.kubeconfig)
-        self._http = httpx.Client(base_url=config.server, verify=config.verify,
-                                  auth=config.auth, headers=config.headers(), timeout=10.0)
+        self._http = httpx.Client(base_url=cluster.url, timeout=10.0,
+                                  headers={"Authorization": f"Bearer {TOKEN}"})
         self._probes = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="probe")
         self._pods: dict[str, _Pod] = {}  # by uid
         self._used_ips: set[str] = set()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem_engine.errors import TandemError
-from tandem_engine.lifecycle import EngineState
+from tandem_engine.lifecycle import EngineRole, EngineState
 
 _PR_SET_PDEATHSIG = 1
 STACK_FILE = "stack.json"
@@ -93,11 +93,11 @@ class LocalStack:
             if prefill < 1 or decode < 1:
                 raise ValueError(f"--prefill {prefill} --decode {decode}: a disaggregated "
                                  "stack needs at least one of each")
-            self.roles = ["prefill"] * prefill + ["decode"] * decode
+            self.roles = [EngineRole.PREFILL] * prefill + [EngineRole.DECODE] * decode
         else:
             if engines < 1:
                 raise ValueError(f"--engines {engines}: at least one engine is needed")
-            self.roles = ["mixed"] * engines
+            self.roles = [EngineRole.MIXED] * engines
         self.model = model
         self.num_engines = len(self.roles)
         self.host = host
@@ -146,7 +146,7 @@ class LocalStack:
         self.engines = []
         for i, role in enumerate(self.roles):
             zmq_port, admin_port = free_port(self.host), free_port(self.host)
-            name = f"engine-{i}" if role == "mixed" else f"{role}-{i}"
+            name = f"engine-{i}" if role is EngineRole.MIXED else f"{role}-{i}"
             self.engines.append({"name": name, "role": role,
                                  "admin_url": f"http://{self.host}:{admin_port}"})
             engines.append((zmq_port, self._spawn(

@@ -160,7 +160,7 @@ class EngineClient:
     @property
     def role(self) -> str:
         """mixed | prefill | decode, as the engine announced (mixed until it did)."""
-        return self.welcome.role if self.welcome is not None else "mixed"
+        return self.welcome.role if self.welcome is not None else p.EngineRole.MIXED
 
     @property
     def can_hand_over(self) -> bool:

@@ -3,7 +3,7 @@
     tandem-router --engine 127.0.0.1:5555 --engine 127.0.0.1:5556 --model DIR
     tandem-router --discover-pool NAME [--namespace NS] --model DIR   # in Kubernetes
 
-The engines are a static list (`--engine`), or the Ready engine pods of an InferencePool,
+The engines are a static list (`--engine`), or the engine pods of an InferencePool,
 followed through the Kubernetes API (`--discover-pool`, see `router/discovery.py`).
 
 `--model` is read for the tokenizer and the chat template only (no weights, no torch).
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import uvicorn
 
+from tandem_engine import kubeclient
 from tandem_engine.errors import TandemError
 from tandem_engine.router import discovery
 from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
@@ -77,7 +78,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--namespace goes with --discover-pool, not --engine")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Kubernetes API call
     try:
         tokenizer = Tokenizer.from_dir(args.model)
         pool, engines = _engine_pool(args)
@@ -109,8 +109,9 @@ def _engine_pool(args: argparse.Namespace) -> tuple[EnginePool, str]:
     if args.engine:
         return EnginePool(args.engine, **timing), ", ".join(args.engine)
     namespace = discovery.resolve_namespace(args.namespace)
-    pool = discovery.DiscoveredEnginePool(args.discover_pool, namespace,
-                                          discovery.load_kube_config(), **timing)
+    # Read now (an exec credential plugin runs once): a bad kubeconfig stops the router here.
+    config = asyncio.run(kubeclient.load_configuration())
+    pool = discovery.DiscoveredEnginePool(args.discover_pool, namespace, config, **timing)
     return pool, f"of pool {args.discover_pool} in namespace {namespace} (discovered)"
 
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 
 from tandem_engine.core.kv.hashing import block_hashes, block_salt
+from tandem_engine.lifecycle import EngineRole
 from tandem_engine.router.engines import EngineClient, EnginePool
 from tandem_engine.router.routing import (
     DEFAULT_WEIGHTS,
@@ -76,7 +77,7 @@ class EnginePicker:
 
         A colocated request avoids prefill-role engines while another engine can take it."""
         candidates = eligible(self.pool.views(), version, exclude)
-        preferred = [e for e in candidates if self.pool.by_key[e.key].role != "prefill"]
+        preferred = [e for e in candidates if self.pool.by_key[e.key].role != EngineRole.PREFILL]
         return self._choose(preferred or candidates, token_ids, cache_salt)
 
     async def wait_for_version(self, token_ids: Sequence[int], cache_salt: str | None,
@@ -98,20 +99,21 @@ class EnginePicker:
         request, or None when the serving version lacks a prefill or a decode engine."""
         candidates = eligible(self.pool.views())
         clients = self.pool.by_key
-        if not (any(clients[e.key].role == "prefill" for e in candidates)
-                and any(clients[e.key].role == "decode" for e in candidates)):
+        if not (any(clients[e.key].role == EngineRole.PREFILL for e in candidates)
+                and any(clients[e.key].role == EngineRole.DECODE for e in candidates)):
             return None
         able = [e for e in candidates if clients[e.key].can_hand_over]
-        prefills = [e for e in able if clients[e.key].role in ("prefill", "mixed")]
+        prefills = [e for e in able
+                    if clients[e.key].role in (EngineRole.PREFILL, EngineRole.MIXED)]
         if not prefills:
             return None
         # Prefer a dedicated prefill engine; a mixed one only when none is available.
-        prefills = [e for e in prefills if clients[e.key].role == "prefill"] or prefills
-        decodes = [e for e in able if clients[e.key].role in ("decode", "mixed")]
+        prefills = [e for e in prefills if clients[e.key].role == EngineRole.PREFILL] or prefills
+        decodes = [e for e in able if clients[e.key].role in (EngineRole.DECODE, EngineRole.MIXED)]
         prefill = self._choose(prefills, token_ids, cache_salt)
         assert prefill is not None
         decodes = [e for e in decodes if e.key != prefill.key]
-        decodes = [e for e in decodes if clients[e.key].role == "decode"] or decodes
+        decodes = [e for e in decodes if clients[e.key].role == EngineRole.DECODE] or decodes
         if not decodes:
             return None
         # Load only: the decode engine pulls whatever it lacks.

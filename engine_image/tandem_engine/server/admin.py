@@ -58,20 +58,25 @@ def build_admin_app(control: EngineControl, admin_token: str | None = None) -> F
             raise HTTPException(401, "this admin call needs 'Authorization: Bearer <token>' "
                                      "with the engine's admin token")
 
-    def signal(fn, *args) -> dict[str, Any]:
-        try:
-            fn(*args)
-        except EngineStateError as exc:
-            raise HTTPException(409, str(exc)) from exc
-        return control.status()
-
     @app.exception_handler(HTTPException)
     async def _error(_: Request, exc: HTTPException) -> JSONResponse:
         return JSONResponse({"error": {"message": exc.detail, "code": exc.status_code}},
                             status_code=exc.status_code)
 
-    @app.get("/v1/state")
-    def state() -> dict[str, Any]:
+    _add_lifecycle_routes(app, control, authorize)
+    _add_serving_routes(app, control, authorize)
+    _add_read_routes(app, control)
+    return app
+
+
+def _add_lifecycle_routes(app: FastAPI, control: EngineControl, authorize) -> None:
+    """The state machine: 409 for a signal the state does not allow."""
+
+    def signal(fn, *args) -> dict[str, Any]:
+        try:
+            fn(*args)
+        except EngineStateError as exc:
+            raise HTTPException(409, str(exc)) from exc
         return control.status()
 
     @app.post("/v1/pause")
@@ -95,13 +100,32 @@ def build_admin_app(control: EngineControl, admin_token: str | None = None) -> F
         authorize(authorization)
         return signal(control.resume)
 
+    @app.post("/v1/refit")
+    def refit(body: RefitBody, authorization: str | None = Header(None)) -> dict[str, Any]:
+        authorize(authorization)
+        try:
+            control.refit(body.uri, body.version, body.epoch)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from exc
+        except CheckpointError as exc:
+            raise HTTPException(422, f"refit to {body.uri} refused, old weights still "
+                                     f"serving: {exc}") from exc
+        except EngineStateError as exc:
+            raise HTTPException(409, str(exc)) from exc
+        return control.status()
+
+
+def _add_serving_routes(app: FastAPI, control: EngineControl, authorize) -> None:
+    """Admission (drain, undrain) and a refit's verification (canary)."""
+
     @app.post("/v1/drain")
     def drain(authorization: str | None = Header(None)) -> dict[str, Any]:
         """Stop admitting new requests (they get 503 and the router places them on another
         engine); running ones finish. The operator polls /v1/state until none is left,
         then deletes the pod. Not readiness-ready from now on."""
         authorize(authorization)
-        return signal(control.drain)
+        control.drain()
+        return control.status()
 
     @app.post("/v1/undrain")
     def undrain(authorization: str | None = Header(None)) -> dict[str, Any]:
@@ -133,18 +157,13 @@ def build_admin_app(control: EngineControl, admin_token: str | None = None) -> F
         return {"token_ids": tokens, "weight_version": weights.version,
                 "weight_epoch": weights.epoch}
 
-    @app.post("/v1/refit")
-    def refit(body: RefitBody, authorization: str | None = Header(None)) -> dict[str, Any]:
-        authorize(authorization)
-        try:
-            control.refit(body.uri, body.version, body.epoch)
-        except ValueError as exc:
-            raise HTTPException(400, str(exc)) from exc
-        except CheckpointError as exc:
-            raise HTTPException(422, f"refit to {body.uri} refused, old weights still "
-                                     f"serving: {exc}") from exc
-        except EngineStateError as exc:
-            raise HTTPException(409, str(exc)) from exc
+
+
+def _add_read_routes(app: FastAPI, control: EngineControl) -> None:
+    """State, health, readiness and metrics: open, and never waiting for a step."""
+
+    @app.get("/v1/state")
+    def state() -> dict[str, Any]:
         return control.status()
 
     @app.get("/healthz")
@@ -166,8 +185,6 @@ def build_admin_app(control: EngineControl, admin_token: str | None = None) -> F
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(generate_latest(registry).decode(),
                                  media_type="text/plain; version=0.0.4")
-
-    return app
 
 
 class _FoldedHistogram:

@@ -108,7 +108,7 @@ class KVHandoff:
         geometry = KVGeometry.of_tensor(kv_cache)
         self.transfer.register(kv_cache, geometry)
         self._info = p.KVTransferInfo(self.transfer.name, self.transfer.agent_metadata(),
-                                      geometry.to_dict())
+                                      geometry)
 
     def pool_released(self) -> None:
         """The pool tensor went away (an offload or recompute suspend): let go of it. Runs
@@ -140,12 +140,7 @@ class KVHandoff:
         ok = False
         started = time.monotonic()
         try:
-            try:
-                geometry = KVGeometry.from_dict(source.agent.geometry)
-            except (ValueError, TypeError, KeyError) as exc:
-                raise GeometryMismatch(f"peer {peer!r} sent an unreadable KV geometry "
-                                       f"{source.agent.geometry!r}: {exc}") from exc
-            self.transfer.add_peer(peer, source.agent.agent_metadata, geometry)
+            self.transfer.add_peer(peer, source.agent.agent_metadata, source.agent.geometry)
             if plan.local_blocks:
                 remote = [source.block_ids[i] for i in plan.block_indices]
                 handle = self.transfer.start_read(peer, remote, plan.local_blocks,

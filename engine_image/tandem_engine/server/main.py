@@ -28,6 +28,7 @@ from tandem_engine.config import (
     DEFAULT_THREADS,
     KERNEL_CHOICES,
 )
+from tandem_engine.lifecycle import EngineRole
 
 log = logging.getLogger("tandem_engine.server.main")
 
@@ -41,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, required=True, help="ZMQ port routers connect to")
     p.add_argument("--admin-port", type=int, required=True, help="admin HTTP port")
     p.add_argument("--engine-id", default=None, help="default: host:port")
-    p.add_argument("--role", choices=["mixed", "prefill", "decode"], default="mixed")
+    p.add_argument("--role", choices=[str(r) for r in EngineRole],
+                   default=str(EngineRole.MIXED))
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
     p.add_argument("--pull-timeout", type=float, default=10.0,
                    help="decode: deadline of one KV pull from a prefill engine (s)")

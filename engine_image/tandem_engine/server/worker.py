@@ -86,14 +86,14 @@ def stream_delta(stream: _Stream, out: RequestOutput) -> p.Output:
 
 class EngineWorker:
     def __init__(self, engine: LLMEngine, *, engine_id: str, model_name: str,
-                 role: str = "mixed", heartbeat_interval: float = 0.5,
+                 role: str = p.EngineRole.MIXED, heartbeat_interval: float = 0.5,
                  transfer: KVTransferBackend | None = None,
                  pull_timeout: float = 10.0) -> None:
         self.engine = engine
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex
         self.model_name = model_name
-        self.role = role
+        self.role = p.EngineRole(role)
         self.heartbeat_interval = heartbeat_interval
         self.stats = WorkerStats()
         self.draining = False  # no new requests: a drain, a refit, or SIGTERM
