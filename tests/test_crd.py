@@ -426,7 +426,13 @@ def test_disaggregated_example():
     spec = apply_defaults(SCHEMA, load_example("inferencepool.yaml"))["spec"]
     replicas = [spec[role]["replicas"] for role in ("prefill", "decode", "router")]
     assert replicas == [1, 1, 1]
-    assert spec["model"]["weights"]["uri"] == "file:///models/demo"
+    # It serves the real model, which an init container pulls where weights.uri points.
+    assert spec["model"]["weights"]["uri"] == "file:///models/smollm2-135m-instruct.gguf"
+    (init,) = spec["engine"]["initContainers"]
+    assert init["command"] == ["tandem", "models", "pull", "smollm2-135m-instruct",
+                               "/models/smollm2-135m-instruct.gguf"]
+    assert [v["name"] for v in spec["engine"]["volumes"]] == ["models"]
+    assert "emptyDir" in spec["engine"]["volumes"][0]
 
 
 def test_mixed_example_is_colocated():
@@ -495,6 +501,17 @@ SCHEMA_REJECTS = [
     ({"engine": {"resources": {"limit": {"cpu": "2"}}}}, "spec.engine.resources", "unexpected"),
     ({"decode": {"resources": {"requests": {"memory": 1.5}}}},
      "spec.decode.resources.requests.memory", "is not valid under any of the given schemas"),
+    # init containers: bounded, typed, a command each
+    ({"engine": {"initContainers": [{"name": "pull"}]}},
+     "spec.engine.initContainers[0]", "'command' is a required property"),
+    ({"engine": {"initContainers": [{"name": f"c{i}", "command": ["true"]} for i in range(5)]}},
+     "spec.engine.initContainers", "is too long"),
+    ({"engine": {"initContainers": [{"name": "Pull", "command": ["true"]}]}},
+     "spec.engine.initContainers[0].name", "match"),
+    ({"engine": {"initContainers": [{"name": "pull", "command": []}]}},
+     "spec.engine.initContainers[0].command", "should be non-empty"),
+    ({"engine": {"initContainers": [{"name": "pull", "command": ["x"], "securityContext": {}}]}},
+     "spec.engine.initContainers[0]", "'securityContext' was unexpected"),
 ]
 
 
@@ -519,6 +536,12 @@ def test_schema_accepts_what_it_should():
         {"model": {"weights": {"version": "7"}}},
         {"prefill": {"replicas": 0}, "decode": {"replicas": 1}},
         {"rollout": {"maxSurge": 0, "maxUnavailable": 1}},
+        {"engine": {"volumes": [{"name": "models", "emptyDir": {}}],
+                    "initContainers": [{"name": "pull", "image": "busybox:1", "command": ["sh"],
+                                        "args": ["-c", "true"],
+                                        "env": [{"name": "PIP_INDEX_URL", "value": "http://x"}],
+                                        "volumeMounts": [{"name": "models",
+                                                          "mountPath": "/models"}]}]}},
     ]
     for patch in accepted:
         assert validate(minimal_pool(**patch)) == [], patch

@@ -271,6 +271,44 @@ def test_weights_volumes_are_mounted_into_engine_and_router_pods() -> None:
                       "volumeMounts": [{"name": "weights", "mountPath": "/models"}]})
 
 
+def test_init_containers_run_in_engine_and_router_pods() -> None:
+    """An init container fills a volume before the engine or router starts (the example
+    pulls the model into an emptyDir); image and pull policy default to the engine's."""
+    volumes = [{"name": "models", "emptyDir": {}}]
+    pull = {"name": "pull-model", "command": ["tandem", "models", "pull", "smollm2-135m-instruct",
+                                              "/models/m.gguf"],
+            "volumeMounts": [{"name": "models", "mountPath": "/models"}]}
+    s = parse(engine={"image": "tandem/engine:9", "imagePullPolicy": "Always",
+                      "volumes": volumes,
+                      "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+                      "initContainers": [pull, {"name": "check", "image": "busybox:1",
+                                                "command": ["ls"], "args": ["/models"],
+                                                "env": [{"name": "A", "value": "1"}]}]})
+    for group in ("prefill", "decode", "router"):
+        pod = m.pod(s, group, s.weights)
+        assert pod["spec"]["initContainers"] == [
+            {**pull, "image": "tandem/engine:9", "imagePullPolicy": "Always"},
+            {"name": "check", "image": "busybox:1", "imagePullPolicy": "Always",
+             "command": ["ls"], "args": ["/models"], "env": [{"name": "A", "value": "1"}]}]
+        kubernetes_validate.validate(pod, "1.32", strict=True)
+    assert "initContainers" not in m.pod(parse(), "decode", s.weights)["spec"]
+
+
+@pytest.mark.parametrize(("init", "message"), [
+    ([{"name": "a", "command": ["x"]}, {"name": "a", "command": ["y"]}],
+     r"initContainers\[1\]\.name 'a' is used twice"),
+    ([{"name": "a"}], r"initContainers\[0\]\.command is required"),
+    ([{"name": "a", "command": "tandem models pull"}],
+     r"initContainers\[0\]\.command must be a list"),
+    ([{"name": "a", "command": ["x"], "volumeMounts": [{"name": "w", "mountPath": "/w"}]}],
+     r"initContainers\[0\]\.volumeMounts entry .* names no volume"),
+    ([{"name": f"c{i}", "command": ["x"]} for i in range(5)], "at most 4 are allowed"),
+])
+def test_init_container_errors_name_the_field(init: list[dict[str, Any]], message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        parse(engine={"initContainers": init})
+
+
 # ---- the template hash --------------------------------------------------------------------------
 
 
@@ -300,6 +338,8 @@ def test_the_template_hash_is_stable_across_processes() -> None:
     ({"engine": {"threads": 4}}, {"prefill", "decode"}),
     ({"kvTransfer": {"pinTTLSeconds": 5}}, {"prefill", "decode"}),
     ({"kvTransfer": {"ucx": {"transports": "tcp"}}}, {"prefill", "decode"}),
+    ({"engine": {"initContainers": [{"name": "pull", "command": ["true"]}]}},
+     {"prefill", "decode", "router"}),
     ({"prefill": {"replicas": 1, "nodeSelector": {"a": "b"}}}, {"prefill"}),
     ({"decode": {"replicas": 1, "tolerations": [{"key": "k", "operator": "Exists"}]}},
      {"decode"}),

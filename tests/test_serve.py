@@ -79,13 +79,23 @@ def test_serve_answers_openai_and_stops_cleanly(tiny_qwen3: Path, tmp_path: Path
 
 
 def test_serve_reports_a_bad_model_and_leaves_nothing(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tandem_engine.cli.main", "serve", "--model", str(tmp_path / "nope"),
-         "--port", str(free_port())], capture_output=True, text=True, timeout=120,
-        env={**os.environ, "TMPDIR": str(tmp_path)})
+    def serve(model: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "tandem_engine.cli.main", "serve", "--model", str(model),
+             "--port", str(free_port())], capture_output=True, text=True, timeout=120,
+            env={**os.environ, "TMPDIR": str(tmp_path)})
+
+    # A path that does not exist (and is no known model name): said before anything starts.
+    proc = serve(tmp_path / "nope")
+    assert proc.returncode == 2
+    assert "no such file or folder, and not a known model name" in proc.stderr
+    assert "engine-0" not in proc.stderr
+    # A folder that is no checkpoint: the engine says why.
+    (tmp_path / "empty").mkdir()
+    proc = serve(tmp_path / "empty")
     assert proc.returncode == 2
     assert "engine-0 exited with code 2" in proc.stderr
-    assert "does not exist" in proc.stderr or "config.json" in proc.stderr
+    assert "config.json" in proc.stderr
 
 
 def test_serve_disaggregated_prefill_and_decode(tiny_llama: Path, tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ class TandemError(Exception):
 
 
 class CheckpointError(TandemError):
-    """A checkpoint folder cannot be used: names the file, the tensor and what was expected."""
+    """A checkpoint (folder or GGUF file) cannot be used: names the file, the tensor or
+    metadata key, and what was expected."""
 
 
 class RequestRejected(TandemError, ValueError):

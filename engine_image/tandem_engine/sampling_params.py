@@ -17,7 +17,10 @@ class SamplingParams:
 
     temperature 0 means greedy. `seed` makes sampling reproducible whatever else
     shares the batch. `logprobs=n` returns the sampled token's logprob and the
-    top-n alternatives at each step (0 = only the sampled token's).
+    top-n alternatives at each step (0 = only the sampled token's); `prompt_logprobs=n`
+    does the same for every prompt token after the first (teacher-forced: each
+    token's logprob given the ones before it; the prompt is then computed in full, not
+    matched from the prefix cache).
     """
 
     max_tokens: int = 16
@@ -30,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -64,8 +68,11 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0
                                       or self.seed >= 2**63):
             raise bad("seed", self.seed, "must be an integer in [0, 2**63)")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", self.logprobs, f"must be between 0 and {MAX_LOGPROBS}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, value, f"must be between 0 and {MAX_LOGPROBS}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"{len(self.stop)} strings", f"at most {MAX_STOP_STRINGS} allowed")
         for s in self.stop:

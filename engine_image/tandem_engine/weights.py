@@ -1,4 +1,5 @@
-"""Which weights an engine serves: the reference (uri, version) and its `file://` parsing.
+"""Which weights an engine serves: the reference (uri, version), its `file://` parsing,
+and what a checkpoint path is (a HuggingFace folder or a .gguf file).
 
 One owner for the concept, imported by the engine, its admin API, the fleet's refit
 orchestration, `tandem refit` and the operator's spec parser. Torch-free. Each caller
@@ -9,9 +10,34 @@ the user typed; the rule itself lives here once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urlparse
+
+GGUF_SUFFIX = ".gguf"
+CHECKPOINT_FORMS = ("a HuggingFace-format folder (config.json, *.safetensors, tokenizer.json) "
+                    "or a .gguf file")
+
+
+def is_gguf_path(path: str | Path) -> bool:
+    """Whether `path` names a GGUF file (by its suffix) rather than a checkpoint folder."""
+    return Path(path).suffix.lower() == GGUF_SUFFIX
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why `path` is not a checkpoint on this filesystem (a folder with config.json, or a
+    .gguf file), or None when it looks like one. Only the layout is checked; the engine's
+    loader validates the contents."""
+    path = Path(path)
+    if is_gguf_path(path):
+        if path.is_file():
+            return None
+        return f"{path} {'is not a file' if path.exists() else 'does not exist'}"
+    if not path.is_dir():
+        return f"{path} {'is not a folder' if path.exists() else 'does not exist'}"
+    if not (path / "config.json").is_file():
+        return f"{path} has no config.json"
+    return None
 
 
 class WeightsURIError(ValueError):
@@ -29,14 +55,14 @@ def checkpoint_path(uri: str, what: str = "weights uri") -> str:
         got = (f"scheme {parsed.scheme!r} is not supported" if parsed.scheme
                else "a bare path is not a URI")
         raise WeightsURIError(f"{what} {uri!r}: must be a file:// URI naming a checkpoint "
-                              f"folder ({got}), e.g. file:///models/my-model-v2")
+                              f"folder or .gguf file ({got}), e.g. file:///models/my-model-v2")
     if parsed.netloc not in ("", "localhost"):
         raise WeightsURIError(f"{what} {uri!r}: a file:// URI must not name a host "
                               "(write file:///absolute/path)")
     path = unquote(parsed.path)
     if not path.startswith("/") or PurePosixPath(path) == PurePosixPath("/"):
-        raise WeightsURIError(f"{what} {uri!r}: needs an absolute checkpoint folder, "
-                              "e.g. file:///models/demo")
+        raise WeightsURIError(f"{what} {uri!r}: needs an absolute checkpoint folder "
+                              "or .gguf file, e.g. file:///models/demo")
     return path
 
 

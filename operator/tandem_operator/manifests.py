@@ -16,7 +16,7 @@ from typing import Any
 
 from tandem_engine.weights import WeightsRef
 
-from tandem_operator.spec import API_VERSION, KIND, Group, PoolSpec
+from tandem_operator.spec import API_VERSION, KIND, Group, InitContainer, PoolSpec
 
 ENGINE_ZMQ_PORT = 5555
 ENGINE_ADMIN_PORT = 8080
@@ -178,12 +178,29 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: 
 
 
 def _with_volumes(spec: PoolSpec, pod: dict[str, Any]) -> dict[str, Any]:
-    """spec.engine.volumes on the pod, mounted into its container (the weights live there
-    in a real cluster: the router reads the tokenizer from the same path)."""
-    if spec.engine.volumes:
-        pod["volumes"] = [dict(v) for v in spec.engine.volumes]
-        pod["containers"][0]["volumeMounts"] = [dict(m) for m in spec.engine.volume_mounts]
+    """spec.engine.volumes on the pod, mounted into its container, and the init containers
+    that may fill them (the weights live there in a real cluster: the router reads the
+    tokenizer from the same path)."""
+    e = spec.engine
+    if e.volumes:
+        pod["volumes"] = [dict(v) for v in e.volumes]
+        pod["containers"][0]["volumeMounts"] = [dict(m) for m in e.volume_mounts]
+    if e.init_containers:
+        pod["initContainers"] = [init_container(spec, c) for c in e.init_containers]
     return pod
+
+
+def init_container(spec: PoolSpec, c: InitContainer) -> dict[str, Any]:
+    container: dict[str, Any] = {"name": c.name, "image": c.image or spec.engine.image,
+                                 "imagePullPolicy": spec.engine.image_pull_policy,
+                                 "command": list(c.command)}
+    if c.args:
+        container["args"] = list(c.args)
+    if c.env:
+        container["env"] = [{"name": name, "value": value} for name, value in c.env]
+    if c.volume_mounts:
+        container["volumeMounts"] = [dict(m) for m in c.volume_mounts]
+    return container
 
 
 def _pod_labels(spec: PoolSpec, group: Group) -> dict[str, str]:
@@ -195,7 +212,8 @@ def _pod_labels(spec: PoolSpec, group: Group) -> dict[str, str]:
 
 def template_hash(spec: PoolSpec, group: Group) -> str:
     """A stable name for what defines the group's pods (image, pull policy, resources, env,
-    args, KV cache and limits, threads, role and placement); never the weights."""
+    args, volumes and init containers, KV cache and limits, threads, role and placement);
+    never the weights."""
     template = {"labels": _pod_labels(spec, group),
                 "spec": _pod_spec(spec, group, _HASH_WEIGHTS, _HASH_DRAIN_SECONDS)}
     canonical = json.dumps(template, sort_keys=True, separators=(",", ":"))

@@ -25,11 +25,10 @@ import secrets
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tandem_engine.fleet import AdminError, EngineAdmin, admin_url
-from tandem_engine.weights import WeightsRef
+from tandem_engine.weights import CHECKPOINT_FORMS, WeightsRef, checkpoint_problem
 
 from tandem_operator import manifests as m
 from tandem_operator import metrics
@@ -86,7 +85,7 @@ class Context:
     """What a reconcile needs besides the pool: clients and operator-wide settings."""
 
     kube: Kube
-    check_weights: bool = True  # look for <weights path>/config.json before the first pods
+    check_weights: bool = True  # look for the weights (folder or .gguf) before the first pods
     drains: Drains = field(default_factory=Drains)
     fleet: FleetClients = field(default_factory=FleetClients)  # admin calls to the engines
 
@@ -109,12 +108,10 @@ class Outcome:
 
 def weights_problem(weights: WeightsRef) -> str | None:
     """Why the operator cannot serve these weights, or None when it can."""
-    folder = Path(weights.path)
-    if not (folder / "config.json").is_file():
-        where = "folder does not exist" if not folder.is_dir() else "has no config.json"
-        return (f"weights {weights.version} at {weights.uri}: {folder} {where} on the "
-                f"operator's filesystem; point spec.model.weights.uri at a checkpoint folder "
-                f"(config.json, *.safetensors, tokenizer.json)")
+    problem = checkpoint_problem(weights.path)
+    if problem is not None:
+        return (f"weights {weights.version} at {weights.uri}: {problem} on the operator's "
+                f"filesystem; point spec.model.weights.uri at {CHECKPOINT_FORMS}")
     return None
 
 

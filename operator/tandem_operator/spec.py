@@ -59,6 +59,19 @@ class KVCache:
 
 
 @dataclass(frozen=True)
+class InitContainer:
+    """A container run before the engine or router container of every pool pod (e.g. one
+    pulling the checkpoint into an emptyDir); no image means the engine's."""
+
+    name: str
+    command: tuple[str, ...]
+    args: tuple[str, ...] = ()
+    image: str | None = None
+    env: tuple[tuple[str, str], ...] = ()  # (name, value)
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineSettings:
     image: str = "tandem/engine:0.1.0"
     image_pull_policy: str = "IfNotPresent"
@@ -67,6 +80,7 @@ class EngineSettings:
     args: tuple[str, ...] = ()
     volumes: tuple[Mapping[str, Any], ...] = ()  # added to engine and router pods
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    init_containers: tuple[InitContainer, ...] = ()  # in engine and router pods
     kv_cache: KVCache = KVCache()
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -215,16 +229,52 @@ def _list(d: Mapping[str, Any], key: str, path: str, max_items: int) -> tuple[An
     return tuple(value)
 
 
-def _mounts(e: Mapping[str, Any], volumes: tuple[Any, ...]) -> tuple[Mapping[str, Any], ...]:
-    """volumeMounts, each naming one of spec.engine.volumes (read-only by default)."""
+def _mounts(d: Mapping[str, Any], path: str, volumes: tuple[Any, ...], read_only: bool
+            ) -> tuple[Mapping[str, Any], ...]:
+    """volumeMounts, each naming one of spec.engine.volumes (`read_only` by default)."""
     names = {v.get("name") for v in volumes if isinstance(v, Mapping)}
     mounts = []
-    for m in _list(e, "volumeMounts", "spec.engine", 16):
+    for m in _list(d, "volumeMounts", path, 16):
         if not isinstance(m, Mapping) or m.get("name") not in names:
-            raise SpecError(f"spec.engine.volumeMounts entry {m!r} names no volume of "
+            raise SpecError(f"{path}.volumeMounts entry {m!r} names no volume of "
                             f"spec.engine.volumes ({', '.join(sorted(map(str, names))) or 'none'})")
-        mounts.append({"readOnly": True, **m})
+        mounts.append({"readOnly": True, **m} if read_only else dict(m))
     return tuple(mounts)
+
+
+def _strings(d: Mapping[str, Any], key: str, path: str, max_items: int) -> tuple[str, ...]:
+    items = _list(d, key, path, max_items)
+    for i, item in enumerate(items):
+        if not isinstance(item, str) or len(item) > 1024:
+            raise SpecError(f"{path}.{key}[{i}] must be a string of at most 1024 characters")
+    return items
+
+
+def _init_containers(e: Mapping[str, Any], volumes: tuple[Any, ...]
+                     ) -> tuple[InitContainer, ...]:
+    containers: list[InitContainer] = []
+    for i, c in enumerate(_list(e, "initContainers", "spec.engine", 4)):
+        path = f"spec.engine.initContainers[{i}]"
+        if not isinstance(c, Mapping):
+            raise SpecError(f"{path} must be an object")
+        name = _str(c, "name", path, None, 63, min_len=1)
+        if any(other.name == name for other in containers):
+            raise SpecError(f"{path}.name {name!r} is used twice; init containers need "
+                            "unique names")
+        command = _strings(c, "command", path, 64)
+        if not command:
+            raise SpecError(f"{path}.command is required (the program to run)")
+        env = []
+        for j, v in enumerate(_list(c, "env", path, 32)):
+            if not isinstance(v, Mapping):
+                raise SpecError(f"{path}.env[{j}] must be an object")
+            env.append((_str(v, "name", f"{path}.env[{j}]", None, 256, min_len=1),
+                        _str(v, "value", f"{path}.env[{j}]", "", 4096)))
+        containers.append(InitContainer(
+            name=name, command=command, args=_strings(c, "args", path, 64),
+            image=_str(c, "image", path, None, 512, min_len=1) if "image" in c else None,
+            env=tuple(env), volume_mounts=_mounts(c, path, volumes, read_only=False)))
+    return tuple(containers)
 
 
 def _role(spec: Mapping[str, Any], key: str) -> RoleSettings:
@@ -254,6 +304,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
 
     e = _obj(spec, "engine", "spec")
     kv = _obj(e, "kvCache", "spec.engine")
+    volumes = _list(e, "volumes", "spec.engine", 16)
     engine = EngineSettings(
         image=_str(e, "image", "spec.engine", _ENGINE.image, 512, min_len=1),
         image_pull_policy=_str(e, "imagePullPolicy", "spec.engine", _ENGINE.image_pull_policy,
@@ -261,8 +312,9 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         resources=_obj(e, "resources", "spec.engine") or None,
         env=_list(e, "env", "spec.engine", 64),
         args=tuple(str(a) for a in _list(e, "args", "spec.engine", 64)),
-        volumes=_list(e, "volumes", "spec.engine", 16),
-        volume_mounts=_mounts(e, _list(e, "volumes", "spec.engine", 16)),
+        volumes=volumes,
+        volume_mounts=_mounts(e, "spec.engine", volumes, read_only=True),
+        init_containers=_init_containers(e, volumes),
         kv_cache=KVCache(
             block_size=_req_int(kv, "blockSize", "spec.engine.kvCache", _KV.block_size, 1, 256),
             num_blocks=_int(kv, "numBlocks", "spec.engine.kvCache", None, 16, 1048576),

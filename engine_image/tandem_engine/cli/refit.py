@@ -51,7 +51,12 @@ from tandem_engine.fleet import (
 )
 from tandem_engine.lifecycle import EngineState
 from tandem_engine.refit_policy import RefitStrategy
-from tandem_engine.weights import WeightsRef, checkpoint_path
+from tandem_engine.weights import (
+    CHECKPOINT_FORMS,
+    WeightsRef,
+    checkpoint_path,
+    checkpoint_problem,
+)
 
 # Calls that take a serving engine out of service (no new requests reach it).
 _STOP_SERVING = ("/v1/drain", "/v1/pause")
@@ -61,16 +66,13 @@ SUPERSEDE_WAIT = 15.0  # seconds a superseded refit gets to stop before SIGKILL
 
 
 def checkpoint_folder(uri: str) -> Path:
-    """The folder a `file://` refit target names; ValueError (naming the input) unless it
-    is a local folder with a config.json."""
+    """The checkpoint a `file://` refit target names (a folder or a .gguf file);
+    ValueError (naming the input) unless it is a local folder with a config.json or a
+    local .gguf file."""
     path = Path(checkpoint_path(uri, what="--uri"))
-    if not path.is_dir():
-        what = "is not a folder" if path.exists() else "does not exist"
-        raise ValueError(f"--uri {uri!r}: {path} {what}; give the checkpoint folder "
-                         "(config.json and *.safetensors)")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--uri {uri!r}: {path} has no config.json; give a HuggingFace-"
-                         "format checkpoint folder")
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ValueError(f"--uri {uri!r}: {problem}; give {CHECKPOINT_FORMS}")
     return path
 
 

@@ -102,7 +102,7 @@ class LocalStack:
         self.num_engines = len(self.roles)
         self.host = host
         self.port = port
-        self.name = served_model_name or model.name
+        self.name = served_model_name or (model.stem if model.suffix == ".gguf" else model.name)
         self.engine_args = engine_args or []
         self.log_dir = log_dir or default_log_dir(port)
         self.out = out

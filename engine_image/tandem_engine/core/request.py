@@ -52,6 +52,8 @@ class Request:
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
+    # Teacher-forced logprobs of the prompt tokens (None for the first), when asked.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float = 0.0
     # Prefix caching: the chain salt (weight epoch + cache_salt), the full-block hashes
     # under it, and how many leading blocks are registered in the cache.
@@ -72,6 +74,8 @@ class Request:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     def resalt(self, salt: bytes) -> None:
         """Give a request that holds no KV a new chain salt (after a weight refit)."""
@@ -80,6 +84,12 @@ class Request:
             self.salt = salt
             self.block_hashes = []
             self.num_cached_blocks = 0
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still to be computed."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < len(self.prompt_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:

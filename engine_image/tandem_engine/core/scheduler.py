@@ -74,7 +74,10 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if not self.kv.block_table(request.request_id):  # (a pulled request has KV)
+            # A pulled request has its KV already; one that wants prompt logprobs
+            # computes its whole prompt (a cached block has no logits).
+            if (not self.kv.block_table(request.request_id)
+                    and not request.wants_prompt_logprobs):
                 request.num_computed_tokens = self.kv.acquire_cached_prefix(request)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):

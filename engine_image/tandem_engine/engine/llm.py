@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tandem_engine.config import EngineConfig
 from tandem_engine.engine.llm_engine import LLMEngine
-from tandem_engine.engine.outputs import RequestOutput
+from tandem_engine.engine.outputs import PromptScore, RequestOutput
 from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode
 from tandem_engine.sampling_params import SamplingParams
 
@@ -64,6 +64,23 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = out
         return [finished[i] for i in ids]
+
+    def score(self, texts: Prompt | Sequence[Prompt]) -> list[PromptScore]:
+        """Teacher-forced logprobs of each text under the model: every token after the
+        first, given the ones before it (perplexity, a refit's quality check). A text
+        is a string (tokenized with the model's tokenizer, special tokens as it adds
+        them) or a list of token ids; it needs at least two tokens."""
+        prompt_list = _as_prompt_list(texts)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
+                                prompt_logprobs=0)
+        outputs = self.generate(prompt_list, params)
+        scores = []
+        for text, out in zip(prompt_list, outputs, strict=True):
+            if len(out.prompt_token_ids) < 2:
+                raise ValueError(f"cannot score {text!r}: it has {len(out.prompt_token_ids)} "
+                                 "token(s); a score needs at least 2")
+            scores.append(PromptScore.of(out))
+        return scores
 
 
     # ---- lifecycle: thin calls into the engine's state machine ----------------------------

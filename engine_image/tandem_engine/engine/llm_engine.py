@@ -100,7 +100,7 @@ class LLMEngine:
     def from_checkpoint(cls, path: str | Path, engine_config: EngineConfig) -> LLMEngine:
         dtype = None if engine_config.dtype == "auto" else engine_config.dtype
         model_config, tensors = load_checkpoint(path, dtype)
-        engine = cls(model_config, engine_config, tensors, Tokenizer.from_dir(path))
+        engine = cls(model_config, engine_config, tensors, Tokenizer.from_path(path))
         engine.set_weights(WeightIdentity(Path(path).resolve().as_uri(), "initial", 0))
         return engine
 
@@ -347,6 +347,10 @@ class LLMEngine:
         result = self.sampler.sample(
             batch.logits, [r.request_id for r in requests], [r.params for r in requests],
             [self.outputs.banned_tokens(r) for r in requests])
+        for request, first, logits in batch.prompt_logits:
+            targets = request.token_ids[first:first + len(logits)]
+            request.prompt_logprobs.extend(self.sampler.prompt_logprobs(
+                logits, targets, request.params.prompt_logprobs))
         t4 = time.perf_counter()
         self.scheduler.advance(scheduled)
         for row, request in enumerate(requests):
@@ -456,12 +460,12 @@ class LLMEngine:
 
     def refit(self, source: str | Path, version: str | None = None,
               epoch: int | None = None, uri: str | None = None) -> int:
-        """Swap in the weights of checkpoint folder `source` (PAUSED, SUSPENDED or
-        RESUMED only). Everything is validated before any parameter changes; on error the
-        old weights keep serving. Returns the new weight epoch: `epoch` when given (a
-        fleet's orchestrator numbers its refits pool-wide, so every engine on the same
-        refit has the same epoch), else the current one + 1. `uri` is how the fleet names
-        the checkpoint (default: the folder's file:// URI)."""
+        """Swap in the weights of checkpoint `source`, a folder or a GGUF file (PAUSED,
+        SUSPENDED or RESUMED only). Everything is validated before any parameter changes;
+        on error the old weights keep serving. Returns the new weight epoch: `epoch` when
+        given (a fleet's orchestrator numbers its refits pool-wide, so every engine on the
+        same refit has the same epoch), else the current one + 1. `uri` is how the fleet names
+        the checkpoint (default: its file:// URI)."""
         with self._lock:
             if self._state not in REFIT_STATES:
                 raise EngineStateError(

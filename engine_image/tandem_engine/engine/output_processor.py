@@ -108,4 +108,5 @@ class OutputProcessor:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              [completion], finished=reason is not None,
                              epoch_segments=list(request.epoch_segments),
-                             pinned_blocks=request.pinned_blocks)
+                             pinned_blocks=request.pinned_blocks,
+                             prompt_logprobs=request.prompt_logprobs)

@@ -3,6 +3,7 @@ decode engine's `PullPlan` for a handed-over prompt."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tandem_engine.core.request import Logprob
@@ -34,6 +35,8 @@ class RequestOutput:
     epoch_segments: list[tuple[int, int]] = field(default_factory=list)
     # For a handoff request: the pinned prompt KV blocks, in position order.
     pinned_blocks: list[int] | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -44,3 +47,26 @@ class PullPlan:
     block_indices: list[int]  # positions in the prompt's block list (prefill side)
     local_blocks: list[int]  # this engine's blocks, one per index
     reused_blocks: int  # leading blocks this engine already had cached
+
+
+@dataclass(frozen=True)
+class PromptScore:
+    """How likely a text is under the model (`LLM.score`)."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # of token_ids[1:], each given the tokens before it
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> PromptScore:
+        entries = (out.prompt_logprobs or [None])[1:]
+        ids = out.prompt_token_ids
+        return cls(list(ids), [entry[t].logprob for t, entry in zip(ids[1:], entries,
+                                                                     strict=True)])
+
+    @property
+    def total_logprob(self) -> float:
+        return math.fsum(self.logprobs)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-self.total_logprob / len(self.logprobs))

@@ -1,7 +1,9 @@
-"""Validate and load HuggingFace-format checkpoint folders.
+"""Validate and load checkpoints: HuggingFace-format folders and GGUF files.
 
 A checkpoint folder holds config.json and either model.safetensors or a
-sharded model.safetensors.index.json with its shards. Loading at startup and
+sharded model.safetensors.index.json with its shards; a path ending in .gguf is a
+llama.cpp GGUF file, validated and dequantized by `model/gguf.py` under the same rules
+(everything checked before any tensor is read, the same refit shape check). Loading at startup and
 an in-place refit later both go through `validate_checkpoint` first: it reads
 only the safetensors headers (names, shapes, dtypes; no tensor data) and
 compares them with what `ModelConfig.expected_tensors()` says the config
@@ -22,6 +24,8 @@ from safetensors import SafetensorError, safe_open
 
 from tandem_engine.config import ModelConfig, normalize_dtype
 from tandem_engine.errors import CheckpointError
+from tandem_engine.model.gguf import GGUFCheckpoint, read_gguf_checkpoint
+from tandem_engine.weights import is_gguf_path
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -50,10 +54,12 @@ class _Manifest:
 
 
 def validate_checkpoint(path: str | Path, reference: ModelConfig | None = None) -> ModelConfig:
-    """Check a checkpoint folder without reading tensor data; return its config.
+    """Check a checkpoint folder or GGUF file without reading tensor data; return its config.
 
     With `reference` (the running model's config), the checkpoint must also have
     the same shape fields, as an in-place refit requires."""
+    if is_gguf_path(path):
+        return _inspect_gguf(Path(path), reference).config
     return _inspect(Path(path), reference).config
 
 
@@ -61,10 +67,14 @@ def load_checkpoint(
     path: str | Path, dtype: str | None = None, *, reference: ModelConfig | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Validate, then load every tensor the config needs, converted to `dtype`
-    (float32, bfloat16 or float16; default: the checkpoint's dtype from config.json).
+    (float32, bfloat16 or float16; default: the checkpoint's dtype from config.json,
+    float32 for a GGUF file, whose quantized tensors are dequantized).
 
     With tied embeddings no `lm_head.weight` is returned, even if the file holds one."""
     wanted = normalize_dtype(dtype, "load_checkpoint", "dtype") if dtype else None
+    if is_gguf_path(path):
+        gguf = _inspect_gguf(Path(path), reference)
+        return gguf.config, gguf.load_tensors(_TORCH_DTYPES[wanted or gguf.config.dtype])
     manifest = _inspect(Path(path), reference)
     target = _TORCH_DTYPES[wanted or manifest.config.dtype]
     by_file: dict[Path, list[str]] = {}
@@ -95,6 +105,13 @@ def _inspect(folder: Path, reference: ModelConfig | None) -> _Manifest:
     _check_tensors(folder, config, found, index_map)
     expected = config.expected_tensors()
     return _Manifest(folder, config, {name: found[name] for name in expected})
+
+
+def _inspect_gguf(file: Path, reference: ModelConfig | None) -> GGUFCheckpoint:
+    checkpoint = read_gguf_checkpoint(file)
+    if reference is not None:
+        _check_same_shape(file, checkpoint.config, reference)
+    return checkpoint
 
 
 def _check_same_shape(config_file: Path, new: ModelConfig, running: ModelConfig) -> None:

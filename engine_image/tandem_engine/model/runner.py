@@ -8,7 +8,7 @@ of queues or stop conditions.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -79,6 +79,9 @@ class PreparedStep:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [N] rows whose logits are sampled
     requests: list[Request]  # the request of each sample row
+    # Requests that want prompt logprobs: (request, first prompt position predicted,
+    # the rows whose logits predict it and the positions after it).
+    prompt_rows: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -87,6 +90,8 @@ class StepBatch:
 
     logits: torch.Tensor  # [N, vocab] float32
     requests: list[Request]
+    # (request, first prompt position predicted, [n, vocab] logits) per prompt_rows entry
+    prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -168,9 +173,20 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
+        prompt_rows: list[tuple[Request, int, torch.Tensor]] = []
         for chunk in decodes + prefills:
             end = chunk.start + chunk.num_tokens
             table = chunk.block_table
+            if chunk.request.wants_prompt_logprobs:
+                # Position p's logits predict token p + 1: the prompt tokens not yet
+                # scored whose predecessor is in this chunk.
+                first = max(chunk.start + 1, len(chunk.request.prompt_logprobs))
+                last = min(end, chunk.request.num_prompt_tokens - 1)
+                if first <= last:
+                    rows = range(len(input_ids) + first - 1 - chunk.start,
+                                 len(input_ids) + last - chunk.start)
+                    prompt_rows.append((chunk.request, first, torch.tensor(
+                        rows, dtype=torch.long, device=self.device)))
             input_ids.extend(chunk.request.token_ids[chunk.start:end])
             positions.extend(range(chunk.start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, end))
@@ -190,6 +206,7 @@ class ModelRunner:
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
             requests=sample_requests,
+            prompt_rows=prompt_rows,
         )
 
     @torch.inference_mode()
@@ -198,4 +215,6 @@ class ModelRunner:
         cos, sin = self.rope.lookup(step.positions)
         hidden = self.model(step.input_ids, cos, sin, self.kv_cache, step.meta)
         logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows))
-        return StepBatch(logits, step.requests)
+        prompt_logits = [(request, first, self.model.compute_logits(hidden.index_select(0, rows)))
+                         for request, first, rows in step.prompt_rows]
+        return StepBatch(logits, step.requests, prompt_logits)

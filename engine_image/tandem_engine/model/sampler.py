@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem_engine.core.request import Logprob
 from tandem_engine.sampling_params import SamplingParams
 
 
@@ -75,6 +76,25 @@ class Sampler:
         uniform = torch.full((vocab_size,), 1.0 / vocab_size)
         for _ in range(draws):
             torch.multinomial(uniform, 1, generator=gen)
+
+    @staticmethod
+    def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int
+                        ) -> list[dict[int, Logprob]]:
+        """Teacher-forced logprobs: row i's logprob of `targets[i]` (with its rank) and
+        the `top` most likely tokens, from the raw logits as the OpenAI API reports."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        target = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
+        chosen_t = logprobs.gather(1, target)
+        ranks = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
+        chosen = chosen_t.squeeze(1).tolist()
+        entries = [{t: Logprob(lp, rank)} for t, lp, rank in zip(targets, chosen, ranks,
+                                                                  strict=True)]
+        if top:
+            values, indices = torch.topk(logprobs, top, dim=-1)
+            for entry, ids, lps in zip(entries, indices.tolist(), values.tolist(), strict=True):
+                for rank, (tid, value) in enumerate(zip(ids, lps, strict=True), start=1):
+                    entry.setdefault(tid, Logprob(value, rank))
+        return entries
 
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)

@@ -6,7 +6,8 @@
 The engines are a static list (`--engine`), or the engine pods of an InferencePool,
 followed through the Kubernetes API (`--discover-pool`, see `router/discovery.py`).
 
-`--model` is read for the tokenizer and the chat template only (no weights, no torch).
+`--model` (a checkpoint folder or GGUF file) is read for the tokenizer and the chat
+template only (no weights, no torch).
 SIGTERM or SIGINT stops accepting connections, gives open requests
 `--shutdown-grace` seconds, then closes the engine connections and exits 0.
 """
@@ -47,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the pool's namespace, with --discover-pool (default: $POD_NAMESPACE, "
                         "else the service account's namespace, else default)")
     p.add_argument("--model", required=True, type=Path,
-                   help="checkpoint folder: its tokenizer and chat template are used")
+                   help="checkpoint folder or GGUF file: its tokenizer and chat template are used")
     p.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the folder name, as the engines)")
     p.add_argument("--host", default="127.0.0.1")
@@ -79,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        tokenizer = Tokenizer.from_dir(args.model)
+        tokenizer = Tokenizer.from_path(args.model)
         pool, engines = _engine_pool(args)
         config = DispatchConfig(first_output_timeout=args.first_output_timeout,
                                 output_timeout=args.output_timeout,

@@ -35,7 +35,8 @@ log = logging.getLogger("tandem_engine.server.main")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tandem-engine", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="checkpoint folder (HuggingFace format)")
+    p.add_argument("--model", required=True,
+                   help="checkpoint: a HuggingFace-format folder or a GGUF file")
     p.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the folder name)")
     p.add_argument("--host", default="127.0.0.1")
