@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -64,15 +65,17 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def weights_read_per_token(llm) -> int:
-    """Bytes of parameters a batch-1 decode step reads."""
-    model = llm.engine.runner.model
-    total = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-                if not name.startswith("model.embed_tokens"))
-    head = getattr(model, "lm_head", None)
-    if head is None or head.weight is model.model.embed_tokens.weight:  # tied
-        emb = model.model.embed_tokens.weight
-        total += emb.numel() * emb.element_size()
-    return total
+    """Bytes of weights a batch-1 decode step reads: every tensor of the checkpoint but
+    the embedding matrix, plus the LM head (the embedding matrix itself when tied); the
+    embedding lookup reads one row."""
+    config = llm.engine.model_config
+    itemsize = torch.empty((), dtype=llm.engine.runner.dtype).element_size()
+    shapes = config.expected_tensors()
+    numel = sum(math.prod(shape) for name, shape in shapes.items()
+                if name != "model.embed_tokens.weight")
+    if "lm_head.weight" not in shapes:  # tied: the head reads the embedding matrix
+        numel += math.prod(shapes["model.embed_tokens.weight"])
+    return numel * itemsize
 
 
 def tandem_decode(llm, prompt: list[int], new: int) -> float:
