@@ -93,6 +93,7 @@ class _Engine:
     def next(self, kind: Any, timeout: float = 120.0) -> Any:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self.sock.send(p.encode(p.Ping(socket.gethostname())))  # alive: keep our requests
             if self.sock.poll(100):
                 msg = p.decode(self.sock.recv())
                 if isinstance(msg, p.Reject):

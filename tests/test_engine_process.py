@@ -73,18 +73,23 @@ class EngineProcess:
 
 
 class Client:
-    """A router's side of the socket, synchronous, for tests."""
+    """A router's side of the socket, synchronous, for tests: it PINGs while it waits
+    (`ping=False`: a router that never does, which the engine forgets)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, *, ping: bool = True) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.ping, self.pinged_at = ping, time.monotonic()
         self.sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "test-router")))
         self.welcome = self.next(p.Welcome)
 
     def next(self, kind, timeout: float = 30.0):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self.ping and time.monotonic() - self.pinged_at > 0.5:
+                self.pinged_at = time.monotonic()
+                self.sock.send(p.encode(p.Ping("test-router")))
             if self.sock.poll(200):
                 msg = p.decode(self.sock.recv())
                 if isinstance(msg, kind):

@@ -25,6 +25,7 @@ MESSAGES = [
     p.Output("r2", [9], "", finished=True, handoff=p.Handoff("r2", [4, 5])),
     p.Abort("r1"),
     p.Reject("r1", 400, "too long"),
+    p.Ping("router-a"),
 ]
 
 

@@ -6,6 +6,8 @@ request, control, transport) and checked for collisions at import. `decode` neve
 trusts a frame: a short, unknown, wrong-version or malformed one raises
 `ProtocolError`, which receivers log and drop — a bad frame never takes a process down.
 The protocol version is also exchanged in HELLO/WELCOME when a router connects.
+libzmq enforces `MAX_FRAME_BYTES` on both sides' sockets (`ZMQ_MAXMSGSIZE`): a bigger
+frame drops its connection before it is buffered.
 
 Torch-free: the router imports it without the model stack.
 """
@@ -21,7 +23,11 @@ from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.transfer.base import KVGeometry
 
 # 2: typed SamplingParams in SUBMIT, RESUME of a generation begun elsewhere, HANDOFF in OUTPUT.
-PROTOCOL_VERSION = 2
+# 3: routers PING; an engine forgets a router it has not heard from in its router timeout
+#    and aborts that router's requests. A version-2 router never pings, so a version-3
+#    engine would drop it (and its long requests) every timeout: the two refuse each
+#    other at HELLO/WELCOME instead.
+PROTOCOL_VERSION = 3
 
 
 class ProtocolError(ValueError):
@@ -42,6 +48,7 @@ class Kind(enum.IntEnum):
     HELLO = 1  # router -> engine
     WELCOME = 2  # engine -> router
     HEARTBEAT = 3  # engine -> router, every heartbeat interval
+    PING = 4  # router -> engine, every ping interval: this router is alive
     # request: 20..49
     SUBMIT = 20  # router -> engine
     OUTPUT = 21  # engine -> router: new tokens / text, final when finished
@@ -76,6 +83,10 @@ _check_kinds()
 
 class Hello(msgspec.Struct, frozen=True):
     protocol_version: int
+    router_id: str
+
+
+class Ping(msgspec.Struct, frozen=True):
     router_id: str
 
 
@@ -177,10 +188,11 @@ class Output(msgspec.Struct, frozen=True):
     text: str  # new text since the previous Output (stop strings are never half-sent)
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked
     finished: bool = False  # no more Outputs for this request from this engine
-    finish_reason: str | None = None  # stop | length | abort; None with a handoff
+    finish_reason: str | None = None  # stop | length | abort | error; None with a handoff
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     handoff: Handoff | None = None  # a prefill engine's final output: continue elsewhere
+    error: str | None = None  # finish reason "error": why this request failed (only it)
 
 
 class Abort(msgspec.Struct, frozen=True):
@@ -197,6 +209,7 @@ BODIES: dict[Kind, type[msgspec.Struct]] = {
     Kind.HELLO: Hello,
     Kind.WELCOME: Welcome,
     Kind.HEARTBEAT: Heartbeat,
+    Kind.PING: Ping,
     Kind.SUBMIT: Submit,
     Kind.OUTPUT: Output,
     Kind.ABORT: Abort,
@@ -215,6 +228,9 @@ class _RequestIdOnly(msgspec.Struct):
 
 
 _request_id_decoder = msgspec.msgpack.Decoder(_RequestIdOnly)
+# The largest frame, its 2-byte header included: `decode` refuses bigger ones, and the
+# engine's ROUTER and the router's DEALERs set it as ZMQ_MAXMSGSIZE, so libzmq drops the
+# connection of a peer that sends one after its size field, never buffering it.
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 

@@ -9,13 +9,20 @@ from tandem_engine.errors import RequestRejected
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# Below these the sampler's arithmetic stops being finite (logits / temperature
+# overflows; a top-p mass under float32's resolution keeps no token): a temperature
+# under MIN_TEMPERATURE samples greedily, a top_p under MIN_TOP_P is refused.
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-8
+MAX_TOKEN_ID = 2**31 - 1  # the engine checks stop token ids against its vocabulary
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's tokens and when to stop.
 
-    temperature 0 means greedy. `seed` makes sampling reproducible whatever else
+    temperature 0 (or any value under MIN_TEMPERATURE, 1e-5) means greedy; top_p must be
+    at least MIN_TOP_P (1e-8). `seed` makes sampling reproducible whatever else
     shares the batch. `logprobs=n` returns the sampled token's logprob and the
     top-n alternatives at each step (0 = only the sampled token's); `prompt_logprobs=n`
     does the same for every prompt token after the first (teacher-forced: each
@@ -48,7 +55,23 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise RequestRejected for a token id or count the model's vocabulary cannot
+        honour (the engine checks this at admission; the edge does not know the model)."""
+        bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise RequestRejected(
+                f"sampling parameter stop_token_ids={bad!r} is invalid: token id {bad} is "
+                f"outside the model's vocabulary [0, {vocab_size}); drop it or use an id "
+                f"below {vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and n > vocab_size:
+                raise RequestRejected(
+                    f"sampling parameter {name}={n} is invalid: the model's vocabulary has "
+                    f"only {vocab_size} tokens; ask for at most that many")
 
     def _validate(self) -> None:
         def bad(name: str, value: object, limit: str) -> RequestRejected:
@@ -60,11 +83,14 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens,
                       f"must be an integer between 0 and max_tokens ({self.max_tokens})")
         if not 0.0 <= float(self.temperature) <= 100.0:
-            raise bad("temperature", self.temperature, "must be between 0 and 100 (0 = greedy)")
+            raise bad("temperature", self.temperature, "must be between 0 and 100 (0, or "
+                      f"anything under {MIN_TEMPERATURE:g}, = greedy)")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", self.top_k, "must be -1 or 0 (off) or a positive integer")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if not MIN_TOP_P <= float(self.top_p) <= 1.0:
+            raise bad("top_p", self.top_p,
+                      f"must be in [{MIN_TOP_P:g}, 1] (for the single most likely token "
+                      "use top_k=1 or temperature=0)")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0
                                       or self.seed >= 2**63):
             raise bad("seed", self.seed, "must be an integer in [0, 2**63)")
@@ -79,5 +105,6 @@ class SamplingParams:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise bad("stop", s, f"each stop string must be 1..{MAX_STOP_STRING_CHARS} chars")
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
-                raise bad("stop_token_ids", t, "token ids must be non-negative integers")
+            if not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+                raise bad("stop_token_ids", t, "token ids must be integers in "
+                          f"[0, {MAX_TOKEN_ID}] (and inside the model's vocabulary)")

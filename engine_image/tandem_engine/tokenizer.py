@@ -220,6 +220,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_releasing_gil(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, but with the GIL released while the tokenizer works (its batch call
+        does that; the single one does not), so a caller on a worker thread leaves the
+        event loop free: the router tokenizes a long prompt this way."""
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

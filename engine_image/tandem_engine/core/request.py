@@ -27,6 +27,9 @@ class FinishReason(str, enum.Enum):
     # A prefill engine's part is done after the first token: the prompt's KV is pinned
     # and the generation continues on a decode engine (never shown to a client).
     HANDOFF = "handoff"
+    # The engine could not go on with this request (its sampling raised, its logits were
+    # not finite); `Request.error` says why. Only this request ends: the batch goes on.
+    ERROR = "error"
 
     def __str__(self) -> str:
         return self.value
@@ -50,6 +53,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # with FinishReason.ERROR: what went wrong
     num_preemptions: int = 0
     logprobs: list[dict[int, Logprob]] | None = None
     # Teacher-forced logprobs of the prompt tokens (None for the first), when asked.

@@ -35,6 +35,7 @@ from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.engine.output_processor import OutputProcessor
 from tandem_engine.engine.outputs import PullPlan, RequestOutput
 from tandem_engine.engine.stats import EngineStats, PrefixCacheStats, StepTiming
+from tandem_engine.engine.step_guard import sample_contained
 from tandem_engine.errors import RequestRejected
 from tandem_engine.lifecycle import (
     REFIT_STATES,
@@ -199,7 +200,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         resumed = list(resumed_token_ids)
-        self._check_tokens(token_ids, resumed)
+        self._check_tokens(token_ids, resumed, params)
         request = Request(request_id, token_ids, params, next(self._arrivals), prompt=text,
                           token_ids=token_ids + resumed, cache_salt=cache_salt,
                           salt=block_salt(self.weight_epoch, cache_salt))
@@ -222,7 +223,8 @@ class LLMEngine:
         self._pending_outputs.append(self.outputs.output(request))
         return True
 
-    def _check_tokens(self, token_ids: list[int], resumed: list[int]) -> None:
+    def _check_tokens(self, token_ids: list[int], resumed: list[int],
+                      params: SamplingParams) -> None:
         if not token_ids:
             raise RequestRejected("prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
@@ -231,6 +233,7 @@ class LLMEngine:
             if bad is not None:
                 raise RequestRejected(
                     f"{what} token id {bad!r} is outside the model's vocabulary [0, {vocab})")
+        params.check_vocabulary(vocab)
         if len(token_ids) > self.max_model_len:
             raise RequestRejected(
                 f"prompt has {len(token_ids)} tokens, over this engine's limit of "
@@ -344,9 +347,9 @@ class LLMEngine:
         batch = self.runner.forward(prepared)
         t3 = time.perf_counter()
         requests = batch.requests
-        result = self.sampler.sample(
-            batch.logits, [r.request_id for r in requests], [r.params for r in requests],
-            [self.outputs.banned_tokens(r) for r in requests])
+        result = sample_contained(
+            self.sampler, batch.logits, [r.request_id for r in requests],
+            [r.params for r in requests], [self.outputs.banned_tokens(r) for r in requests])
         for request, first, logits in batch.prompt_logits:
             targets = request.token_ids[first:first + len(logits)]
             request.prompt_logprobs.extend(self.sampler.prompt_logprobs(
@@ -354,9 +357,14 @@ class LLMEngine:
         t4 = time.perf_counter()
         self.scheduler.advance(scheduled)
         for row, request in enumerate(requests):
-            if not request.epoch_segments or request.epoch_segments[-1][0] != self.weight_epoch:
-                request.epoch_segments.append((self.weight_epoch, request.num_output_tokens))
-            reason = self.outputs.append(request, result.token_ids[row], row, result)
+            request.error = result.errors.get(row)  # this request alone cannot go on
+            if request.error is not None:
+                reason = FinishReason.ERROR
+            else:
+                segments = request.epoch_segments
+                if not segments or segments[-1][0] != self.weight_epoch:
+                    segments.append((self.weight_epoch, request.num_output_tokens))
+                reason = self.outputs.append(request, result.token_ids[row], row, result)
             if reason is not None:
                 self._finish(request, reason)
             outputs.append(self.outputs.output(request))

@@ -104,6 +104,7 @@ class OutputProcessor:
             logprobs=request.logprobs,
             finish_reason=str(reason) if reason is not None else None,
             stop_reason=request.stop_reason,
+            error=request.error,
         )
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              [completion], finished=reason is not None,

@@ -18,6 +18,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # with finish_reason "error": why the request failed
 
     @property
     def finished(self) -> bool:

@@ -7,7 +7,7 @@ from its own generator, so its tokens do not depend on what else is in the batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,9 @@ class SampleResult:
     ranks: list[int] | None  # the sampled tokens' ranks (1 = most likely)
     top_ids: list[list[int]] | None  # per row: the top-n token ids (n = row's logprobs)
     top_logprobs: list[list[float]] | None
+    # Rows that could not be sampled (their logits are not finite): row -> why. Their
+    # token id is a placeholder; the engine fails those requests only.
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 def top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -39,6 +42,16 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
+    """Rows ([N, V]) holding a NaN or an infinity: no distribution to sample from."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    if bool(finite.all()):
+        return {}
+    return {row: "the model produced non-finite logits (NaN or inf) for this request: "
+                 "its weights or its input overflow; the request cannot be sampled"
+            for row in (~finite).nonzero().flatten().tolist()}
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams,
@@ -99,30 +112,45 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
 
+    def checkpoint(self, request_ids: list[str], params: list[SamplingParams]
+                   ) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """The random state `sample` may consume for these rows, for `restore` (a batch
+        whose sampling raised is re-sampled row by row from the same state)."""
+        gens = [self.generator] + [self.generator_for(r, p) for r, p in
+                                   zip(request_ids, params, strict=True)
+                                   if not p.greedy and p.seed is not None]
+        return [(g, g.get_state()) for g in gens]
+
+    @staticmethod
+    def restore(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        for gen, state in states:
+            gen.set_state(state)
+
     def sample(self, logits: torch.Tensor, request_ids: list[str],
                params: list[SamplingParams], banned: list[tuple[int, ...]]) -> SampleResult:
         """logits: [N, V] float32, one row per request. `banned` token ids per row are
         masked before sampling (stop tokens inside min_tokens)."""
         raw = logits.cpu()
+        errors = non_finite_rows(raw)
         logits = raw
         if any(banned):
             logits = raw.clone()
             for row, ids in enumerate(banned):
                 if ids:
                     logits[row, list(ids)] = float("-inf")
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy and i not in errors]
         tokens = [0] * len(params)
         if greedy_rows:
             picked = torch.argmax(logits[greedy_rows], dim=-1).tolist()
             for row, tok in zip(greedy_rows, picked, strict=True):
                 tokens[row] = tok
         for row, p in enumerate(params):
-            if not p.greedy:
+            if not p.greedy and row not in errors:
                 tokens[row] = sample_row(logits[row], p, self.generator_for(request_ids[row], p))
 
         want = [p.logprobs for p in params]
         if all(n is None for n in want):
-            return SampleResult(tokens, None, None, None, None)
+            return SampleResult(tokens, None, None, None, None, errors)
         logprobs = torch.log_softmax(raw, dim=-1)
         chosen_t = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1))
         ranks = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
@@ -136,4 +164,4 @@ class Sampler:
             for row, n in enumerate(want):
                 if n:
                     top_ids[row], top_lps[row] = indices[row][:n], values[row][:n]
-        return SampleResult(tokens, chosen, ranks, top_ids, top_lps)
+        return SampleResult(tokens, chosen, ranks, top_ids, top_lps, errors)

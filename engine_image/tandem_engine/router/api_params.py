@@ -11,10 +11,19 @@ choice's generated token ids to the response), e.g. through the openai client's
 
 Completions accept batches (a list of prompts): choice `i * n + j` is prompt `i`'s
 `j`-th sample. With a seed, sample `j` of every prompt uses `seed + j`.
+
+The raw body goes through `decode_body` first, so nothing downstream meets what would
+crash it: JSON nested deeper than MAX_JSON_DEPTH, and strings holding lone surrogates
+(valid JSON escapes that no tokenizer or UTF-8 encoder accepts). Token ids outside
+[0, MAX_TOKEN_ID] are refused here; the vocabulary bound is the engine's (only it knows
+the model). `RequestLimits` bounds the body (checked before parsing) and the prompt's
+characters (`check_prompt_chars`, before tokenizing).
 """
 
 from __future__ import annotations
 
+import json
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +32,7 @@ from tandem_engine.sampling_params import (
     MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
+    MAX_TOKEN_ID,
     SamplingParams,
 )
 
@@ -33,6 +43,12 @@ MAX_SEED = 2**63 - 1
 MAX_CACHE_SALT_CHARS = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default; chat defaults to the context left
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_JSON_DEPTH = 32  # an OpenAI body needs 5 (messages[i].content[j].text)
+# A 128k-token context is about 512k characters of English (4 per token); twice that
+# leaves room for text that tokenizes densely. The body limit fits such a prompt with
+# JSON escaping, or a 128k-token id list.
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 class InvalidRequest(Exception):
@@ -46,6 +62,26 @@ class InvalidRequest(Exception):
         self.status = status
         self.code = code
         self.type = type
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on one request, checked before it costs anything (`tandem-router` flags)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # --max-body-bytes
+    max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS  # --max-prompt-chars
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_prompt_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    def body_too_large(self, size: int | None = None) -> InvalidRequest:
+        got = f" ({size} bytes)" if size is not None else ""
+        return InvalidRequest(
+            f"the request body{got} is over the limit of {self.max_body_bytes} bytes "
+            "(tandem-router --max-body-bytes): send a shorter prompt", None, 413,
+            "request_too_large")
 
 
 @dataclass(frozen=True)
@@ -76,6 +112,82 @@ class CompletionRequest:
 class ChatRequest:
     options: Options
     messages: list[dict[str, str]]
+
+
+# ---- the raw body ----------------------------------------------------------------------------
+
+
+def decode_body(raw: bytes) -> Any:
+    """The request's JSON, refused (InvalidRequest) when it is not JSON, nests deeper than
+    MAX_JSON_DEPTH, or holds a string no UTF-8 encoder accepts (a lone surrogate)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # deeper than the parser's own recursion limit
+        raise _too_deep(None) from None
+    except ValueError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    _check_json(body)
+    return body
+
+
+def _check_json(body: Any) -> None:
+    # Iterative, so a deep body cannot exhaust the stack here either.
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep(path)
+        if isinstance(value, dict):
+            items = ((f"{path}.{k}" if path else str(k), k, v) for k, v in value.items())
+        elif isinstance(value, list):
+            items = ((f"{path}[{i}]", None, v) for i, v in enumerate(value)
+                     if isinstance(v, dict | list | str))
+        else:
+            continue
+        for where, key, item in items:
+            if isinstance(key, str) and not _is_utf8(key):
+                raise _surrogate(where)
+            if isinstance(item, str):
+                if not _is_utf8(item):
+                    raise _surrogate(where)
+            elif isinstance(item, dict | list):
+                stack.append((item, where, depth + 1))
+
+
+def _is_utf8(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _too_deep(path: str | None) -> InvalidRequest:
+    return InvalidRequest(f"the request body nests deeper than {MAX_JSON_DEPTH} levels"
+                          + (f" at {path}" if path else "")
+                          + ": no OpenAI parameter needs that", path or None)
+
+
+def _surrogate(path: str) -> InvalidRequest:
+    return InvalidRequest(f"{path} holds a lone UTF-16 surrogate (an unpaired \\ud800-"
+                          "\\udfff escape), which is not text: send valid Unicode", path)
+
+
+def check_prompt_chars(request: CompletionRequest | ChatRequest, limits: RequestLimits
+                       ) -> None:
+    """Refuse a prompt longer than `limits.max_prompt_chars` before it is tokenized."""
+    if isinstance(request, ChatRequest):
+        sizes = [("messages", sum(len(m["content"]) for m in request.messages))]
+    else:
+        sizes = [("prompt", len(p)) for p in request.prompts if isinstance(p, str)]
+    for param, size in sizes:
+        if size > limits.max_prompt_chars:
+            raise InvalidRequest(
+                f"the {param} has {size} characters, over the limit of "
+                f"{limits.max_prompt_chars} (tandem-router --max-prompt-chars): shorten it",
+                param, code="context_length_exceeded")
 
 
 # ---- the two endpoints ------------------------------------------------------------------------
@@ -191,9 +303,10 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
         sampling["stop"] = stop
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
-            raise InvalidRequest("stop_token_ids must be a list of non-negative token ids",
-                                 "stop_token_ids")
+        if not isinstance(stop_ids, list) \
+                or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in stop_ids):
+            raise InvalidRequest("stop_token_ids must be a list of token ids in "
+                                 f"[0, {MAX_TOKEN_ID}]", "stop_token_ids")
         sampling["stop_token_ids"] = list(stop_ids)
     for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
         value = _bool(body, flag, None)
@@ -234,9 +347,10 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def _token_ids(ids: list[int]) -> list[int]:
-    bad = next((t for t in ids if t < 0), None)
+    bad = next((t for t in ids if not 0 <= t <= MAX_TOKEN_ID), None)
     if bad is not None:
-        raise InvalidRequest(f"prompt token id {bad} is negative", "prompt")
+        raise InvalidRequest(f"prompt token id {_show(bad)} is outside [0, {MAX_TOKEN_ID}] "
+                             "(and must be inside the model's vocabulary)", "prompt")
     return list(ids)
 
 
@@ -251,7 +365,7 @@ def _messages(messages: Any) -> list[dict[str, str]]:
             raise InvalidRequest(f"{where} must be an object with role and content", where)
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise InvalidRequest(f"{where}.role={role!r} is not one of "
+            raise InvalidRequest(f"{where}.role={_show(role)} is not one of "
                                  f"{', '.join(CHAT_ROLES)}", f"{where}.role")
         message = {"role": role, "content": _content(m.get("content"), role, where)}
         if isinstance(m.get("name"), str):
@@ -272,7 +386,7 @@ def _content(content: Any, role: str, where: str) -> str:
                     or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise InvalidRequest(f"{where}.content: only text parts are supported, got "
-                                     f"{kind!r}", f"{where}.content")
+                                     f"{_show(kind)}", f"{where}.content")
             texts.append(part["text"])
         return "\n".join(texts)
     raise InvalidRequest(f"{where}.content must be a string or a list of text parts",
@@ -290,12 +404,21 @@ def _stop(stop: Any) -> list[str]:
                              f"{MAX_STOP_STRINGS}", "stop")
     for s in items:
         if not s or len(s) > MAX_STOP_STRING_CHARS:
-            raise InvalidRequest(f"stop string {s!r} must have 1..{MAX_STOP_STRING_CHARS} "
+            raise InvalidRequest(f"stop string {_show(s)} must have 1..{MAX_STOP_STRING_CHARS} "
                                  "characters", "stop")
     return items
 
 
 # ---- typed field readers ---------------------------------------------------------------------
+
+_reprs = reprlib.Repr()
+_reprs.maxstring = _reprs.maxother = 80
+_reprs.maxlong = 40
+
+
+def _show(value: Any) -> str:
+    """A value as an error message quotes it: repr, shortened (a body may be megabytes)."""
+    return _reprs.repr(value)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -317,7 +440,7 @@ def _int(body: dict[str, Any], name: str, low: int, high: int | None,
         value = int(value)
     if not _is_int(value) or value < low or (high is not None and value > high):
         limit = f"between {low} and {high}" if high is not None else f">= {low}"
-        raise InvalidRequest(f"{prefix}{name}={value!r} is invalid: it must be an integer "
+        raise InvalidRequest(f"{prefix}{name}={_show(value)} is invalid: it must be an integer "
                              f"{limit}", prefix + name)
     return value
 
@@ -331,7 +454,7 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, *,
         and (low < value if low_open else low <= value) and value <= high
     if not ok:
         lo = "(" if low_open else "["
-        raise InvalidRequest(f"{name}={value!r} is invalid: it must be a number in "
+        raise InvalidRequest(f"{name}={_show(value)} is invalid: it must be a number in "
                              f"{lo}{low:g}, {high:g}]", name)
     return float(value)
 
@@ -342,7 +465,7 @@ def _bool(body: dict[str, Any], name: str, default: bool | None,
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise InvalidRequest(f"{prefix}{name}={value!r} must be true or false", prefix + name)
+        raise InvalidRequest(f"{prefix}{name}={_show(value)} must be true or false", prefix + name)
     return value
 
 
@@ -355,4 +478,4 @@ def _refuse(body: dict[str, Any], **neutral: Any) -> None:
             continue
         if name == "best_of" and value == body.get("n", 1):
             continue
-        raise InvalidRequest(f"{name}={value!r} is not supported by this server", name)
+        raise InvalidRequest(f"{name}={_show(value)} is not supported by this server", name)

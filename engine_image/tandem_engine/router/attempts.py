@@ -10,9 +10,11 @@ its last item:
               that pulls the pinned KV (`source`), or colocated when nothing was pinned.
 
 A request the engine refuses as invalid raises `EngineRejected` (before any token) or
-`GenerationFailed` (a continuation refused). The router never derives text: a Delta's
-text is the engine's `Output.text`, and `Progress` counts what the client already has
-so the next engine can be told (`Resume`).
+`GenerationFailed` (a continuation refused); one the engine failed by itself (finish
+reason `error`: its sampling could not be honoured) raises `RequestFailed`, never a
+failover, since it would fail the same way anywhere. The router never derives text: a
+Delta's text is the engine's `Output.text`, and `Progress` counts what the client
+already has so the next engine can be told (`Resume`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class EngineRejected(Exception):
 class GenerationFailed(Exception):
     """A request could not be completed on any engine (HTTP 503, or an error event
     mid-stream)."""
+
+
+class RequestFailed(Exception):
+    """The engine failed this request alone (finish reason `error`): HTTP 500, or an error
+    event mid-stream. Not failed over: another engine would fail it the same way."""
 
 
 @dataclass
@@ -174,6 +181,7 @@ async def colocated(attempt: Attempt, progress: Progress, *, pulled: bool = Fals
         if isinstance(item, p.Reject):
             yield _refused(item, attempt, progress, fail_over=pulled)
             return
+        _raise_if_failed(item, attempt)
         aborted = item.finished and item.finish_reason == "abort"
         delta = progress.record(item, attempt.client.view().weight_version, received_at,
                                 finished=item.finished and not aborted)
@@ -199,6 +207,7 @@ async def prefill(attempt: Attempt, progress: Progress) -> AsyncIterator[Step]:
         if isinstance(item, p.Reject):
             yield _refused(item, attempt, progress, fail_over=bool(progress.generated))
             return
+        _raise_if_failed(item, attempt)
         aborted = item.finished and item.finish_reason == "abort"
         # A final output without a finish reason is the prefill's end, not the choice's.
         ends = item.finished and not aborted and item.finish_reason is not None
@@ -230,6 +239,12 @@ def _lost(item: EngineLost | Stalled) -> FailOver:
 def _engine_aborted(attempt: Attempt) -> FailOver:
     # Not the router's abort: the engine stopped the request (draining, stopping).
     return FailOver("engine_aborted", f"engine {attempt.client.key} aborted the request")
+
+
+def _raise_if_failed(out: p.Output, attempt: Attempt) -> None:
+    if out.finished and out.finish_reason == "error":
+        raise RequestFailed(f"engine {attempt.client.key} failed the request: "
+                            f"{out.error or 'no cause given'}")
 
 
 def _refused(reject: p.Reject, attempt: Attempt, progress: Progress, *,

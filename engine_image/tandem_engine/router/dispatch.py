@@ -157,16 +157,17 @@ class Dispatcher:
         except EngineUnavailable as exc:
             yield FailOver("unavailable", str(exc))
             return
-        if self.metrics is not None:
-            self.metrics.engine_requests.labels(client.key).inc()
-            if progress.attempts == 1:
-                self.metrics.ingress_latency.observe(time.monotonic() - choice.latency.arrival)
-        attempt = Attempt(client, sub_id, queue, self.config.first_output_timeout,
-                          self.config.output_timeout)
-        steps = attempts.prefill(attempt, progress) if prefill else \
-            attempts.colocated(attempt, progress, pulled=leg.pull is not None)
         done = False
-        try:
+        try:  # from here every way out leaves the engine's in-flight count as it was
+            if self.metrics is not None:
+                self.metrics.engine_requests.labels(client.key).inc()
+                if progress.attempts == 1:
+                    self.metrics.ingress_latency.observe(
+                        time.monotonic() - choice.latency.arrival)
+            attempt = Attempt(client, sub_id, queue, self.config.first_output_timeout,
+                              self.config.output_timeout)
+            steps = attempts.prefill(attempt, progress) if prefill else \
+                attempts.colocated(attempt, progress, pulled=leg.pull is not None)
             async with aclosing(steps):
                 async for step in steps:
                     if isinstance(step, Delta):

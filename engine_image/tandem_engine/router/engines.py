@@ -8,6 +8,10 @@ queue per in-flight request. When an engine dies, or comes back as a new incarna
 (a restarted process knows none of our requests), every in-flight queue receives an
 `EngineLost`, which is how an attempt (`attempts`) knows to fail over.
 
+Liveness goes both ways: while connected the router PINGs every `ping_interval`, and an
+engine that stops hearing from it (the router died, or lost its network) forgets it and
+aborts its requests, so no orphan runs to max_tokens.
+
 Sends never block: the socket only queues to a live connection (ZMQ_IMMEDIATE), and a
 send that cannot be queued fails at once (`EngineUnavailable`), never waits. An
 `Output` for a request this router no longer tracks (it failed over, or the client
@@ -38,6 +42,10 @@ from tandem_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# How often a router PINGs each connected engine: the engines' default heartbeat interval,
+# well inside their default router timeout (10 s).
+PING_INTERVAL = 0.5
+
 
 class EngineUnavailable(Exception):
     """A message could not be handed to an engine (not connected, or its queue is full)."""
@@ -67,13 +75,15 @@ def parse_address(address: str) -> str:
 
 class EngineClient:
     def __init__(self, address: str, *, router_id: str, context: zmq.asyncio.Context,
-                 heartbeat_deadline: float = 2.0, handshake_timeout: float = 1.0) -> None:
+                 heartbeat_deadline: float = 2.0, handshake_timeout: float = 1.0,
+                 ping_interval: float = PING_INTERVAL) -> None:
         self.address = parse_address(address)
         self.key = self.address.removeprefix("tcp://")
         self._drops = p.DropLog(log, f"engine {self.key}")
         self.router_id = router_id
         self.heartbeat_deadline = heartbeat_deadline
         self.handshake_timeout = handshake_timeout
+        self.ping_interval = ping_interval
         self.welcome: p.Welcome | None = None
         self.load: p.Load | None = None
         self.connected = False  # WELCOME received and messages arriving on time
@@ -83,6 +93,7 @@ class EngineClient:
         self._socket: zmq.asyncio.Socket | None = None
         self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
         self._hello_sent_at = float("-inf")
+        self._pinged_at = float("-inf")  # when this router last told the engine it lives
         self._received_at = 0.0  # when the message being handled came off the socket
         self._tasks: list[asyncio.Task[Any]] = []
 
@@ -95,6 +106,7 @@ class EngineClient:
         sock.setsockopt(zmq.ROUTING_ID, f"{self.router_id}/{self.key}".encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a live connection
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)  # never buffer a huge frame
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
@@ -141,8 +153,8 @@ class EngineClient:
         try:
             self._send(p.Submit(request_id, prompt_token_ids, sampling, cache_salt,
                                 pin_for_handoff=pin_for_handoff, resume=resume, pull=pull))
-        except EngineUnavailable:
-            del self._queues[request_id]
+        except BaseException:  # unsendable (an id msgpack cannot encode, say): not in flight
+            self._queues.pop(request_id, None)
             raise
         return queue
 
@@ -210,9 +222,14 @@ class EngineClient:
             raise EngineUnavailable(f"engine {self.key}: cannot queue a message ({exc})")
 
     def _say_hello(self) -> None:
-        self._hello_sent_at = time.monotonic()
+        self._hello_sent_at = self._pinged_at = time.monotonic()
         with contextlib.suppress(EngineUnavailable):
             self._send(p.Hello(p.PROTOCOL_VERSION, self.router_id))
+
+    def _ping(self) -> None:
+        self._pinged_at = time.monotonic()
+        with contextlib.suppress(EngineUnavailable):
+            self._send(p.Ping(self.router_id))
 
     def _mark_dead(self, reason: str) -> None:
         if self.connected:
@@ -227,7 +244,7 @@ class EngineClient:
             queue.put_nowait((time.monotonic(), EngineLost(reason)))
 
     async def _watch(self) -> None:
-        """Handshake retries and the heartbeat deadline."""
+        """Handshake retries, the heartbeat deadline and this router's PINGs."""
         tick = min(0.1, self.heartbeat_deadline / 4)
         while True:
             now = time.monotonic()
@@ -236,6 +253,8 @@ class EngineClient:
                                 f"(deadline {self.heartbeat_deadline} s)")
             if not self.connected and now - self._hello_sent_at > self.handshake_timeout:
                 self._say_hello()
+            if self.connected and now - self._pinged_at >= self.ping_interval:
+                self._ping()
             await asyncio.sleep(tick)
 
     async def _monitor(self, monitor: zmq.asyncio.Socket) -> None:

@@ -28,6 +28,11 @@ import uvicorn
 from tandem_engine import kubeclient
 from tandem_engine.errors import TandemError
 from tandem_engine.router import discovery
+from tandem_engine.router.api_params import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_PROMPT_CHARS,
+    RequestLimits,
+)
 from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
 from tandem_engine.router.engines import EnginePool
 from tandem_engine.router.openai_api import build_app
@@ -65,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failover-timeout", type=float, default=30.0,
                    help="seconds to find an engine of the same weight version to continue "
                         "a request whose engine died")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted; a larger one gets 413 before it is "
+                        "read or parsed (default %(default)s, 4 MiB: a 128k-token prompt as "
+                        "text or as token ids, with room for JSON escaping)")
+    p.add_argument("--max-prompt-chars", type=int, default=DEFAULT_MAX_PROMPT_CHARS,
+                   help="longest prompt (a completions prompt, or a chat's messages together) "
+                        "in characters; a longer one gets 400 before it is tokenized (default "
+                        "%(default)s: about twice a 128k-token context of English text)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds open requests get after SIGTERM")
     p.add_argument("--log-level", default="info",
@@ -85,12 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = DispatchConfig(first_output_timeout=args.first_output_timeout,
                                 output_timeout=args.output_timeout,
                                 failover_timeout=args.failover_timeout)
+        limits = RequestLimits(max_body_bytes=args.max_body_bytes,
+                               max_prompt_chars=args.max_prompt_chars)
     except (TandemError, ValueError, OSError) as exc:
         print(f"tandem-router: error: {exc}", file=sys.stderr)
         return 2
     served = args.served_model_name or args.model.name or args.model.resolve().name
     dispatcher = Dispatcher(pool, config)
-    app = build_app(pool, tokenizer, served, dispatcher)
+    app = build_app(pool, tokenizer, served, dispatcher, limits)
     server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", access_log=False,
         timeout_graceful_shutdown=max(1, round(args.shutdown_grace))))

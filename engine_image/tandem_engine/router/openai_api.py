@@ -1,16 +1,20 @@
 """The router's HTTP API: OpenAI completions and chat completions over the engine pool.
 
-`RouterApi` holds the handlers: parse and validate (`api_params`), tokenize (and
-render the chat template), run every choice through `Dispatcher.generate` concurrently
-(`Choices`), and answer in the OpenAI shapes (`openai_format`), as one JSON body or as
-server-sent events; `build_app` mounts them on a FastAPI app. A streamed response
-starts only when the first choice has produced something, so errors found before any
-token (no engine, an engine's 400) still get a real HTTP status; later errors arrive as
-an `error` event before `[DONE]`.
+`RouterApi` holds the handlers: read the body within `RequestLimits` and parse and
+validate it (`api_params`), tokenize (and render the chat template) on a worker thread,
+so a long prompt never stalls the event loop (`/healthz` stays instant), run every
+choice through `Dispatcher.generate` concurrently (`Choices`), and answer in the OpenAI
+shapes (`openai_format`), as one JSON body or as server-sent events; `build_app` mounts
+them on a FastAPI app. A streamed response starts only when the first choice has
+produced something, so errors found before any token (no engine, an engine's 400) still
+get a real HTTP status; later errors arrive as an `error` event before `[DONE]`.
 
 A client that disconnects has its choices cancelled, which aborts them on the engines.
 Also served: `GET /v1/models`, `/v1/engines` (the router's view of each engine),
 `/healthz`, `/readyz` (200 once an engine is RUNNING) and `/metrics`.
+
+An unexpected exception answers 500 in the OpenAI error shape with `Connection: close`
+(the server closes the connection after it, so a pooling client must not reuse it).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from tandem_engine.router.api_params import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     InvalidRequest,
     Options,
+    RequestLimits,
+    check_prompt_chars,
+    decode_body,
     engine_sampling,
     parse_chat,
     parse_completion,
@@ -44,6 +51,7 @@ from tandem_engine.router.attempts import (
     EngineRejected,
     GenerationFailed,
     NoEngineAvailable,
+    RequestFailed,
 )
 from tandem_engine.router.chat import ChatTemplate
 from tandem_engine.router.dispatch import Dispatcher
@@ -128,8 +136,10 @@ class RouterApi:
     """The router's HTTP handlers over one dispatcher; `build_app` mounts them."""
 
     def __init__(self, pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
-                 dispatcher: Dispatcher, metrics: RouterMetrics) -> None:
+                 dispatcher: Dispatcher, metrics: RouterMetrics,
+                 limits: RequestLimits | None = None) -> None:
         self.pool = pool
+        self.limits = limits or RequestLimits()
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.dispatcher = dispatcher
@@ -141,14 +151,16 @@ class RouterApi:
 
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        req = parse_completion(await _body(request))
+        req = parse_completion(await self._body(request))
+        check_prompt_chars(req, self.limits)
         options = req.options
         self._check_model(options)
         limit = await self._context_limit()
         jobs: list[Job] = []
         prompt_tokens = 0
         for i, prompt in enumerate(req.prompts):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            ids = await asyncio.to_thread(self.tokenizer.encode_releasing_gil, prompt) \
+                if isinstance(prompt, str) else prompt
             max_tokens = resolve_max_tokens(options, len(ids), limit,
                                             default=DEFAULT_COMPLETION_MAX_TOKENS)
             prompt_tokens += len(ids)
@@ -158,7 +170,8 @@ class RouterApi:
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
-        req = parse_chat(await _body(request))
+        req = parse_chat(await self._body(request))
+        check_prompt_chars(req, self.limits)
         options = req.options
         self._check_model(options)
         if self.chat_template is None:
@@ -166,13 +179,33 @@ class RouterApi:
                                  "(tokenizer_config.json chat_template): use /v1/completions",
                                  "messages")
         limit = await self._context_limit()
-        ids = self.tokenizer.encode(self.chat_template.render(req.messages),
-                                    add_special_tokens=False)
+        ids = await asyncio.to_thread(self._chat_prompt_ids, self.chat_template, req.messages)
         max_tokens = resolve_max_tokens(options, len(ids), limit, default=None,
                                         prompt_param="messages")
         jobs = [Job(j, 0, ids, engine_sampling(options, max_tokens, j))
                 for j in range(options.n)]
         return await self._serve(request, "chatcmpl", jobs, options, len(ids), arrival)
+
+    def _chat_prompt_ids(self, template: ChatTemplate, messages: list[dict[str, str]]
+                         ) -> list[int]:
+        """The rendered conversation's token ids (on a worker thread)."""
+        return self.tokenizer.encode_releasing_gil(template.render(messages),
+                                                   add_special_tokens=False)
+
+    async def _body(self, request: Request) -> Any:
+        """The request's JSON: read up to `max_body_bytes` (413 beyond, without reading
+        the rest) and decoded on a worker thread."""
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise self.limits.body_too_large(int(declared))
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise self.limits.body_too_large()
+            chunks.append(chunk)
+        return await asyncio.to_thread(decode_body, b"".join(chunks))
 
     def _check_model(self, options: Options) -> None:
         if options.model != self.served_model_name:
@@ -280,12 +313,19 @@ class RouterApi:
 
     async def invalid(self, _: Request, exc: InvalidRequest) -> JSONResponse:
         self.metrics.requests.labels(_outcome(exc.status)).inc()
-        return _error(exc.status, exc.message, exc.type, exc.param, exc.code)
+        response = _error(exc.status, exc.message, exc.type, exc.param, exc.code)
+        if exc.status == 413:  # the rest of the body was never read
+            response.headers["Connection"] = "close"
+        return response
 
     async def unexpected(self, _: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
         self.metrics.requests.labels("failed").inc()
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        response = _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        # Starlette re-raises after this answer and uvicorn then drops the connection:
+        # say so, or a pooling client's next request on it fails (ECONNRESET).
+        response.headers["Connection"] = "close"
+        return response
 
     # ---- the router's own endpoints -----------------------------------------------------------
 
@@ -310,7 +350,8 @@ class RouterApi:
 
 
 def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
-              dispatcher: Dispatcher | None = None) -> FastAPI:
+              dispatcher: Dispatcher | None = None,
+              limits: RequestLimits | None = None) -> FastAPI:
     """The router app; its lifespan starts and closes the pool's connections."""
     if dispatcher is None:
         dispatcher = Dispatcher(pool)
@@ -318,7 +359,7 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
         dispatcher.metrics = RouterMetrics()
     metrics = dispatcher.metrics
     metrics.watch_engines(pool.views)
-    api = RouterApi(pool, tokenizer, served_model_name, dispatcher, metrics)
+    api = RouterApi(pool, tokenizer, served_model_name, dispatcher, metrics, limits)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -347,14 +388,6 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-async def _body(request: Request) -> Any:
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-
-
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
@@ -378,6 +411,8 @@ def _failure_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
                                    "no_engine_available")
     if isinstance(exc, GenerationFailed):
         return 503, fmt.error_body(str(exc), "server_error", None, "generation_failed")
+    if isinstance(exc, RequestFailed):  # this request alone: never failed over
+        return 500, fmt.error_body(str(exc), "server_error", None, "request_failed")
     log.error("choice failed: %r", exc)
     return 500, fmt.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error")
 

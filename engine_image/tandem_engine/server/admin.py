@@ -168,9 +168,15 @@ def _add_read_routes(app: FastAPI, control: EngineControl) -> None:
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
-        ok = control.worker.alive
-        return JSONResponse({"status": "ok" if ok else "engine thread stopped"},
-                            status_code=200 if ok else 503)
+        """Liveness: 503 once the stepping thread stopped or its steps keep failing with
+        no request to blame (the cause is in the body), so the pod is restarted."""
+        w = control.worker
+        if not w.alive:
+            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+        if w.unhealthy:
+            return JSONResponse({"status": "unhealthy", "cause": w.unhealthy},
+                                status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
@@ -247,6 +253,8 @@ class _EngineCollector:
         yield gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks in use", s.kv_usage)
         yield gauge("tandem_weight_epoch", "Weight epoch (bumped by each refit)",
                     s.weights.epoch)
+        yield gauge("tandem_routers", "Routers heard from within the router timeout",
+                    w.num_routers)
         cache = s.prefix_cache
         yield gauge("tandem_prefix_cache_hit_ratio", "Prefix-cache hit tokens / queried",
                     cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0)
@@ -256,6 +264,9 @@ class _EngineCollector:
             "prompt": w.stats.prompt_tokens, "generation": w.stats.generation_tokens})
         yield counter("tandem_requests_finished", "Finished requests by reason", "reason",
                       dict(w.stats.requests_finished))
+        yield counter("tandem_step_failures", "Engine steps that raised with no request "
+                      "to blame (a few in a row make the engine unhealthy)",
+                      values=w.stats.step_failures)
         seconds, w.stats.step_seconds = w.stats.step_seconds, []
         yield self._steps.fold(seconds, labels, v)
         # KV handoff: pins on a prefill engine, pulls on a decode engine.

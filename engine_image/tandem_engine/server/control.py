@@ -74,10 +74,14 @@ class EngineControl:
         self.worker.set_draining(True)
 
     def undrain(self) -> None:
-        """Admit new requests again. Raises ShuttingDown after SIGTERM."""
+        """Admit new requests again. Raises ShuttingDown after SIGTERM or once the engine
+        is unhealthy (its steps keep failing: it needs a restart)."""
         if self.worker.shutting_down:
             raise ShuttingDown(f"engine {self.worker.engine_id} is shutting down; it cannot "
                                "admit new requests again")
+        if self.worker.unhealthy:
+            raise ShuttingDown(f"engine {self.worker.engine_id} is unhealthy "
+                               f"({self.worker.unhealthy}); restart it to serve again")
         self.worker.set_draining(False)
 
     def canary(self, prompt_token_ids: list[int], max_tokens: int, timeout: float) -> list[int]:
@@ -101,5 +105,6 @@ class EngineControl:
                 "weight_uri": stats.weights.uri,
                 "num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "kv_usage": stats.kv_usage, "draining": w.draining,
+                "unhealthy": w.unhealthy,
                 "pinned_blocks": stats.num_pinned_blocks,
                 "kv_pulls": {**handoff, "recomputed": stats.num_pull_fallbacks}}

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--role", choices=[str(r) for r in EngineRole],
                    default=str(EngineRole.MIXED))
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--router-timeout", type=float, default=10.0,
+                   help="forget a router silent this long (no PING, HELLO, SUBMIT or "
+                        "ABORT) and abort its requests (s)")
     p.add_argument("--pull-timeout", type=float, default=10.0,
                    help="decode: deadline of one KV pull from a prefill engine (s)")
     p.add_argument("--kv-pin-ttl", type=float, default=float(DEFAULT_KV_PIN_TTL_S),
@@ -119,7 +122,8 @@ async def _run(args: argparse.Namespace) -> int:
     worker = EngineWorker(engine, engine_id=engine_id,
                           model_name=args.served_model_name or Path(args.model).name,
                           role=args.role, heartbeat_interval=args.heartbeat_interval,
-                          transfer=transfer, pull_timeout=args.pull_timeout)
+                          transfer=transfer, pull_timeout=args.pull_timeout,
+                          router_timeout=args.router_timeout)
 
     shutdown = asyncio.Event()
     admin = uvicorn.Server(uvicorn.Config(

@@ -9,6 +9,12 @@ never wait for it: heartbeats and outputs would stop). Every router that said HE
 gets heartbeats and immediate state announcements, built from the engine's published
 snapshot (`LLMEngine.stats`), never from its fields.
 
+The router table is bounded in time and size: a router is known while it keeps talking
+(HELLO, PING, SUBMIT, ABORT), at most `max_routers` of them. One not heard from within
+`router_timeout`, or the least recently heard when a new one would exceed the bound, is
+forgotten, gets no more heartbeats, and its in-flight requests are aborted: nobody reads
+their outputs any more.
+
 Text is the engine's (`tandem_engine.text`): an output's text is already safe to show,
 so a stream only sends what it has not sent yet.
 """
@@ -39,6 +45,11 @@ from tandem_engine.transfer import KVTransferBackend
 
 log = logging.getLogger(__name__)
 
+# Steps that raise with no request to blame (the engine fails a culprit request by
+# itself): after this many in a row the engine is unhealthy for good (liveness 503,
+# refusing requests) and wants a restart.
+UNHEALTHY_AFTER_STEP_FAILURES = 3
+
 
 @dataclass
 class _Stream:
@@ -57,6 +68,7 @@ class WorkerStats:
     generation_tokens: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)
     step_seconds: list[float] = field(default_factory=list)  # drained by /metrics
+    step_failures: int = 0  # steps that raised with no request to blame
 
 
 def stream_delta(stream: _Stream, out: RequestOutput) -> p.Output:
@@ -78,7 +90,7 @@ def stream_delta(stream: _Stream, out: RequestOutput) -> p.Output:
         request_id=stream.client_id, token_ids=list(new_ids),
         text=completion.text[stream.sent_chars:], logprobs=logprobs, finished=out.finished,
         finish_reason=reason, stop_reason=completion.stop_reason,
-        num_prompt_tokens=len(out.prompt_token_ids), handoff=handoff)
+        num_prompt_tokens=len(out.prompt_token_ids), handoff=handoff, error=completion.error)
     stream.sent_tokens += len(new_ids)
     stream.sent_chars = max(stream.sent_chars, len(completion.text))
     return delta
@@ -88,20 +100,33 @@ class EngineWorker:
     def __init__(self, engine: LLMEngine, *, engine_id: str, model_name: str,
                  role: str = p.EngineRole.MIXED, heartbeat_interval: float = 0.5,
                  transfer: KVTransferBackend | None = None,
-                 pull_timeout: float = 10.0) -> None:
+                 pull_timeout: float = 10.0, router_timeout: float = 10.0,
+                 max_routers: int = 1024) -> None:
+        if router_timeout <= heartbeat_interval:
+            raise ValueError(f"router timeout {router_timeout} s must exceed the heartbeat "
+                             f"interval {heartbeat_interval} s (e.g. --router-timeout 10)")
+        if max_routers < 1:
+            raise ValueError(f"max_routers {max_routers} must be >= 1")
         self.engine = engine
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex
         self.model_name = model_name
         self.role = p.EngineRole(role)
         self.heartbeat_interval = heartbeat_interval
+        self.router_timeout = router_timeout
+        self.max_routers = max_routers
         self.stats = WorkerStats()
         self.draining = False  # no new requests: a drain, a refit, or SIGTERM
         self.shutting_down = False  # SIGTERM: draining for good
+        self.unhealthy: str | None = None  # why steps keep failing; draining for good
+        self._step_failures_in_a_row = 0
         self._canaries: dict[str, tuple[threading.Event, list[RequestOutput]]] = {}
         # Work for the stepping thread from the socket loop (admissions, aborts).
         self._inbox: collections.deque[Callable[[], None]] = collections.deque()
-        self._routers: set[bytes] = set()
+        # Router identity -> monotonic time last heard from, least recently heard first.
+        # The socket loop's alone to change; other threads only iterate over a copy.
+        self._routers: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        self._evictions = 0  # routers forgotten because the table was full
         self._streams: dict[str, _Stream] = {}  # engine request id -> stream
         self._wake = threading.Event()
         self._closing = threading.Event()
@@ -141,6 +166,11 @@ class EngineWorker:
         self.announce_state()
 
     @property
+    def num_routers(self) -> int:
+        """Routers heard from within the router timeout (each gets heartbeats)."""
+        return len(self._routers)
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -155,6 +185,7 @@ class EngineWorker:
         self._socket = ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)  # never buffer a huge one
         self._socket.bind(address)
         self._thread = threading.Thread(target=self._step_loop, name="engine-steps",
                                         daemon=True)
@@ -217,11 +248,15 @@ class EngineWorker:
                 log.warning("router %s speaks protocol %d, not %d: ignored", msg.router_id,
                             msg.protocol_version, p.PROTOCOL_VERSION)
                 return
-            self._routers.add(router)
+            self._heard_from(router)
             self._queue(router, self._welcome())
+        elif isinstance(msg, p.Ping):
+            self._heard_from(router)
         elif isinstance(msg, p.Submit):
+            self._heard_from(router)
             self._submit(router, msg)
         elif isinstance(msg, p.Abort):
+            self._heard_from(router)
             self._inbox.append(functools.partial(self._abort, self._engine_id(
                 router, msg.request_id)))
             self._wake.set()
@@ -231,6 +266,43 @@ class EngineWorker:
     def _abort(self, rid: str) -> None:
         self.engine.abort(rid)
         self.engine.unpin(rid)  # a finished prefill whose KV no decode engine will pull
+
+    # ---- the router table (socket loop) ---------------------------------------------------
+
+    def _heard_from(self, router: bytes) -> None:
+        """Record that `router` is alive; a new one beyond `max_routers` evicts the least
+        recently heard."""
+        self._routers[router] = time.monotonic()
+        self._routers.move_to_end(router)
+        while len(self._routers) > self.max_routers:
+            evicted, _ = self._routers.popitem(last=False)
+            self._evictions += 1
+            if self._evictions == 1 or self._evictions % 1000 == 0:  # a flood: not every one
+                log.warning("router %s forgotten: more than %d routers (%d so far)",
+                            evicted.hex(), self.max_routers, self._evictions)
+            self._forget([evicted])
+
+    def _prune_routers(self) -> None:
+        """Forget the routers not heard from within the router timeout."""
+        stale = time.monotonic() - self.router_timeout
+        gone = []
+        while self._routers and next(iter(self._routers.values())) < stale:
+            gone.append(self._routers.popitem(last=False)[0])
+        if gone:
+            log.warning("%d router(s) silent for %.0f s forgotten (e.g. %s)", len(gone),
+                        self.router_timeout, gone[0].hex())
+            self._forget(gone)
+
+    def _forget(self, routers: list[bytes]) -> None:
+        self._inbox.append(functools.partial(self._abort_routers, frozenset(routers)))
+        self._wake.set()
+
+    def _abort_routers(self, routers: frozenset[bytes]) -> None:
+        """On the stepping thread: abort every in-flight request of `routers`."""
+        for rid, stream in list(self._streams.items()):
+            if stream.router in routers:
+                log.info("aborting %s: its router is gone", rid)
+                self._abort(rid)
 
     def _welcome(self) -> p.Welcome:
         s = self.engine.stats
@@ -244,7 +316,8 @@ class EngineWorker:
 
     def _submit(self, router: bytes, msg: p.Submit) -> None:
         if self.draining:
-            why = "shutting down" if self.shutting_down else "draining (refusing new requests)"
+            why = (f"unhealthy ({self.unhealthy})" if self.unhealthy else "shutting down"
+                   if self.shutting_down else "draining (refusing new requests)")
             self._queue(router, p.Reject(msg.request_id, 503,
                                          f"engine {self.engine_id} is {why}"))
             return
@@ -331,16 +404,31 @@ class EngineWorker:
                 self._wake.clear()
             try:
                 outputs = engine.step()
-            except Exception:
+            except Exception as exc:
                 log.exception("engine step failed")
+                self._step_failed(exc)
                 time.sleep(0.1)
                 continue
+            self._step_failures_in_a_row = 0
             timings = engine.drain_step_timings()
             if timings:
                 self.stats.step_seconds.extend(t.total_s for t in timings)
                 del self.stats.step_seconds[:-10_000]
             for out in outputs:
                 self._emit(out)
+
+    def _step_failed(self, exc: Exception) -> None:
+        """A step raised and no request was to blame (the engine fails culprits itself):
+        after a few in a row, the engine is unhealthy and refuses requests for good."""
+        self.stats.step_failures += 1
+        self._step_failures_in_a_row += 1
+        if self.unhealthy is None and \
+                self._step_failures_in_a_row >= UNHEALTHY_AFTER_STEP_FAILURES:
+            self.unhealthy = (f"{self._step_failures_in_a_row} engine steps in a row failed, "
+                              f"last with {type(exc).__name__}: {exc}")
+            log.error("engine %s is unhealthy, refusing new requests until restarted: %s",
+                      self.engine_id, self.unhealthy)
+            self.set_draining(True)
 
     def _emit(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -380,8 +468,10 @@ class EngineWorker:
                 log.warning("send to router %s failed: %s", router.hex(), exc)
 
     async def _heartbeat(self) -> None:
+        assert self._outbox is not None
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            msg = p.Heartbeat(self.engine_id, self.incarnation, self.load())
+            self._prune_routers()
+            frame = p.encode(p.Heartbeat(self.engine_id, self.incarnation, self.load()))
             for router in list(self._routers):
-                self._queue(router, msg)
+                self._outbox.put_nowait((router, frame))
