@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -42,12 +43,13 @@ def _greedy(model: Path, prompts: list[list[int]], **kw) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _pair(model: Path, tmp: Path, engines: list, pull_timeout: float):
+def _pair(model: Path, tmp: Path, engines: list, pull_timeout: float, *decode_args: str):
     """A prefill engine "pre" and a decode engine "dec", with a router-side client each."""
     engines.append(prefill := EngineProcess(model, tmp, "--role", "prefill",
                                             "--engine-id", "pre"))
     engines.append(decode := EngineProcess(model, tmp, "--role", "decode", "--engine-id",
-                                           "dec", "--pull-timeout", str(pull_timeout)))
+                                           "dec", "--pull-timeout", str(pull_timeout),
+                                           *decode_args))
     return prefill, decode, prefill.client(), decode.client()
 
 
@@ -108,6 +110,45 @@ def test_frozen_then_thawed_prefill_engine(tiny_llama: Path, tmp_path: Path,
     # The frozen request's pin expired or was released; the rest were notified.
     _wait_for(lambda: _state(prefill)["pinned_blocks"] <= len(source.block_ids), 10,
               "pins of finished pulls released")
+
+
+@pytest.mark.parametrize("drained_by", ["sigcont", "ttl"])
+def test_a_timed_out_pull_quarantines_its_blocks_until_the_transfer_ends(
+        tiny_llama: Path, tmp_path: Path, engines: list, drained_by: str) -> None:
+    """A READ that timed out may still land: its destination blocks stay quarantined on
+    the decode engine while the peer is frozen (the request still completes, recomputed
+    in other blocks), until the thawed peer ends the transfer or the quarantine TTL."""
+    ttl = 60 if drained_by == "sigcont" else 4
+    prefill, decode, pre, dec = _pair(tiny_llama, tmp_path, engines, 1.0,
+                                      "--kv-quarantine-ttl", str(ttl))
+    prompts = random_prompts(2048, [40, 60], seed=64)
+    expected = _greedy(tiny_llama, prompts)
+    source = pin(pre, "frozen", prompts[0])
+    prefill.proc.send_signal(signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    assert pull(dec, "frozen", prompts[0], source, timeout=30) == expected[0]
+    state = _state(decode)
+    assert state["kv_pulls"]["failed_timeout"] == 1 and state["kv_pulls"]["recomputed"] == 1
+    assert state["quarantined_blocks"] == len(source.block_ids) > 0
+    metrics = urllib.request.urlopen(
+        f"http://127.0.0.1:{decode.admin_port}/metrics", timeout=10).read().decode()
+    assert f'tandem_kv_quarantined_blocks{{engine_id="dec"}} {len(source.block_ids)}.0' \
+        in metrics
+    if drained_by == "sigcont":
+        time.sleep(1.0)  # still frozen: the transfer's state is still unknown
+        assert _state(decode)["quarantined_blocks"] == len(source.block_ids)
+        prefill.proc.send_signal(signal.SIGCONT)
+        _wait_for(lambda: _state(decode)["quarantined_blocks"] == 0, 15,
+                  "quarantine released when the transfer ended")
+        assert time.monotonic() - frozen_at < ttl
+    else:
+        _wait_for(lambda: _state(decode)["quarantined_blocks"] == 0, ttl + 10,
+                  "quarantine released by the TTL")
+        assert time.monotonic() - frozen_at >= ttl
+        prefill.proc.send_signal(signal.SIGCONT)
+    # The pool is whole again: the next handoff pulls and decodes correctly.
+    assert pull(dec, "after", prompts[1], pin(pre, "after", prompts[1])) == expected[1]
+    assert _state(decode)["quarantined_blocks"] == 0
 
 
 def test_killed_prefill_during_a_pull_then_restarted(tiny_llama: Path, tmp_path: Path,

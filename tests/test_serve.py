@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from tandem_engine import LLM, SamplingParams
-from tandem_engine.cli.serve import free_port
+from tandem_engine.cli.serve import LocalStack, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -122,3 +124,84 @@ def test_serve_disaggregated_prefill_and_decode(tiny_llama: Path, tmp_path: Path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_restarts_a_killed_engine_while_the_router_fails_over(tmp_path: Path) -> None:
+    """kill -9 of one engine: no request fails (failover), `serve` keeps running and
+    restarts the engine (same id and ports), records it in stack.json, and serves on."""
+    port = free_port()
+    proc, _ = _start_serve(tmp_path, "--demo", "--demo-dir", str(tmp_path / "demo"),
+                           "--engines", "2", "--port", str(port))
+    try:
+        stack_file = tmp_path / f"tandem-{port}" / "stack.json"
+        stack = json.loads(stack_file.read_text())
+        victim = stack["engines"][0]
+        pid = stack["children"][victim["name"]]["pid"]
+        assert pid in _children(proc.pid)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0, timeout=60)
+
+        def stream(i: int) -> str:
+            chunks = client.completions.create(model="demo-model", prompt=f"Hello {i}",
+                                               max_tokens=24, temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(stream, i) for i in range(16)]
+            time.sleep(0.3)
+            os.kill(pid, signal.SIGKILL)
+            futures += [pool.submit(stream, i) for i in range(16, 24)]
+            texts = [f.result(timeout=120) for f in futures]
+        assert all(texts)
+        assert proc.poll() is None  # still serving
+
+        deadline = time.monotonic() + 60
+        while True:
+            child = json.loads(stack_file.read_text())["children"][victim["name"]]
+            if child["restarts"] == 1 and child["pid"] != pid:
+                try:
+                    if httpx.get(f"{victim['admin_url']}/readyz", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+            assert time.monotonic() < deadline, child
+            time.sleep(0.2)
+        assert child["last_exit"] == "SIGKILL"
+        assert child["pid"] in _children(proc.pid)
+        assert stack["engines"] == json.loads(stack_file.read_text())["engines"]
+        for _ in range(3):
+            got = client.completions.create(model="demo-model", prompt="Again", max_tokens=8,
+                                            temperature=0)
+            assert got.choices[0].text
+        assert proc.poll() is None
+
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "engine-0 exited unexpectedly (SIGKILL)" in out
+        assert "engine-0: restarted (restart 1" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_gives_up_on_a_crash_looping_child(tmp_path: Path) -> None:
+    """A child that keeps dying is restarted with growing back-off, then stops the stack."""
+    stack = LocalStack(tmp_path, log_dir=tmp_path, restart_limit=3, backoff_base=0.2,
+                       out=open(os.devnull, "w"))  # noqa: SIM115
+    child = stack._spawn("engine-0", ["tandem_engine.no_such_module"], "http://127.0.0.1:1/")
+    delays, seen = [], None
+    deadline = time.monotonic() + 30
+    while (reason := stack.supervise()) is None:
+        assert time.monotonic() < deadline
+        if child.restart_at is not None and child.restart_at != seen:
+            seen = child.restart_at
+            delays.append(seen - time.monotonic())
+        time.sleep(0.01)
+    assert "engine-0 exited (exit code 1) after 3 restarts within 60 s" in reason
+    assert "crash-looping" in reason and "no_such_module" in reason
+    assert child.restarts == 3 and child.last_exit == "exit code 1"
+    assert len(delays) == 3  # the back-off doubles
+    assert all(0 < want - d < 0.1 for d, want in zip(delays, [0.2, 0.4, 0.8], strict=True))
+    stack.stop()

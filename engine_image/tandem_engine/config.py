@@ -36,6 +36,8 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_KV_PIN_TTL_S = 60  # prefill: how long a handed-off prompt's KV stays pinned at most
+DEFAULT_KV_QUARANTINE_TTL_S = 60  # decode: how long blocks of an unknown-state pull stay out
+MAX_KV_QUARANTINE_TTL_S = 3600
 DEFAULT_KERNELS = "auto"
 DEFAULT_THREADS = 1  # torch threads per engine process
 
@@ -292,6 +294,9 @@ class EngineConfig:
     # How long a prefill engine keeps a handed-off prompt's KV pinned when the decode
     # engine never says it is done pulling.
     kv_pin_ttl_s: float = float(DEFAULT_KV_PIN_TTL_S)
+    # How long a decode engine keeps the destination blocks of a pull whose transfer state
+    # is unknown (a timeout) out of use at most, when the transport never says it ended.
+    kv_quarantine_ttl_s: float = float(DEFAULT_KV_QUARANTINE_TTL_S)
     # CPU kernels: "native" = the compiled decode-attention kernel and oneDNN-packed
     # projections; "torch" = plain torch ops (gather + SDPA, default matmul);
     # "auto" = native on CPU when the kernel builds (a warning says when not), else torch.
@@ -308,6 +313,8 @@ class EngineConfig:
               "must be a positive block count")
         check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
               self.kv_cache_memory_bytes, "must be positive")
+        check(0 < self.kv_quarantine_ttl_s <= MAX_KV_QUARANTINE_TTL_S, "kv_quarantine_ttl_s",
+              self.kv_quarantine_ttl_s, f"must be in (0, {MAX_KV_QUARANTINE_TTL_S}] seconds")
         check(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be at least 1")
         check(self.max_num_batched_tokens > 0, "max_num_batched_tokens",
               self.max_num_batched_tokens, "must be at least 1")

@@ -289,6 +289,9 @@ def _role(spec: Mapping[str, Any], key: str) -> RoleSettings:
 
 
 def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
+    """The pool's spec with the CRD's defaults and rules applied (SpecError naming the
+    field otherwise). One pass over the spec's sections, in the CRD's order: long on
+    purpose, each section a few lines."""
     meta = body.get("metadata") or {}
     spec = body.get("spec")
     if not isinstance(spec, Mapping):

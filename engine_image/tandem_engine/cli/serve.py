@@ -6,8 +6,15 @@ and on Ctrl-C / SIGTERM stops everything: children get SIGTERM (engines drain), 
 SIGKILL after a grace period. Children also get SIGTERM from the kernel if this
 process dies (PR_SET_PDEATHSIG), so no orphan survives. Torch-free.
 
+While it serves it supervises: a child that dies is restarted with back-off (1 s, 2 s,
+4 s … capped at 30 s) with the same arguments — an engine keeps its id, role and ports,
+so the router reconnects to its new incarnation and fails over meanwhile; the router
+keeps its port. Only a child that crash-loops (more than `restart_limit` restarts within
+`restart_window` s) stops the stack.
+
 While it serves, `<log dir>/stack.json` describes the stack (router URL, each engine's
-name, role and admin URL), so other commands (`tandem refit`) find it by its port.
+name, role and admin URL; per child its pid, restarts and last exit cause), so other
+commands (`tandem refit`) find it by its port.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem_engine.errors import TandemError
@@ -62,12 +69,32 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def exit_cause(returncode: int) -> str:
+    """`exit code N`, or the signal's name (`SIGKILL`) for a process a signal ended."""
+    if returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
 @dataclass
 class Child:
     name: str
     process: subprocess.Popen
     ready_url: str
     log: Path
+    args: list[str] = field(default_factory=list)
+    restarts: int = 0
+    last_exit: str | None = None
+    restart_times: list[float] = field(default_factory=list)  # monotonic, recent ones
+    restart_at: float | None = None  # dead, to be restarted then
+    awaiting_ready: bool = False  # restarted, /readyz not yet 200
+
+    def describe(self) -> dict:
+        return {"pid": self.process.pid, "restarts": self.restarts,
+                "last_exit": self.last_exit}
 
     def ready(self) -> bool:
         try:
@@ -88,7 +115,8 @@ class LocalStack:
                  host: str = "127.0.0.1",
                  port: int = 8000, served_model_name: str | None = None,
                  engine_args: list[str] | None = None, log_dir: Path | None = None,
-                 out=sys.stdout) -> None:
+                 out=sys.stdout, restart_limit: int = 5, restart_window: float = 60.0,
+                 backoff_base: float = 1.0, backoff_cap: float = 30.0) -> None:
         if prefill or decode:
             if prefill < 1 or decode < 1:
                 raise ValueError(f"--prefill {prefill} --decode {decode}: a disaggregated "
@@ -108,20 +136,74 @@ class LocalStack:
         self.out = out
         self.children: list[Child] = []
         self.engines: list[dict[str, str]] = []  # name, role, admin_url of each engine
+        self.restart_limit = restart_limit
+        self.restart_window = restart_window
+        self.backoff_base = backoff_base
+        self.backoff_cap = backoff_cap
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
+    @staticmethod
+    def _popen(args: list[str], log: Path, mode: str) -> subprocess.Popen:
+        with log.open(mode) as out:
+            return subprocess.Popen([sys.executable, "-m", *args], stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    preexec_fn=die_with_parent)
+
     def _spawn(self, name: str, args: list[str], ready_url: str) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
-        process = subprocess.Popen([sys.executable, "-m", *args], stdout=log.open("wb"),
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   preexec_fn=die_with_parent)
-        child = Child(name, process, ready_url, log)
+        child = Child(name, self._popen(args, log, "wb"), ready_url, log, args=list(args))
         self.children.append(child)
         return child
+
+    def supervise(self) -> str | None:
+        """One round of supervision: notice dead children, restart those whose back-off
+        is over, note restarted ones that are ready again. Returns why the stack must
+        stop (a child crash-looping), else None."""
+        now = time.monotonic()
+        changed = False
+        for child in self.children:
+            if child.restart_at is None and child.process.poll() is not None:
+                cause = exit_cause(child.process.returncode)
+                child.last_exit = cause
+                child.awaiting_ready = False
+                child.restart_times = [t for t in child.restart_times
+                                       if now - t < self.restart_window]
+                changed = True
+                if len(child.restart_times) >= self.restart_limit:
+                    return (f"{child.name} exited ({cause}) after {len(child.restart_times)} "
+                            f"restarts within {self.restart_window:.0f} s: it is "
+                            f"crash-looping, stopping. Its log ({child.log}) ends with:\n"
+                            f"{child.tail()}")
+                delay = min(self.backoff_cap,
+                            self.backoff_base * 2 ** len(child.restart_times))
+                child.restart_at = now + delay
+                print(f"{child.name} exited unexpectedly ({cause}); restarting it in "
+                      f"{delay:g} s. Its log ({child.log}) ends with:\n{child.tail(5)}",
+                      file=sys.stderr, flush=True)
+            elif child.restart_at is not None and now >= child.restart_at:
+                child.restart_at = None
+                child.restarts += 1
+                child.restart_times.append(now)
+                with contextlib.suppress(OSError), child.log.open("ab") as log:
+                    log.write(f"\n--- tandem serve: restart {child.restarts} after "
+                              f"{child.last_exit} ---\n".encode())
+                child.process = self._popen(child.args, child.log, "ab")
+                child.awaiting_ready = True
+                changed = True
+                print(f"{child.name}: restarted (restart {child.restarts}, pid "
+                      f"{child.process.pid}, after {child.last_exit})", file=self.out,
+                      flush=True)
+            elif child.awaiting_ready and child.process.poll() is None and child.ready():
+                child.awaiting_ready = False
+                print(f"{child.name}: ready again", file=self.out, flush=True)
+        if changed:
+            with contextlib.suppress(OSError):
+                self._describe()
+        return None
 
     def start(self, timeout: float = 300.0) -> None:
         """Start engines and router; return once the router is ready. Raises on failure
@@ -136,7 +218,8 @@ class LocalStack:
     def _describe(self) -> None:
         """Write stack.json (atomically: a reader never sees half of it)."""
         description = {"router": self.url, "port": self.port, "engines": self.engines,
-                       "admin_token": None}
+                       "admin_token": None,
+                       "children": {c.name: c.describe() for c in self.children}}
         tmp = self.log_dir / f".{STACK_FILE}.tmp"
         tmp.write_text(json.dumps(description, indent=2))
         tmp.replace(self.log_dir / STACK_FILE)
@@ -233,7 +316,8 @@ class LocalStack:
 
 
 def run(stack: LocalStack) -> int:
-    """Start the stack, serve until Ctrl-C / SIGTERM or a child dies, stop everything."""
+    """Start the stack, serve (restarting children that die) until Ctrl-C / SIGTERM or
+    a child crash-loops, stop everything."""
     stop_requested = False
 
     def request_stop(signum, _frame) -> None:
@@ -250,10 +334,9 @@ def run(stack: LocalStack) -> int:
         print(f"Tandem is serving '{stack.name}' at {stack.url} "
               f"(OpenAI API; Ctrl-C to stop)", file=stack.out, flush=True)
         while not stop_requested:
-            dead = stack.dead_child()
-            if dead is not None:
-                print(f"{dead.name} exited unexpectedly (code {dead.process.returncode}); "
-                      f"stopping. Its log ends with:\n{dead.tail()}", file=sys.stderr)
+            reason = stack.supervise()
+            if reason is not None:
+                print(reason, file=sys.stderr, flush=True)
                 return 1
             time.sleep(0.2)
         print("stopping...", file=stack.out, flush=True)

@@ -144,7 +144,8 @@ class LLMEngine:
             state=self._state, weights=self._weights,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_pulling=len(self._pulling), kv_usage=kv.usage,
-            num_pinned_blocks=kv.num_pinned_blocks, block_size=kv.block_size,
+            num_pinned_blocks=kv.num_pinned_blocks,
+            num_quarantined_blocks=kv.num_quarantined_blocks, block_size=kv.block_size,
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             prefix_cache=PrefixCacheStats(kv.queried_tokens, kv.hit_tokens,
                                           kv.pool.evictions, kv.pool.num_cached),
@@ -281,6 +282,22 @@ class LLMEngine:
             return PullPlan(request_id, list(range(first, len(table))), table[first:],
                             reused_blocks=first)
 
+    def quarantine(self, request_id: str, block_ids: list[int]) -> int | None:
+        """Before `complete_pull` of a pull whose transfer state is unknown: keep its
+        `block_ids` unused until `release_quarantine(id)` or the TTL (None: none kept)."""
+        with self._lock:
+            ttl = time.monotonic() + self.config.kv_quarantine_ttl_s
+            qid = (self.kv.quarantine(request_id, block_ids, ttl)
+                   if request_id in self._pulling else None)
+            self._publish()
+            return qid
+
+    def release_quarantine(self, quarantine_id: int) -> bool:
+        with self._lock:
+            released = self.kv.release_quarantine(quarantine_id)
+            self._publish()
+            return released
+
     def complete_pull(self, request_id: str, ok: bool) -> None:
         """End a pull. ok: the request decodes from its pulled KV at once. Not ok: it is
         recomputed here from prompt + first token (it still completes)."""
@@ -336,6 +353,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         self.kv.expire_pins(time.monotonic())
+        self.kv.expire_quarantine(time.monotonic())
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)

@@ -48,6 +48,7 @@ class EngineStats:
     num_pulling: int  # handed-over requests whose KV is being pulled
     kv_usage: float  # 0..1 of the KV pool in use
     num_pinned_blocks: int  # KV kept for decode engines' pulls
+    num_quarantined_blocks: int  # KV a pull of unknown state may still write (kept unused)
     block_size: int
     max_model_len: int
     vocab_size: int

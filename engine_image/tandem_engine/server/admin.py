@@ -273,6 +273,8 @@ class _EngineCollector:
         h = w.handoff.stats if w.handoff is not None else HandoffStats()
         yield gauge("tandem_kv_pinned_blocks", "KV blocks pinned for a decode engine's pull",
                     s.num_pinned_blocks)
+        yield gauge("tandem_kv_quarantined_blocks", "KV blocks kept out of use because a "
+                    "failed pull's transfer may still write them", s.num_quarantined_blocks)
         yield counter("tandem_kv_handoff_bytes", "KV bytes pulled from prefill engines",
                       values=h.bytes)
         yield counter("tandem_kv_handoff_blocks", "Prompt blocks of handed-over requests: "

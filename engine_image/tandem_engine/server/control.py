@@ -107,4 +107,5 @@ class EngineControl:
                 "kv_usage": stats.kv_usage, "draining": w.draining,
                 "unhealthy": w.unhealthy,
                 "pinned_blocks": stats.num_pinned_blocks,
+                "quarantined_blocks": stats.num_quarantined_blocks,
                 "kv_pulls": {**handoff, "recomputed": stats.num_pull_fallbacks}}

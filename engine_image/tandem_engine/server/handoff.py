@@ -3,7 +3,13 @@
 Decode side: a handed-over request's prompt KV is pulled from the prefill engine with a
 one-sided READ on a dedicated thread (neither the socket loop nor the stepping waits
 on a transfer), under a deadline; any failure (geometry, dead or frozen peer, deadline)
-makes the request recompute its prompt here instead, so it still completes.
+makes the request recompute its prompt here instead, so it still completes. When the
+failed READ's state is unknown (a timeout; a peer that vanished mid-READ) its destination
+blocks are quarantined in the engine (a late write from the peer could land in them) and
+the handle is polled on (`_poll_quarantine`, queued on the pull thread by the progress
+thread) until the transport says it ended (DONE, ERR, the peer removed or replaced) or
+the quarantine TTL passes; only then are the blocks released. A geometry mismatch moves
+no byte and quarantines nothing.
 
 Prefill side: the passive end of a transfer must make progress or pulls from it
 stall, also while a long prefill step runs, so a progress thread polls the transfer
@@ -18,6 +24,7 @@ again around a suspend that moves it (offload, recompute).
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -33,6 +40,7 @@ from tandem_engine.transfer import (
     KVGeometry,
     KVTransferBackend,
     TransferError,
+    TransferHandle,
     TransferTimeout,
 )
 
@@ -80,6 +88,11 @@ class KVHandoff:
         self._unpins: collections.deque[str] = collections.deque()  # pins to release
         self._closing = threading.Event()
         self._progress: threading.Thread | None = None
+        # Failed pulls' handles whose state is unknown: (quarantine id, handle, deadline).
+        # Touched on the pull thread only; the progress thread queues the polls.
+        self._quarantined: list[tuple[int, TransferHandle, float]] = []
+        self._quarantine_poll_queued = threading.Event()
+        self.quarantine_ttl = engine.config.kv_quarantine_ttl_s
         self._register()
 
     @property
@@ -139,13 +152,14 @@ class KVHandoff:
         peer = source.agent.agent_name
         ok = False
         started = time.monotonic()
+        handle: TransferHandle | None = None
         try:
             self.transfer.add_peer(peer, source.agent.agent_metadata, source.agent.geometry)
             if plan.local_blocks:
                 remote = [source.block_ids[i] for i in plan.block_indices]
                 handle = self.transfer.start_read(peer, remote, plan.local_blocks,
                                                   notif=source.pin_id.encode())
-                self.transfer.wait(handle, self.pull_timeout)
+                self.transfer.wait(handle, self.pull_timeout, keep_on_timeout=True)
                 self.stats.bytes += handle.nbytes
             else:
                 self.transfer.notify(peer, source.pin_id.encode())
@@ -155,6 +169,8 @@ class KVHandoff:
             log.warning("pull of %s from %s failed (%s), recomputing the prompt here: %s",
                         rid, peer, cause, exc)
             self.stats.failed(cause)
+            if handle is not None and cause != "geometry":
+                self._quarantine(rid, handle, plan.local_blocks)
         if ok:
             self.stats.pulled_blocks += len(plan.local_blocks)
             self.stats.seconds.append(time.monotonic() - started)
@@ -162,6 +178,38 @@ class KVHandoff:
         self.stats.reused_blocks += plan.reused_blocks
         self.engine.complete_pull(rid, ok)
         self._wake()
+
+    def _quarantine(self, rid: str, handle: TransferHandle, blocks: list[int]) -> None:
+        """On the pull thread, before `complete_pull`: keep the failed READ's blocks out
+        of use until its transfer is known to have ended."""
+        qid = self.engine.quarantine(rid, blocks)
+        if qid is None:  # aborted meanwhile: nothing left to keep
+            self.transfer.release(handle)
+            return
+        log.warning("quarantined %d KV blocks of %s until the READ from %s is known ended",
+                    len(blocks), rid, handle.peer)
+        self._quarantined.append((qid, handle, time.monotonic() + self.quarantine_ttl))
+
+    def _poll_quarantine(self) -> None:
+        """On the pull thread: release the quarantines whose transfer ended (DONE, ERR,
+        released with its peer) or whose TTL passed."""
+        self._quarantine_poll_queued.clear()
+        now, kept = time.monotonic(), []
+        for qid, handle, deadline in self._quarantined:
+            try:
+                ended = self.transfer.poll(handle) == "DONE"
+                why = "finished late"
+            except TransferError as exc:  # failed, or released with its removed peer
+                ended, why = True, f"ended ({exc})"
+            if not ended and now >= deadline:
+                ended, why = True, "still unknown after the quarantine TTL"
+            if not ended:
+                kept.append((qid, handle, deadline))
+                continue
+            self.transfer.release(handle)
+            self.engine.release_quarantine(qid)
+            log.info("released quarantined KV blocks: the READ from %s %s", handle.peer, why)
+        self._quarantined = kept
 
     # ---- prefill side: progress and unpins -------------------------------------------------
 
@@ -176,6 +224,10 @@ class KVHandoff:
                 self._unpins.extend(m.decode(errors="replace") for m in messages)
             if self._unpins:
                 self._wake()
+            if self._quarantined and not self._quarantine_poll_queued.is_set():
+                self._quarantine_poll_queued.set()
+                with contextlib.suppress(RuntimeError):  # the pull thread is shut down
+                    self._pulls.submit(self._poll_quarantine)
             time.sleep(0.001 if self.engine.num_pinned_blocks else 0.02)
 
     def unpin_notified(self) -> None:

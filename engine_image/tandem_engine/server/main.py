@@ -23,10 +23,12 @@ from tandem_engine.config import (
     DEFAULT_KERNELS,
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     DEFAULT_KV_PIN_TTL_S,
+    DEFAULT_KV_QUARANTINE_TTL_S,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_THREADS,
     KERNEL_CHOICES,
+    MAX_KV_QUARANTINE_TTL_S,
 )
 from tandem_engine.lifecycle import EngineRole
 
@@ -53,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode: deadline of one KV pull from a prefill engine (s)")
     p.add_argument("--kv-pin-ttl", type=float, default=float(DEFAULT_KV_PIN_TTL_S),
                    help="prefill: seconds a handed-off prompt's KV stays pinned at most")
+    p.add_argument("--kv-quarantine-ttl", type=float,
+                   default=float(DEFAULT_KV_QUARANTINE_TTL_S),
+                   help="decode: seconds at most that the KV blocks of a pull whose "
+                        "transfer state is unknown (a timeout) stay out of use "
+                        f"(<= {MAX_KV_QUARANTINE_TTL_S})")
     p.add_argument("--shutdown-grace", type=float, default=30.0)
     p.add_argument("--admin-token-file", type=Path, default=None)
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads")
@@ -106,7 +113,8 @@ async def _run(args: argparse.Namespace) -> int:
         num_blocks=args.num_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         block_size=args.block_size,
         max_model_len=args.max_model_len, dtype=args.dtype, kernels=args.kernels,
-        seed=args.seed, kv_pin_ttl_s=args.kv_pin_ttl)
+        seed=args.seed, kv_pin_ttl_s=args.kv_pin_ttl,
+        kv_quarantine_ttl_s=args.kv_quarantine_ttl)
     log.info("loading %s", args.model)
     engine = await asyncio.to_thread(LLMEngine.from_checkpoint, args.model, config)
     engine.set_weights(WeightIdentity(Path(args.model).resolve().as_uri(),

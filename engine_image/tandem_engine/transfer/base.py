@@ -222,15 +222,20 @@ class KVTransferBackend(abc.ABC):
     def close(self) -> None:
         """Release every transfer, peer and registration. Idempotent."""
 
-    def wait(self, handle: TransferHandle, timeout_s: float) -> None:
+    def wait(self, handle: TransferHandle, timeout_s: float, *,
+             keep_on_timeout: bool = False) -> None:
         """Block until the transfer is done; raise TransferTimeout after `timeout_s` seconds
-        or TransferError when it fails. Releases the handle in every case."""
+        or TransferError when it fails. Releases the handle in every case but a timeout
+        with `keep_on_timeout` (the caller then polls it on, to learn when the transfer
+        really ended, and releases it)."""
         deadline = time.monotonic() + timeout_s
         pause = 0.0
+        release = True
         try:
             while self.poll(handle) == "PROC":
                 now = time.monotonic()
                 if now >= deadline:
+                    release = not keep_on_timeout
                     raise TransferTimeout(
                         f"KV read of {handle.num_blocks} blocks ({handle.nbytes} bytes) from "
                         f"peer {handle.peer!r} not done after {timeout_s:.3g} s; the peer may "
@@ -241,7 +246,8 @@ class KVTransferBackend(abc.ABC):
                     time.sleep(min(pause, deadline - now))
                 pause = min(max(pause * 2, 50e-6), 1e-3)
         finally:
-            self.release(handle)
+            if release:
+                self.release(handle)
 
     def __enter__(self) -> KVTransferBackend:
         return self

@@ -2,9 +2,13 @@
 and the prefix cache's hash -> block map.
 
 A block is a fixed-size run of token slots in the preallocated KV tensor; the pool
-never touches that tensor. Invariants: a block is either referenced (ref_count > 0)
-or in the free queue, never both; a free block that still holds a cached hash stays
-matchable until allocation takes it from the front of the queue (LRU eviction).
+never touches that tensor. Invariants: a block is exactly one of referenced
+(ref_count > 0), free (in the free queue) or quarantined; a quarantined block (the
+destination of a transfer whose state is unknown: a late write may still land in it)
+holds no reference and no cached hash, so allocation never hands it out and the prefix
+cache never matches it until `release_quarantined` puts it back in the free queue. A
+free block that still holds a cached hash stays matchable until allocation takes it
+from the front of the queue (LRU eviction).
 Callers free a request's blocks tail first, so a chain's children are always evicted
 before their parents.
 """
@@ -28,6 +32,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_of: list[int | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # block hash -> block id
+        self._quarantined: set[int] = set()
         self.evictions = 0
 
     @property
@@ -37,6 +42,10 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_quarantined(self) -> int:
+        return len(self._quarantined)
 
     @property
     def num_cached(self) -> int:
@@ -82,6 +91,28 @@ class BlockPool:
             self._ref_counts[b] = count - 1
             if count == 1:
                 self._free[b] = None
+
+    def quarantine(self, block_ids: list[int]) -> None:
+        """Drop the one reference to each block without freeing it: it is neither
+        allocatable nor matchable until `release_quarantined`. Each block must be held by
+        exactly one reference (a freshly allocated block nobody else shares)."""
+        for b in block_ids:
+            if self._ref_counts[b] != 1 or b in self._quarantined:
+                raise RuntimeError(f"KV block {b} is shared or already quarantined; only a "
+                                   "block with exactly one owner can be quarantined")
+        for b in block_ids:
+            self._ref_counts[b] = 0
+            self._quarantined.add(b)
+            old = self._hash_of[b]
+            if old is not None:
+                del self._cached[old]
+                self._hash_of[b] = None
+
+    def release_quarantined(self, block_ids: list[int]) -> None:
+        """Quarantined blocks are safe again: back to the free queue."""
+        for b in block_ids:
+            self._quarantined.remove(b)
+            self._free[b] = None
 
     def cache_block(self, block_id: int, block_hash: int) -> None:
         """Make a fully computed block matchable by its hash (first writer wins)."""

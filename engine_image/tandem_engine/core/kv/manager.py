@@ -7,6 +7,7 @@ never sees block ids it does not own.
 
 from __future__ import annotations
 
+import itertools
 from typing import Protocol
 
 from tandem_engine.core.kv.block_pool import BlockPool
@@ -37,6 +38,11 @@ class KVCacheManager:
         # Kept as a plain int so another thread may read it without the owner's lock (a
         # sum over `_pins` would iterate a dict the owner is changing).
         self._num_pinned_blocks = 0
+        # Blocks a transfer may still write (its state unknown), by quarantine id: kept out
+        # of allocation and the prefix cache until released or `expires_at` passes.
+        self._quarantine: dict[int, tuple[list[int], float]] = {}
+        self._quarantine_ids = itertools.count(1)
+        self._num_quarantined_blocks = 0
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -149,6 +155,46 @@ class KVCacheManager:
         expired = [rid for rid, (_, deadline) in self._pins.items() if deadline <= now]
         for rid in expired:
             self.unpin(rid)
+        return expired
+
+    # ---- quarantine: blocks a transfer of unknown state may still write --------------------
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        """Blocks in quarantine. Safe to read from any thread (one int)."""
+        return self._num_quarantined_blocks
+
+    def quarantine(self, request_id: str, block_ids: list[int], expires_at: float) -> int | None:
+        """Take `block_ids` (only the ones the request alone holds) out of the request's
+        table into quarantine until `release_quarantine` or `expires_at`; the rest of its
+        table stays with it (free it as usual). Returns the quarantine id, None when no
+        block qualified."""
+        table = self._tables.get(request_id, [])
+        wanted = set(block_ids)
+        held = [b for b in table if b in wanted and self.pool.ref_count(b) == 1]
+        if not held:
+            return None
+        kept = set(held)
+        self._tables[request_id] = [b for b in table if b not in kept]
+        self.pool.quarantine(held)
+        qid = next(self._quarantine_ids)
+        self._quarantine[qid] = (held, expires_at)
+        self._num_quarantined_blocks += len(held)
+        return qid
+
+    def release_quarantine(self, quarantine_id: int) -> bool:
+        held = self._quarantine.pop(quarantine_id, None)
+        if held is None:
+            return False
+        self._num_quarantined_blocks -= len(held[0])
+        self.pool.release_quarantined(held[0])
+        return True
+
+    def expire_quarantine(self, now: float) -> list[int]:
+        """Release every quarantine whose deadline has passed; return their ids."""
+        expired = [q for q, (_, deadline) in self._quarantine.items() if deadline <= now]
+        for q in expired:
+            self.release_quarantine(q)
         return expired
 
     def reset_prefix_cache(self) -> None:
