@@ -16,3 +16,12 @@ class RequestRejected(TandemError, ValueError):
     """A request cannot be accepted (prompt too long, bad sampling parameters...).
 
     The engine keeps serving every other request."""
+
+
+def list_problems(problems: list[str], limit: int = 10) -> str:
+    """Problems as an indented bullet list for an error message: the first `limit`, then
+    how many more."""
+    shown = problems[:limit]
+    more = len(problems) - len(shown)
+    return ("\n  - " + "\n  - ".join(shown)
+            + (f"\n  ... and {more} more problems" if more else ""))

@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tandem_engine.config import ModelConfig, normalize_dtype
-from tandem_engine.errors import CheckpointError
+from tandem_engine.errors import CheckpointError, list_problems
 from tandem_engine.model.gguf import GGUFCheckpoint, read_gguf_checkpoint
 from tandem_engine.weights import is_gguf_path
 
@@ -231,14 +231,10 @@ def _check_tensors(
             f"a {config.architecture} with this config.json{hint}"
         )
     if problems:
-        shown = problems[:_MAX_PROBLEMS_SHOWN]
-        more = len(problems) - len(shown)
         raise CheckpointError(
             f"checkpoint {folder} does not match its config.json ({config.architecture}, "
-            f"{config.num_layers} layers, hidden_size {config.hidden_size}):\n  - "
-            + "\n  - ".join(shown)
-            + (f"\n  ... and {more} more problems" if more else "")
-        )
+            f"{config.num_layers} layers, hidden_size {config.hidden_size}):"
+            + list_problems(problems, _MAX_PROBLEMS_SHOWN))
 
 
 def _ignored(name: str, config: ModelConfig) -> bool:

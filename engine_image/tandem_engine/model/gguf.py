@@ -33,7 +33,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from tandem_engine.config import ModelConfig, normalize_dtype
-from tandem_engine.errors import CheckpointError
+from tandem_engine.errors import CheckpointError, list_problems
 from tandem_engine.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from tandem_engine.tokenizer import Tokenizer
 
@@ -363,13 +363,10 @@ def _check_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, GGUFTensor]
         problems.append(f"unexpected tensor {gguf_name!r} with shape {tensor.shape}: not part "
                         f"of a Llama model with this metadata{hint}")
     if problems:
-        shown = problems[:_MAX_PROBLEMS_SHOWN]
-        more = len(problems) - len(shown)
         raise CheckpointError(
             f"GGUF file {file.path} does not hold the model its metadata describes "
-            f"({config.num_layers} layers, hidden size {config.hidden_size}):\n  - "
-            + "\n  - ".join(shown)
-            + (f"\n  ... and {more} more problems" if more else "")
+            f"({config.num_layers} layers, hidden size {config.hidden_size}):"
+            + list_problems(problems, _MAX_PROBLEMS_SHOWN)
             + (f"\n{_REQUANTIZE}" if unsupported else ""))
     return found
 
