@@ -328,6 +328,7 @@ DOCUMENTED_DEFAULTS = {
         "inflight": "Drain",
         "drainTimeoutSeconds": 120,
         "onFailure": "Rollback",
+        "verify": {},  # no perplexity limit unless one is set
     },
     "kvTransfer": {
         "backend": "NIXL",

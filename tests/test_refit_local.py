@@ -160,7 +160,34 @@ def checkpoints(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     shutil.copytree(tiny_llama, wrong)
     config = json.loads((wrong / "config.json").read_text())
     (wrong / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
-    return {"v1": tiny_llama, "v2": v2, "v3": v3, "corrupt": corrupt, "wrong": wrong}
+    return {"v1": tiny_llama, "v2": v2, "v3": v3, "corrupt": corrupt, "wrong": wrong,
+            **bad_weights(tiny_llama, root)}
+
+
+def bad_weights(good: Path, root: Path) -> dict[str, Path]:
+    """v1 changed so that every shape still fits, but the weights must not go live."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    def variant(name: str, change) -> Path:
+        folder = root / name
+        shutil.copytree(good, folder)
+        tensors = load_file(folder / "model.safetensors")
+        change(tensors)
+        save_file(tensors, folder / "model.safetensors")
+        return folder
+
+    return {
+        # A diverged training step: NaN in one norm (refused while loading).
+        "nan": variant("nan", lambda t: t["model.norm.weight"].fill_(torch.nan)),
+        # Finite weights whose logits overflow float32 (the canary sees Inf/NaN logits).
+        "overflow": variant("overflow", lambda t: (t["model.norm.weight"].mul_(1e36),
+                                                   t["lm_head.weight"].mul_(100))),
+        # A zeroed final norm: every logit 0, so greedy repeats token 0 (degenerate).
+        "degenerate": variant("degenerate", lambda t: t["model.norm.weight"].zero_()),
+        # Over-confident: the same greedy tokens, a far worse perplexity on real text.
+        "sharp": variant("sharp", lambda t: t["lm_head.weight"].mul_(20)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -368,6 +395,32 @@ def test_corrupt_target_is_rolled_back_without_failing_a_request(
     # Every request ran on the old weights.
     assert all(r.token_ids == references[old][r.prompt] for r in load.records)
     assert_pairs_never_mixed(stack)
+
+
+@slow
+@pytest.mark.parametrize(("target", "options", "reason"), [
+    ("nan", (), r"failed at POST /v1/refit: HTTP 422: .*weights that are not finite numbers"
+                r".*model\.norm\.weight: 64 of 64 values are NaN or Inf"),
+    ("overflow", (), r"failed at POST /v1/canary: HTTP 409: canary failed: the model "
+                     r"produced non-finite logits"),
+    ("degenerate", (), r"failed at verify: degenerate canary: 16 greedy tokens are all "
+                       r"token 0, where the previous weights \(\S+\) gave \[\d+, \d+"),
+    ("sharp", ("--max-perplexity-ratio", "1.5"),
+     r"failed at verify: perplexity \S+ on the probe text is \S+x the previous weights' "
+     r"\S+ \(\S+\), above refit.verify.maxPerplexityRatio 1.5"),
+])
+def test_weights_that_fail_verification_never_serve(
+        stack: Stack, checkpoints: dict[str, Path], target: str, options: tuple[str, ...],
+        reason: str) -> None:
+    old = current(stack)
+    with Load(stack) as load:
+        done = stack.refit("--uri", uri(checkpoints[target]), "--version", "v9", *options)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "failed and was rolled back" in done.stderr
+    assert re.search(reason, done.stderr, re.S), done.stderr
+    assert "RefitBaseline" in done.stdout and "RefitRolledBack" in done.stdout
+    assert stack.all_serving(old)
+    assert_no_failure(stack, load)
 
 
 @slow

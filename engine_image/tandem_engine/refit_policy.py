@@ -10,6 +10,7 @@ strings there); tests/test_crd.py checks that the two agree.
 from __future__ import annotations
 
 import enum
+import math
 
 
 class RefitStrategy(str, enum.Enum):
@@ -40,6 +41,20 @@ class OnFailure(str, enum.Enum):
 
 DEFAULT_DRAIN_TIMEOUT_S = 120  # how long one engine's in-flight requests get to finish
 DEFAULT_MAX_UNAVAILABLE = 1  # engines per role refit at once (Rolling)
+# A refitted engine's perplexity on the probe text may be at most this factor above the
+# previous weights' (`spec.refit.verify.maxPerplexityRatio`); unset (None) by default.
+MAX_PERPLEXITY_RATIO_LIMIT = 1e6
+
+
+def perplexity_ratio_problem(value: float) -> str | None:
+    """Why `value` cannot be a maximum perplexity ratio, or None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"{value!r} is not a number"
+    if not (math.isfinite(value) and 1.0 <= value <= MAX_PERPLEXITY_RATIO_LIMIT):
+        return (f"{value} is outside 1..{MAX_PERPLEXITY_RATIO_LIMIT:g} (the new weights' "
+                "perplexity on the probe text over the previous weights'; leave it unset "
+                "to skip the check)")
+    return None
 
 
 def choices(kind: type[enum.Enum]) -> tuple[str, ...]:

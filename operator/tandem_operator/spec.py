@@ -12,6 +12,7 @@ come from `tandem_engine.config` and the refit's from `tandem_engine.refit_polic
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,10 +31,12 @@ from tandem_engine.refit_policy import (
     OnFailure,
     RefitStrategy,
     choices,
+    perplexity_ratio_problem,
 )
 from tandem_engine.weights import WeightsRef, WeightsURIError, checkpoint_path
 
 GROUP = "tandem.dev"
+_DECIMAL = re.compile(r"[0-9]{1,7}(\.[0-9]{1,6})?")
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "InferencePool"
@@ -115,6 +118,7 @@ class RefitSettings:
     inflight: InFlight = InFlight.DRAIN
     drain_timeout_seconds: int = DEFAULT_DRAIN_TIMEOUT_S
     on_failure: OnFailure = OnFailure.ROLLBACK
+    max_perplexity_ratio: float | None = None  # spec.refit.verify.maxPerplexityRatio
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,19 @@ def _str(d: Mapping[str, Any], key: str, path: str, default: str | None, max_len
         raise SpecError(f"{path}.{key} must be {min_len}..{max_len} characters long")
     if choices and value not in choices:
         raise SpecError(f"{path}.{key} = {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _ratio(d: Mapping[str, Any], key: str, path: str) -> float | None:
+    """A factor written as a decimal string ("1.5"): the Kubernetes API has no floats."""
+    if d.get(key) is None:
+        return None
+    text = _str(d, key, path, None, 14)
+    if not _DECIMAL.fullmatch(text):
+        raise SpecError(f'{path}.{key} = {text!r} is not a decimal number such as "1.5"')
+    value = float(text)
+    if (why := perplexity_ratio_problem(value)) is not None:
+        raise SpecError(f"{path}.{key}: {why}")
     return value
 
 
@@ -361,7 +378,9 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
             drain_timeout_seconds=_req_int(rf, "drainTimeoutSeconds", "spec.refit",
                                            _REFIT.drain_timeout_seconds, 1, 3600),
             on_failure=OnFailure(_str(rf, "onFailure", "spec.refit", _REFIT.on_failure, 32,
-                                      choices(OnFailure)))),
+                                      choices(OnFailure))),
+            max_perplexity_ratio=_ratio(_obj(rf, "verify", "spec.refit"),
+                                        "maxPerplexityRatio", "spec.refit.verify")),
         kv_transfer=KVTransfer(
             backend=_str(kt, "backend", "spec.kvTransfer", _KVT.backend, 32, ("NIXL",)),
             pin_ttl_seconds=_req_int(kt, "pinTTLSeconds", "spec.kvTransfer",

@@ -229,6 +229,10 @@ def _add_refit(sub) -> None:
                        help="engines per role refitted at once (Rolling)")
     refit.add_argument("--drain-timeout", type=float, default=float(DEFAULT_DRAIN_TIMEOUT_S),
                        help="seconds an engine's in-flight requests get to finish (Drain)")
+    refit.add_argument("--max-perplexity-ratio", type=float, default=None,
+                       help="fail verification when a refitted engine's perplexity on a "
+                       "fixed probe text exceeds the previous weights' by more than this "
+                       "factor (e.g. 1.5; default: no perplexity check)")
     refit.add_argument("--timeout", type=float, default=3600.0,
                        help="seconds the whole refit may take")
     refit.set_defaults(func=_refit)

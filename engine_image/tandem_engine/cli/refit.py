@@ -50,7 +50,7 @@ from tandem_engine.fleet import (
     run,
 )
 from tandem_engine.lifecycle import EngineState
-from tandem_engine.refit_policy import RefitStrategy
+from tandem_engine.refit_policy import RefitStrategy, perplexity_ratio_problem
 from tandem_engine.weights import (
     CHECKPOINT_FORMS,
     WeightsRef,
@@ -85,6 +85,9 @@ def _check_options(args: argparse.Namespace) -> None:
     for name, value in (("--drain-timeout", args.drain_timeout), ("--timeout", args.timeout)):
         if not value > 0:
             raise ValueError(f"{name} {value}: must be > 0 seconds")
+    ratio = args.max_perplexity_ratio
+    if ratio is not None and (why := perplexity_ratio_problem(ratio)) is not None:
+        raise ValueError(f"--max-perplexity-ratio {why}")
 
 
 @dataclass(frozen=True)
@@ -305,7 +308,8 @@ async def _refit(args: argparse.Namespace, stack: dict[str, Any], target: Weight
         tx = new_transaction(target, basis, epoch=epoch, strategy=args.strategy,
                              inflight=args.inflight, on_failure=args.on_failure,
                              max_unavailable=args.max_unavailable,
-                             drain_timeout=args.drain_timeout)
+                             drain_timeout=args.drain_timeout,
+                             max_perplexity_ratio=args.max_perplexity_ratio)
         _adopt_unsettled(tx, seen)
         print(f"refit of the stack at {stack['router']}: {_versions(seen)} → "
               f"{target.version} ({target.uri})", file=out, flush=True)

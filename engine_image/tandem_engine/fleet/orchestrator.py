@@ -3,8 +3,10 @@ record what happened. The operator calls `advance` from its reconcile loop (pers
 `tx.to_dict()` in the pool's status after each call); `tandem refit` calls `run` against
 a local stack. One function, so both behave the same way.
 
-A failure (an engine refuses the refit, its canary fails or differs from the version's
-other engines, or a step outlives its deadline) turns the transaction around: with
+Before touching any engine it reads a canary from the previous weights (the baseline);
+every refitted engine's canary is checked against it by the rules of `fleet/verify.py`.
+A failure (an engine refuses the refit, its canary fails, differs from the version's
+other engines or breaks a rule, or a step outlives its deadline) turns the transaction around: with
 `Rollback` every engine goes back to the previous weights (under a new epoch, so routers
 prefer them again); with `Halt` the engines it touched are brought back to serving on
 whatever weights they have, and the transaction stops there.
@@ -31,11 +33,17 @@ from tandem_engine.fleet.transaction import (
     next_act,
     suspend_mode,
 )
+from tandem_engine.fleet.verify import (
+    CANARY_TIMEOUT_S,
+    CanaryReading,
+    canary_request,
+    problem,
+)
+from tandem_engine.lifecycle import EngineState
 from tandem_engine.refit_policy import OnFailure
 from tandem_engine.weights import WeightsRef
 
 log = logging.getLogger(__name__)
-CANARY = {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 4, "timeout": 30.0}
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ async def advance(tx: Transaction, engines: list[EngineObs], admin: EngineAdmin,
         events.append(Event("RefitStarted", f"refit to {tx.target.version} "
                             f"({tx.target.uri}), {tx.strategy}, in-flight requests: "
                             f"{tx.inflight}, epoch {tx.epoch}"))
+        events.extend(await _read_baseline(tx, engines, admin))
     by_name = {e.name: e for e in engines}
     if tx.phase in (Phase.PROGRESSING, Phase.ROLLING_BACK):
         wave = choose_wave(tx, engines)
@@ -180,13 +189,46 @@ async def _verify(tx: Transaction, engine: EngineObs, admin: EngineAdmin) -> Non
             refitted and engine.epoch != tx.goal_epoch)):
         raise _StepFailed("verify", f"reports {engine.version} epoch {engine.epoch}, "
                           f"expected {goal.version} epoch {tx.goal_epoch}")
-    reply = await admin.call(engine.name, engine.admin_url, "/v1/canary", CANARY,
-                             timeout=CANARY["timeout"] + 10)
-    tokens = list(reply["token_ids"])
-    reference = tx.canary.setdefault(engine.version, tokens)
-    if tokens != reference:
-        raise _StepFailed("verify", f"canary tokens {tokens} differ from {reference}, what "
-                          f"other engines on {engine.version} produced")
+    reading = await _canary(admin, engine)
+    reference = tx.canary.setdefault(engine.version, reading.token_ids)
+    if reading.token_ids != reference:
+        raise _StepFailed("verify", f"canary tokens {reading.token_ids} differ from "
+                          f"{reference}, what other engines on {engine.version} produced")
+    if tx.phase is Phase.PROGRESSING:  # new weights: they must also be as good as the old
+        why = problem(reading, tx.baseline, tx.max_perplexity_ratio)
+        if why is not None:
+            raise _StepFailed("verify", why)
+
+
+async def _canary(admin: EngineAdmin, engine: EngineObs) -> CanaryReading:
+    reply = await admin.call(engine.name, engine.admin_url, "/v1/canary", canary_request(),
+                             timeout=CANARY_TIMEOUT_S + 10)
+    try:
+        return CanaryReading.from_reply(engine.name, engine.version, reply)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AdminError(engine.name, "/v1/canary", f"malformed reply {reply!r} ({exc!r})"
+                         ) from exc
+
+
+async def _read_baseline(tx: Transaction, engines: list[EngineObs], admin: EngineAdmin
+                         ) -> list[Event]:
+    """The previous weights' canary, from the first engine serving them that answers."""
+    serving = [e for e in engines if e.version == tx.previous.version
+               and e.state is EngineState.RUNNING]
+    errors = []
+    for engine in serving:
+        try:
+            tx.baseline = await _canary(admin, engine)
+        except AdminError as exc:
+            errors.append(f"{engine.name}: {exc.message}")
+            continue
+        b = tx.baseline
+        return [Event("RefitBaseline", f"{tx.previous.version} on {engine.name}: perplexity "
+                      f"{b.perplexity:.4g} on the probe text, canary tokens {b.token_ids}")]
+    why = "; ".join(errors) or f"no engine serves {tx.previous.version}"
+    return [Event("RefitBaseline", f"no baseline canary from {tx.previous.version} ({why}): "
+                  "a degenerate canary fails outright, and a perplexity limit cannot pass",
+                  warning=True)]
 
 
 def _fail(tx: Transaction, engine: EngineObs, error: Exception, now: float) -> list[Event]:

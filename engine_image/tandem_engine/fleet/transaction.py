@@ -19,6 +19,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tandem_engine.fleet.verify import CanaryReading
 from tandem_engine.lifecycle import TRANSIENT_STATES, EngineState, KVMode
 from tandem_engine.refit_policy import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -135,6 +136,10 @@ class Transaction:
     finished_at: float | None = None
     engines: dict[str, EngineRecord] = field(default_factory=dict)
     canary: dict[str, list[int]] = field(default_factory=dict)  # version -> tokens
+    # The previous weights' canary, read before any engine is touched (fleet/verify.py),
+    # and the perplexity factor a refitted engine may not exceed over it (None: no check).
+    baseline: CanaryReading | None = None
+    max_perplexity_ratio: float | None = None
     failure: Failure | None = None
     rollback_epoch: int | None = None
     # The fleet's unavailable window: when no engine served new requests (AllAtOnce, or a
@@ -190,6 +195,8 @@ class Transaction:
         failure = data.get("failure")
         data["failure"] = Failure(**failure) if failure else None
         data["canary"] = {k: list(v) for k, v in (data.get("canary") or {}).items()}
+        baseline = data.get("baseline")
+        data["baseline"] = CanaryReading.from_dict(baseline) if baseline else None
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
 

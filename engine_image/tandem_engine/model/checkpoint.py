@@ -8,6 +8,8 @@ an in-place refit later both go through `validate_checkpoint` first: it reads
 only the safetensors headers (names, shapes, dtypes; no tensor data) and
 compares them with what `ModelConfig.expected_tensors()` says the config
 needs, so a bad checkpoint is rejected before any parameter is touched.
+Loading then checks that every weight is finite (a NaN or Inf weight never goes live; the
+cost is measured in benchmarks/weights_check.py) before it returns anything.
 Every failure is a `CheckpointError` that names the file, the tensor and what
 was expected.
 """
@@ -15,6 +17,7 @@ was expected.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,13 +67,23 @@ def validate_checkpoint(path: str | Path, reference: ModelConfig | None = None) 
 
 
 def load_checkpoint(
-    path: str | Path, dtype: str | None = None, *, reference: ModelConfig | None = None
+    path: str | Path, dtype: str | None = None, *, reference: ModelConfig | None = None,
+    check_finite: bool = True,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Validate, then load every tensor the config needs, converted to `dtype`
     (float32, bfloat16 or float16; default: the checkpoint's dtype from config.json,
-    float32 for a GGUF file, whose quantized tensors are dequantized).
+    float32 for a GGUF file, whose quantized tensors are dequantized), and check that every
+    value is finite (`check_finite=False` only for the benchmark that measures its cost).
 
     With tied embeddings no `lm_head.weight` is returned, even if the file holds one."""
+    config, tensors = _load(path, dtype, reference)
+    if check_finite:
+        _check_finite(path, tensors)
+    return config, tensors
+
+
+def _load(path: str | Path, dtype: str | None, reference: ModelConfig | None
+          ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     wanted = normalize_dtype(dtype, "load_checkpoint", "dtype") if dtype else None
     if is_gguf_path(path):
         gguf = _inspect_gguf(Path(path), reference)
@@ -89,6 +102,28 @@ def load_checkpoint(
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise CheckpointError(f"{file}: cannot read tensor data ({exc})") from exc
     return manifest.config, out
+
+
+def _check_finite(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Every weight is a finite number: a NaN or an Inf (a diverged training step, a bad
+    conversion) would make every answer garbage while the shapes all look right."""
+    problems = []
+    for name, tensor in tensors.items():
+        if tensor.numel() == 0:
+            continue
+        # min and max propagate NaN and show an Inf: one fast reduction (isfinite is
+        # several times slower on CPU), and the exact count only for a bad tensor.
+        low, high = torch.aminmax(tensor)
+        if math.isfinite(low) and math.isfinite(high):
+            continue
+        bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+        problems.append(f"{name}: {bad} of {tensor.numel()} values are NaN or Inf")
+    if problems:
+        raise CheckpointError(
+            f"{path}: weights that are not finite numbers (a NaN or Inf weight makes every "
+            f"answer garbage):{list_problems(problems, _MAX_PROBLEMS_SHOWN)}\n"
+            "Fix: export the checkpoint again from finite weights (check the training step "
+            "that wrote it)")
 
 
 def _inspect(folder: Path, reference: ModelConfig | None) -> _Manifest:

@@ -254,10 +254,17 @@ def engine_sampling(options: Options, max_tokens: int, sample_index: int) -> Sam
     try:
         return SamplingParams(**options.sampling_args, max_tokens=max_tokens,
                               logprobs=options.logprobs, seed=seed)
-    except RequestRejected as exc:  # "sampling parameter NAME=..." names the parameter
-        message = str(exc)
+    except RequestRejected as exc:
+        raise InvalidRequest(str(exc), rejected_param(str(exc))) from None
+
+
+def rejected_param(message: str) -> str | None:
+    """The parameter a RequestRejected message names (here, or in an engine's REJECT):
+    "sampling parameter NAME=...", or the prompt (a token id outside the vocabulary)."""
+    if message.startswith("sampling parameter "):
         param = message.removeprefix("sampling parameter ").split("=", 1)[0]
-        raise InvalidRequest(message, param if param.isidentifier() else None) from None
+        return param if param.isidentifier() else None
+    return "prompt" if "prompt" in message else None
 
 
 # ---- shared options ----------------------------------------------------------------------------

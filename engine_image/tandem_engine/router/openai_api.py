@@ -44,6 +44,7 @@ from tandem_engine.router.api_params import (
     engine_sampling,
     parse_chat,
     parse_completion,
+    rejected_param,
     resolve_max_tokens,
 )
 from tandem_engine.router.attempts import (
@@ -403,8 +404,8 @@ def _failure_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return exc.status, fmt.error_body(exc.message, exc.type, exc.param, exc.code)
     if isinstance(exc, EngineRejected):
         if exc.status < 500:
-            param = "prompt" if "prompt" in str(exc) else None
-            return exc.status, fmt.error_body(str(exc), "invalid_request_error", param)
+            return exc.status, fmt.error_body(str(exc), "invalid_request_error",
+                                              rejected_param(str(exc)))
         return 503, fmt.error_body(str(exc), "service_unavailable", None, "engine_rejected")
     if isinstance(exc, NoEngineAvailable):
         return 503, fmt.error_body(str(exc), "service_unavailable", None,

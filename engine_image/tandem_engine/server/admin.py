@@ -39,7 +39,10 @@ class RefitBody(BaseModel):
 
 
 class CanaryBody(BaseModel):
-    prompt_token_ids: list[int] = Field(default=[1, 2, 3, 4, 5, 6, 7, 8], min_length=1,
+    """A canary: a text (tokenized by the engine) or token ids, and greedy tokens to make."""
+
+    prompt: str | None = Field(default=None, min_length=1, max_length=4096)
+    prompt_token_ids: list[int] = Field(default=[1, 2, 3, 4, 5, 6, 7, 8], min_length=2,
                                         max_length=256)
     max_tokens: int = Field(default=4, ge=1, le=64)
     timeout: float = Field(default=30.0, gt=0, le=600)
@@ -141,12 +144,14 @@ def _add_serving_routes(app: FastAPI, control: EngineControl, authorize) -> None
     @app.post("/v1/canary")
     def canary(body: CanaryBody | None = None,
                authorization: str | None = Header(None)) -> dict[str, Any]:
-        """A short greedy generation that no router sees: a refit's verification. Needs a
-        RUNNING engine (unpause it while it still drains, so routers send nothing)."""
+        """A short greedy generation that no router sees, its prompt scored: a refit's
+        verification. Needs a RUNNING engine (unpause it while it still drains, so routers
+        send nothing). 409 when it cannot run or the weights give non-finite logits."""
         authorize(authorization)
         body = body or CanaryBody()
         try:
-            tokens = control.canary(body.prompt_token_ids, body.max_tokens, body.timeout)
+            result = control.canary(body.prompt or body.prompt_token_ids, body.max_tokens,
+                                    body.timeout)
         except RuntimeError as exc:
             raise HTTPException(409, str(exc)) from exc
         except TimeoutError as exc:
@@ -154,9 +159,9 @@ def _add_serving_routes(app: FastAPI, control: EngineControl, authorize) -> None
         except RequestRejected as exc:
             raise HTTPException(400, str(exc)) from exc
         weights = control.engine.stats.weights
-        return {"token_ids": tokens, "weight_version": weights.version,
+        return {"token_ids": result.token_ids, "mean_nll": result.mean_nll,
+                "weight_version": weights.version,
                 "weight_epoch": weights.epoch}
-
 
 
 def _add_read_routes(app: FastAPI, control: EngineControl) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from tandem_engine.lifecycle import EngineState, KVMode
 from tandem_engine.server.handoff import HandoffStats
-from tandem_engine.server.worker import EngineWorker
+from tandem_engine.server.worker import Canary, EngineWorker
 from tandem_engine.weights import checkpoint_path
 
 
@@ -84,9 +84,11 @@ class EngineControl:
                                f"({self.worker.unhealthy}); restart it to serve again")
         self.worker.set_draining(False)
 
-    def canary(self, prompt_token_ids: list[int], max_tokens: int, timeout: float) -> list[int]:
-        """A short greedy generation no router sees (a refit's verification)."""
-        return self.worker.canary(prompt_token_ids, max_tokens, timeout)
+    def canary(self, prompt: str | list[int], max_tokens: int, timeout: float) -> Canary:
+        """A short greedy generation no router sees, its prompt scored (a refit's
+        verification). A text prompt is tokenized with the engine's tokenizer."""
+        token_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return self.worker.canary(token_ids, max_tokens, timeout)
 
     # ---- what it reports ------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import asyncio
 import collections
 import functools
 import logging
+import math
 import threading
 import time
 import uuid
@@ -36,7 +37,7 @@ import zmq.asyncio
 
 from tandem_engine import protocol as p
 from tandem_engine.engine.llm_engine import LLMEngine
-from tandem_engine.engine.outputs import RequestOutput
+from tandem_engine.engine.outputs import PromptScore, RequestOutput
 from tandem_engine.errors import RequestRejected
 from tandem_engine.lifecycle import EngineState, EngineStateError
 from tandem_engine.sampling_params import SamplingParams
@@ -49,6 +50,16 @@ log = logging.getLogger(__name__)
 # itself): after this many in a row the engine is unhealthy for good (liveness 503,
 # refusing requests) and wants a restart.
 UNHEALTHY_AFTER_STEP_FAILURES = 3
+
+
+@dataclass(frozen=True)
+class Canary:
+    """A canary's greedy tokens, and how well the weights predict its prompt: the mean
+    negative log-likelihood per token in nats (the log of the perplexity; it stays a
+    finite number where the perplexity itself would overflow)."""
+
+    token_ids: list[int]
+    mean_nll: float
 
 
 @dataclass
@@ -225,8 +236,8 @@ class EngineWorker:
         while True:
             frames = await self._socket.recv_multipart()
             if len(frames) != 2:
-                log.warning("dropped a message of %d frames (expected identity + 1)",
-                            len(frames))
+                self._drops.dropped(f"a message of {len(frames)} frames (expected "
+                                    "identity + 1)")
                 continue
             router, frame = frames
             try:
@@ -330,6 +341,11 @@ class EngineWorker:
         rid = self._engine_id(router, msg.request_id)
         resumed = msg.resume.token_ids if msg.resume is not None else []
         sent_chars = msg.resume.sent_chars if msg.resume is not None else 0
+        if rid in self._streams:  # refused before its stream would replace the running one's
+            self._send_threadsafe(router, p.encode(p.Reject(
+                msg.request_id, 400, f"request id {msg.request_id!r} is already in use by "
+                "a running request of this router; give each request its own id")))
+            return
         # The client already has the resumed tokens and `sent_chars` of their text.
         self._streams[rid] = _Stream(router, msg.request_id, msg.sampling.logprobs,
                                      sent_tokens=len(resumed), sent_chars=sent_chars)
@@ -357,10 +373,11 @@ class EngineWorker:
 
     # ---- verification ---------------------------------------------------------------------------
 
-    def canary(self, prompt_token_ids: list[int], max_tokens: int, timeout: float) -> list[int]:
+    def canary(self, prompt_token_ids: list[int], max_tokens: int, timeout: float) -> Canary:
         """A short greedy generation outside any router's traffic (it runs while the engine
-        refuses new requests): a refit is verified with it before the engine serves. Raises
-        TimeoutError, or RuntimeError when the engine is not RUNNING."""
+        refuses new requests), with the prompt scored too: a refit is verified with it
+        before the engine serves. Raises TimeoutError, or RuntimeError when the engine is
+        not RUNNING or the weights produce non-finite logits."""
         state = self.engine.stats.state
         if state is not EngineState.RUNNING:
             raise RuntimeError(f"a canary needs a RUNNING engine; this one is {state} "
@@ -368,12 +385,14 @@ class EngineWorker:
         vocab = self.engine.stats.vocab_size
         if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
             raise RequestRejected(f"canary prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) < 2:
+            raise RequestRejected("a canary prompt needs at least 2 tokens (it is scored)")
         rid = f"canary-{uuid.uuid4().hex}"
         done, result = threading.Event(), []
         self._canaries[rid] = (done, result)
         try:
             self.engine.add_request(rid, prompt_token_ids, SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=0))
             self._wake.set()
             if not done.wait(timeout):
                 self.engine.abort(rid)
@@ -381,10 +400,16 @@ class EngineWorker:
         finally:
             del self._canaries[rid]
         out = result[0].outputs[0]
+        if out.finish_reason == "error":
+            raise RuntimeError(f"canary failed: {out.error}")
         if out.finish_reason != "length" or len(out.token_ids) != max_tokens:
             raise RuntimeError(f"canary ended with {out.finish_reason!r} after "
                                f"{len(out.token_ids)} of {max_tokens} tokens")
-        return list(out.token_ids)
+        score = PromptScore.of(result[0])
+        if not all(math.isfinite(lp) for lp in score.logprobs):
+            raise RuntimeError("canary failed: the prompt's logprobs are not finite (the "
+                               "weights produce NaN or Inf logits)")
+        return Canary(list(out.token_ids), -score.total_logprob / len(score.logprobs))
 
     # ---- the stepping thread ----------------------------------------------------------------
 

@@ -1,0 +1,127 @@
+"""A refit's verification rules (fleet/verify.py), the finite-weights check at load, and
+where a user sets the perplexity limit (the CRD, `tandem refit`). The rules run against
+real engines in tests/test_refit_local.py; here each rule and each input error alone."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from tandem_engine.cli import main as cli
+from tandem_engine.errors import CheckpointError
+from tandem_engine.fleet.verify import CANARY_TOKENS, CanaryReading, problem
+from tandem_engine.model.checkpoint import load_checkpoint
+from tandem_operator.spec import SpecError, parse_pool
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def reading(tokens: list[int], perplexity: float, version: str = "v2") -> CanaryReading:
+    return CanaryReading("e-0", version, tokens, math.log(perplexity))
+
+
+VARIED = list(range(100, 100 + CANARY_TOKENS))
+BASELINE = reading(VARIED, 20.0, version="v1")
+
+
+def test_a_canary_as_good_as_the_baseline_passes() -> None:
+    assert problem(reading(VARIED, 20.0), BASELINE, 1.5) is None
+    assert problem(reading(VARIED, 29.9), BASELINE, 1.5) is None  # under the limit
+    assert problem(reading(VARIED, 1e9), BASELINE, None) is None  # no limit: no check
+
+
+def test_a_single_repeated_token_fails_unless_the_old_weights_did_the_same() -> None:
+    stuck = reading([7] * CANARY_TOKENS, 20.0)
+    why = problem(stuck, BASELINE, None)
+    assert why is not None and why.startswith(f"degenerate canary: {CANARY_TOKENS} greedy "
+                                              "tokens are all token 7")
+    assert "previous weights (v1) gave [100, 101" in why
+    assert problem(stuck, reading([7] * CANARY_TOKENS, 20.0, "v1"), None) is None
+    assert problem(stuck, None, None) is not None  # nothing shows it was normal before
+
+
+def test_a_perplexity_above_the_limit_fails_and_says_by_how_much() -> None:
+    why = problem(reading(VARIED, 40.0), BASELINE, 1.5)
+    assert why == ("perplexity 40 on the probe text is 2x the previous weights' 20 (v1), "
+                   "above refit.verify.maxPerplexityRatio 1.5")
+    # Far beyond what a float holds: still a clear message, no overflow.
+    huge = CanaryReading("e-0", "v2", VARIED, 5000.0)
+    assert "perplexity inf on the probe text is infx" in problem(huge, BASELINE, 1.5)
+    assert "not finite" in problem(CanaryReading("e-0", "v2", VARIED, math.nan), BASELINE, None)
+
+
+def test_a_perplexity_limit_without_a_baseline_cannot_pass() -> None:
+    why = problem(reading(VARIED, 20.0), None, 2.0)
+    assert why is not None and "no baseline perplexity" in why
+
+
+def test_the_baseline_survives_the_pools_status() -> None:
+    from tandem_engine.fleet.transaction import Transaction
+    from tandem_engine.weights import WeightsRef
+
+    tx = Transaction(WeightsRef("file:///b", "v2"), WeightsRef("file:///a", "v1"), epoch=2,
+                     baseline=BASELINE, max_perplexity_ratio=1.5)
+    back = Transaction.from_dict(yaml.safe_load(yaml.safe_dump(tx.to_dict())))
+    assert back.baseline == BASELINE and back.max_perplexity_ratio == 1.5
+
+
+def test_weights_that_are_not_finite_are_refused_at_load(tiny_llama: Path,
+                                                         tmp_path: Path) -> None:
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_llama, bad)
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 5] = math.inf
+    tensors["model.norm.weight"][0] = math.nan
+    save_file(tensors, bad / "model.safetensors")
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(bad)
+    message = str(caught.value)
+    assert "weights that are not finite numbers" in message
+    assert "model.layers.1.mlp.down_proj.weight: 1 of" in message
+    assert "model.norm.weight: 1 of 64 values are NaN or Inf" in message
+    assert "Fix: export the checkpoint again" in message
+    _, loaded = load_checkpoint(tiny_llama)  # the good one loads
+    assert all(bool(torch.isfinite(t).all()) for t in loaded.values())
+
+
+def pool(verify: dict) -> dict:
+    return {"apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool",
+            "metadata": {"name": "p", "namespace": "default", "uid": "u"},
+            "spec": {"model": {"name": "m", "weights": {"uri": "file:///w", "version": "1"}},
+                     "decode": {"replicas": 1}, "refit": {"verify": verify}}}
+
+
+def test_the_pool_spec_reads_the_limit_and_refuses_a_bad_one() -> None:
+    assert parse_pool(pool({})).refit.max_perplexity_ratio is None
+    assert parse_pool(pool({"maxPerplexityRatio": "1.5"})).refit.max_perplexity_ratio == 1.5
+    for value, says in (("0.5", "outside 1..1e+06"), ("fast", "not a decimal number"),
+                        (1.5, "must be a string")):
+        with pytest.raises(SpecError, match=re.escape(says)) as caught:
+            parse_pool(pool({"maxPerplexityRatio": value}))
+        assert "spec.refit.verify.maxPerplexityRatio" in str(caught.value)
+
+
+def test_the_rl_example_turns_the_perplexity_check_on() -> None:
+    manifest = yaml.safe_load((EXAMPLES / "inferencepool-rl.yaml").read_text())
+    manifest["metadata"].update(namespace="default", uid="u")
+    assert parse_pool(manifest).refit.max_perplexity_ratio == 1.5
+    other = yaml.safe_load((EXAMPLES / "inferencepool.yaml").read_text())
+    other["metadata"].update(namespace="default", uid="u")
+    assert parse_pool(other).refit.max_perplexity_ratio is None  # off by default
+
+
+@pytest.mark.parametrize("value", ["0.9", "nan", "inf"])
+def test_tandem_refit_refuses_a_bad_limit_by_name(value: str, tiny_llama: Path,
+                                                  capsys) -> None:
+    code = cli.main(["refit", "--uri", tiny_llama.as_uri(), "--version", "v2", "--port", "1",
+                     "--max-perplexity-ratio", value])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"--max-perplexity-ratio {value}" in err and "outside 1..1e+06" in err
