@@ -276,6 +276,8 @@ NAMESPACED_RULES = {
                                              "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"create", "get", "list", "watch", "patch",
                                                     "update", "delete"},
+    ("networking.k8s.io", "networkpolicies"): {"create", "get", "list", "watch", "patch",
+                                               "update", "delete"},
     ("", "events"): {"create", "patch"},
 }
 SCANNING_RULES = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}

@@ -303,7 +303,7 @@ def all_cel_rules() -> list[dict[str, str]]:
 
 def test_every_cel_rule_compiles():
     rules = [rule["rule"] for rule in all_cel_rules()]
-    assert len(rules) == 7
+    assert len(rules) == 9
     for rule in rules:
         CEL_ENV.compile(rule)
 
@@ -335,6 +335,8 @@ DOCUMENTED_DEFAULTS = {
         "pinTTLSeconds": 60,
         "ucx": {"transports": "", "netDevices": ""},
     },
+    # no NetworkPolicies unless enabled; metrics then from the pool's namespace
+    "networkPolicy": {"enabled": False, "metricsFrom": [{"podSelector": {}}]},
 }
 
 
@@ -614,6 +616,10 @@ CEL_REJECTS = [
         "fieldRef": {"fieldPath": "metadata.name"},
         "secretKeyRef": {"name": "s", "key": "k"}}}]}},
      "spec.engine.env[0].valueFrom", VALUE_FROM_ONE_SOURCE),
+    ({"networkPolicy": {"apiFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"},
+                                     "podSelector": {}}]}},
+     "spec.networkPolicy.apiFrom[0]",
+     "ipBlock cannot be combined with podSelector or namespaceSelector"),
 ]
 
 

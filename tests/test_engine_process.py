@@ -21,6 +21,7 @@ from tandem_engine import LLM, SamplingParams
 from tandem_engine import protocol as p
 from tandem_engine.cli.demo_model import write_demo_model
 from tandem_engine.cli.serve import die_with_parent, free_port
+from tandem_engine.zmq_auth import CurveClient
 
 pytestmark = pytest.mark.slow
 
@@ -76,9 +77,12 @@ class Client:
     """A router's side of the socket, synchronous, for tests: it PINGs while it waits
     (`ping=False`: a router that never does, which the engine forgets)."""
 
-    def __init__(self, port: int, *, ping: bool = True) -> None:
+    def __init__(self, port: int, *, ping: bool = True, curve: CurveClient | None = None
+                 ) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:  # the pool's routers' CURVE keys
+            curve.secure(self.sock)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
         self.ping, self.pinged_at = ping, time.monotonic()
         self.sock.send(p.encode(p.Hello(p.PROTOCOL_VERSION, "test-router")))
@@ -111,7 +115,9 @@ class Client:
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
-    proc = EngineProcess(tiny_llama, tmp_path_factory.mktemp("engine"))
+    # Refits load checkpoints that tests write into their own temp folders.
+    proc = EngineProcess(tiny_llama, tmp_path_factory.mktemp("engine"),
+                         "--weights-root", str(tmp_path_factory.getbasetemp()))
     yield proc
     proc.close()
 
@@ -211,7 +217,7 @@ def test_refit_over_the_admin_api(engine: EngineProcess, tmp_path: Path) -> None
     code, body = engine.http("POST", "/v1/refit", {"uri": "s3://bucket/model"})
     assert code == 400 and "scheme 's3'" in body["error"]["message"]
     code, body = engine.http("POST", "/v1/refit", {"uri": f"file://{tmp_path}/missing"})
-    assert code == 422 and "old weights still serving" in body["error"]["message"]
+    assert code == 400 and "refit path refused" in body["error"]["message"]
     code, body = engine.http("POST", "/v1/refit", {"uri": f"file://{new}", "version": "v2"})
     assert code == 200 and body["weight_epoch"] == 1 and body["weight_version"] == "v2"
     assert engine.http("POST", "/v1/unpause")[0] == 200

@@ -124,7 +124,7 @@ def test_a_watch_behind_the_operators_writes_is_not_acted_on(
         try:
             pool = await kube.get_pool("default", "demo")
             first = await reconcile(pool, ctx, Watched())  # nothing written yet: trusted
-            assert len(first.actions) == 11
+            assert len(first.actions) == 13  # 8 objects, 2 NetworkPolicies, 3 pods
             since = time.monotonic()
             stale = await reconcile(await kube.get_pool("default", "demo"), ctx, Watched())
             assert stale.actions == () and pod_lists(since) == 1

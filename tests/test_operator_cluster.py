@@ -441,7 +441,8 @@ def test_reconcile_converges_then_writes_nothing(cluster: TestCluster, weights: 
         ctx = Context(kube=kube)
         try:
             first = await reconcile(await kube.get_pool("default", "demo"), ctx)
-            assert len(first.actions) == 11 and not first.errors
+            # 8 objects, 2 NetworkPolicies (the example enables them) and 3 pods
+            assert len(first.actions) == 13 and not first.errors
             for _ in range(10):
                 await asyncio.to_thread(make_ready, cluster)
                 outcome = await reconcile(await kube.get_pool("default", "demo"), ctx)

@@ -158,7 +158,10 @@ def test_engine_pod_for_each_role() -> None:
         assert meta["annotations"] == {"tandem.dev/template-hash": m.template_hash(s, group),
                                        "tandem.dev/weights-version": "v1",
                                        "tandem.dev/weights-uri": "file:///models/llama",
-                                       "tandem.dev/weights-epoch": "3"}
+                                       "tandem.dev/weights-epoch": "3",
+                                       "prometheus.io/scrape": "true",
+                                       "prometheus.io/port": "9100",
+                                       "prometheus.io/path": "/metrics"}
         assert meta["ownerReferences"] == [{
             "apiVersion": "tandem.dev/v1alpha1", "kind": "InferencePool", "name": "pool",
             "uid": "uid-1", "controller": True, "blockOwnerDeletion": True}]
@@ -167,16 +170,18 @@ def test_engine_pod_for_each_role() -> None:
         assert c["args"] == [
             "--role", role, "--model", "/models/llama", "--served-model-name", "llama",
             "--host", "$(POD_IP)", "--port", "5555", "--admin-port", "8080",
+            "--metrics-port", "9100",
             "--engine-id", "$(POD_NAME)", "--weight-version", "v1", "--weight-epoch", "3",
             "--max-num-seqs", "8",
             "--max-num-batched-tokens", "256", "--threads", "2", "--kv-pin-ttl", "30",
             "--kv-cache-memory-bytes", str(512 * 1024 * 1024), "--shutdown-grace", "50",
             "--seed", "1"]
         assert c["ports"] == [{"name": "zmq", "containerPort": 5555, "protocol": "TCP"},
-                              {"name": "admin", "containerPort": 8080, "protocol": "TCP"}]
-        assert c["readinessProbe"] == {"httpGet": {"path": "/readyz", "port": "admin"},
+                              {"name": "admin", "containerPort": 8080, "protocol": "TCP"},
+                              {"name": "metrics", "containerPort": 9100, "protocol": "TCP"}]
+        assert c["readinessProbe"] == {"httpGet": {"path": "/readyz", "port": "metrics"},
                                        "periodSeconds": 2}
-        assert c["livenessProbe"] == {"httpGet": {"path": "/healthz", "port": "admin"},
+        assert c["livenessProbe"] == {"httpGet": {"path": "/healthz", "port": "metrics"},
                                       "initialDelaySeconds": 30, "periodSeconds": 10,
                                       "failureThreshold": 6}
         assert pod["spec"]["terminationGracePeriodSeconds"] == 60
@@ -205,11 +210,12 @@ def test_engine_env_token_ucx_then_user_env() -> None:
               kvTransfer={"ucx": {"transports": "rc,cuda_copy", "netDevices": "mlx5_0:1"}})
     env = container(m.pod(s, "prefill", s.weights))["env"]
     assert [e["name"] for e in env] == ["POD_IP", "POD_NAME", "POD_NAMESPACE",
-                                        "TANDEM_ADMIN_TOKEN", "UCX_TLS", "UCX_NET_DEVICES",
-                                        "A", "B"]
+                                        "TANDEM_ADMIN_TOKEN", "TANDEM_ZMQ_SERVER_SECRET_KEY",
+                                        "TANDEM_ZMQ_CLIENT_PUBLIC_KEY", "UCX_TLS",
+                                        "UCX_NET_DEVICES", "A", "B"]
     assert env[0]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env[3]["valueFrom"] == {"secretKeyRef": {"name": "pool-admin-token", "key": "token"}}
-    assert env[4]["value"] == "rc,cuda_copy" and env[5]["value"] == "mlx5_0:1"
+    assert env[6]["value"] == "rc,cuda_copy" and env[7]["value"] == "mlx5_0:1"
     plain = parse()
     assert "UCX_TLS" not in [e["name"] for e in container(m.pod(plain, "decode",
                                                                  plain.weights))["env"]]
@@ -250,7 +256,9 @@ def test_router_pod() -> None:
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
-    assert [e["name"] for e in c["env"]] == ["POD_IP", "POD_NAME", "POD_NAMESPACE"]
+    assert [e["name"] for e in c["env"]] == ["POD_IP", "POD_NAME", "POD_NAMESPACE",
+                                             "TANDEM_ZMQ_SERVER_PUBLIC_KEY",
+                                             "TANDEM_ZMQ_CLIENT_SECRET_KEY"]
 
 
 def test_weights_volumes_are_mounted_into_engine_and_router_pods() -> None:
@@ -269,6 +277,24 @@ def test_weights_volumes_are_mounted_into_engine_and_router_pods() -> None:
     with pytest.raises(SpecError, match=r"volumeMounts entry .* names no volume .*models"):
         parse(engine={"volumes": volumes,
                       "volumeMounts": [{"name": "weights", "mountPath": "/models"}]})
+
+
+def test_refits_may_read_the_weights_mounts_and_the_listed_roots_only() -> None:
+    volumes = [{"name": "models", "persistentVolumeClaim": {"claimName": "llama-weights"}}]
+    mounts = [{"name": "models", "mountPath": "/models"}]
+    on_volume = WeightsRef("file:///models/llama/v1", "v1")
+    s = parse(engine={"volumes": volumes, "volumeMounts": mounts})
+    assert m.weights_roots(s, on_volume) == ["/models"]
+    assert m.weights_roots(s, WeightsRef("file:///opt/baked/v1", "v1")) == []
+    listed = parse(engine={"volumes": volumes, "volumeMounts": mounts,
+                           "weightsRoots": ["/scratch/ckpt", "/models"]})
+    assert m.weights_roots(listed, on_volume) == ["/scratch/ckpt", "/models"]
+    args = container(m.pod(listed, "decode", on_volume))["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--weights-root"] == [
+        "/scratch/ckpt", "/models"]
+    with pytest.raises(SpecError, match=r"spec.engine.weightsRoots\[0\] = 'rel' must be an "
+                                        "absolute path"):
+        parse(engine={"weightsRoots": ["rel"]})
 
 
 def test_init_containers_run_in_engine_and_router_pods() -> None:
@@ -390,7 +416,7 @@ def test_services() -> None:
     assert headless["metadata"]["name"] == "pool-engines"
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["spec"]["selector"] == {"tandem.dev/pool": "pool", "tandem.dev/engine": "true"}
-    assert [p["name"] for p in headless["spec"]["ports"]] == ["zmq", "admin"]
+    assert [p["name"] for p in headless["spec"]["ports"]] == ["zmq", "admin", "metrics"]
     assert m.router_endpoint(s) == "http://pool.ns.svc:9000/v1"
 
 

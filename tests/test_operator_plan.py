@@ -67,7 +67,8 @@ def pod(spec: PoolSpec, group: str, *, name: str | None = None, ready: bool = Tr
 
 def all_objects(spec: PoolSpec) -> dict[tuple[str, str], dict[str, Any]]:
     objects = {(o["kind"], o["metadata"]["name"]): o for o in m.support_objects(spec)}
-    objects[("Secret", m.admin_secret_name(spec.name))] = m.admin_secret(spec, "t")
+    curve = {key: "k" * 40 for pair in m.CURVE_KEYS.values() for key in pair}
+    objects[("Secret", m.admin_secret_name(spec.name))] = m.admin_secret(spec, "t", curve)
     return objects
 
 

@@ -372,6 +372,8 @@ def pool(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                         router={"replicas": 1}, rollout={"maxSurge": 1, "maxUnavailable": 0},
                         refit={"drainTimeoutSeconds": 30})
             spec.setdefault("engine", {})["kvCache"] = {"numBlocks": 256}
+            # Refits load checkpoints from several pytest folders: allow all of them.
+            spec["engine"]["weightsRoots"] = [str(tmp_path_factory.getbasetemp())]
             cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
             wait_for("the pool to be Ready", lambda: p.condition("Ready").get("status")
                      == "True" and p.all_serve("v1"), timeout=180, every=0.5)

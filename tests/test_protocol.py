@@ -20,6 +20,8 @@ MESSAGES = [
     p.StateChange("e0", "inc", LOAD),
     p.Submit("r1", [1, 2, 3], SamplingParams(max_tokens=4, stop=["x"]), cache_salt="t",
              resume=p.Resume([5, 6], 3)),
+    p.Submit("r2", [1], SamplingParams(min_p=0.1, repetition_penalty=1.3,
+                                       presence_penalty=-0.5, frequency_penalty=2.0)),
     p.Output("r1", [7], "hi", [p.TokenLogprobs(-0.5, [(7, -0.5), (8, -1.0)])], True,
              "stop", "x", 3),
     p.Output("r2", [9], "", finished=True, handoff=p.Handoff("r2", [4, 5])),

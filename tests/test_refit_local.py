@@ -213,8 +213,9 @@ def stack(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     proc = subprocess.Popen(
         [sys.executable, "-m", "tandem_engine.cli.main", "serve", "--model",
          str(checkpoints["v1"]), "--prefill", "2", "--decode", "2", "--port", str(port),
-         "--served-model-name", MODEL], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env={**os.environ, "TMPDIR": str(tmp)})
+         "--served-model-name", MODEL, "--weights-root", str(checkpoints["v2"].parent)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TMPDIR": str(tmp)})
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 240
@@ -368,7 +369,8 @@ slow = pytest.mark.slow
 def test_stack_describes_itself(stack: Stack) -> None:
     description = json.loads((stack.tmp / f"tandem-{stack.port}" / "stack.json").read_text())
     assert description["router"] == f"{stack.router}/v1" and description["port"] == stack.port
-    assert description["admin_token"] is None
+    stack_json = stack.tmp / f"tandem-{stack.port}" / "stack.json"
+    assert description["admin_token"] and stack_json.stat().st_mode & 0o777 == 0o600
     assert [(e["name"], e["role"]) for e in description["engines"]] == [
         ("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-2", "decode"),
         ("decode-3", "decode")]

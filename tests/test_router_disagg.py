@@ -194,6 +194,7 @@ def test_a_decode_engine_lost_mid_stream_fails_over_colocated() -> None:
         (PRE, PROMPT, 6, p.Resume(TARGET[:3], 3), False)]
     assert decode.aborted == ["r.2"]
     assert metrics.failovers.labels("engine_lost")._value.get() == 1
+    assert metrics.resumed._value.get() == 1  # failed over mid-stream, then completed
 
 
 def test_a_refused_pull_fails_over_colocated() -> None:

@@ -145,9 +145,12 @@ def test_completion_prompts_strings_ids_and_batches() -> None:
     ("stop", [""], "stop", "1..256"),
     ("stop", 3, "stop", "string or a list"),
     ("stream", "yes", "stream", "true or false"),
-    ("presence_penalty", 0.5, "presence_penalty", "not supported"),
+    ("presence_penalty", "0.5", "presence_penalty", "must be a number"),
     ("logit_bias", {"1": 5}, "logit_bias", "not supported"),
-    ("echo", True, "echo", "not supported"),
+    ("echo", 1, "echo", "true or false"),
+    ("use_beam_search", True, "use_beam_search", "not supported"),
+    ("prompt_logprobs", 21, "prompt_logprobs", "between 0 and 20"),
+    ("no_such_thing", 1, "no_such_thing", "unrecognized"),
     ("best_of", 3, "best_of", "not supported"),
     ("cache_salt", "", "cache_salt", "1..256"),
     ("model", None, "model", "required"),
@@ -168,7 +171,8 @@ def test_neutral_values_of_unsupported_parameters_are_accepted() -> None:
     o = req.options
     assert o.stream and o.include_usage and o.seed == 7 and o.cache_salt == "tenant"
     assert o.sampling_args == {"top_k": 5, "min_tokens": 2, "stop": ["x"],
-                               "ignore_eos": True}
+                               "ignore_eos": True, "presence_penalty": 0.0,
+                               "frequency_penalty": 0.0}
 
 
 def test_chat_messages_and_logprobs() -> None:
@@ -186,7 +190,10 @@ def test_chat_messages_and_logprobs() -> None:
              ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
               "messages[0].content"),
              ({"tools": [{"type": "function"}]}, "tools"),
-             ({"response_format": {"type": "json_object"}}, "response_format")]
+             ({"response_format": {"type": "json_object"}}, "response_format"),
+             # Checked even when max_completion_tokens wins, and a name must be text.
+             ({"max_completion_tokens": 9, "max_tokens": -5}, "max_tokens"),
+             ({"messages": [{"role": "user", "content": "x", "name": 7}]}, "messages[0].name")]
     for body, param in cases:
         with pytest.raises(InvalidRequest) as err:
             chat(**body)
@@ -249,7 +256,8 @@ def test_logprob_shapes(tokenizer: Tokenizer) -> None:
 
 
 def test_response_and_error_shapes() -> None:
-    assert fmt.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert fmt.usage(3, 4, 2) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                  "prompt_tokens_details": {"cached_tokens": 2}}
     assert fmt.error_body("bad", param="n") == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "n",
                   "code": None}}
@@ -588,3 +596,35 @@ def test_router_never_imports_torch() -> None:
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert run.returncode == 0, run.stderr
+
+
+def test_a_new_router_waits_for_engines_it_has_not_heard_from_yet(monkeypatch) -> None:
+    """A router (re)started with clients already sending (`tandem serve` restarting it): a
+    request that arrives before its engines' first WELCOME waits for one instead of a 503;
+    after the start-up grace, an engine never heard from holds no request."""
+    import asyncio
+    import time
+
+    from tandem_engine.router import picker as picker_module
+    from tandem_engine.router.engines import EnginePool
+    from tandem_engine.router.picker import EnginePicker
+
+    pool = EnginePool(["127.0.0.1:1"])
+    picker = EnginePicker(pool, wait_timeout=5.0)
+    client = pool.clients[0]
+
+    async def welcome_later() -> bool:
+        async def welcome() -> None:
+            await asyncio.sleep(0.2)
+            client.connected, client.load = True, p.Load("RUNNING", 0, 0, 0.0, "v1", 1)
+        task = asyncio.create_task(welcome())
+        ready = await picker.wait_until_serving()
+        await task
+        return ready
+    assert asyncio.run(welcome_later())
+
+    monkeypatch.setattr(picker_module, "STARTUP_GRACE_S", 0.0)
+    started = time.monotonic()
+    assert not asyncio.run(EnginePicker(EnginePool(["127.0.0.1:1"]),
+                                        wait_timeout=5.0).wait_until_serving())
+    assert time.monotonic() - started < 1.0

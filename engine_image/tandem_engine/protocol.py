@@ -27,7 +27,11 @@ from tandem_engine.transfer.base import KVGeometry
 #    and aborts that router's requests. A version-2 router never pings, so a version-3
 #    engine would drop it (and its long requests) every timeout: the two refuse each
 #    other at HELLO/WELCOME instead.
-PROTOCOL_VERSION = 3
+# 4: SamplingParams carries min_p, repetition_penalty, presence_penalty and
+#    frequency_penalty. A version-3 engine would decode them as unknown fields and
+#    silently sample without them, so the versions refuse each other. Output also
+#    carries num_cached_tokens and prompt_logprobs (optional, additive).
+PROTOCOL_VERSION = 4
 
 
 class ProtocolError(ValueError):
@@ -180,6 +184,7 @@ class TokenLogprobs(msgspec.Struct, frozen=True):
 
     logprob: float
     top: list[tuple[int, float]] = []
+    rank: int | None = None  # the token's own rank (1 = most likely); prompt tokens only
 
 
 class Output(msgspec.Struct, frozen=True):
@@ -193,6 +198,11 @@ class Output(msgspec.Struct, frozen=True):
     num_prompt_tokens: int = 0
     handoff: Handoff | None = None  # a prefill engine's final output: continue elsewhere
     error: str | None = None  # finish reason "error": why this request failed (only it)
+    # Prompt tokens this engine found in its prefix cache (not computed) at admission.
+    num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: prompt tokens 1.. (the first has none), on
+    # the request's first Output with tokens; `top` holds the alternatives by rank.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Abort(msgspec.Struct, frozen=True):

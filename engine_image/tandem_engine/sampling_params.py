@@ -14,6 +14,13 @@ MAX_STOP_STRING_CHARS = 256
 # under MIN_TEMPERATURE samples greedily, a top_p under MIN_TOP_P is refused.
 MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-8
+# presence_penalty and frequency_penalty lie in [-2, 2], as in OpenAI's API and vLLM.
+# repetition_penalty divides or multiplies logits: vLLM only asks > 0, but a tiny or
+# huge one overflows a logit to inf; these bounds keep it finite for any logit a model
+# produces, and lose nothing (1e-2 already makes a seen token all but certain, 1e2 bans it).
+MAX_PENALTY = 2.0
+MIN_REPETITION_PENALTY = 1e-2
+MAX_REPETITION_PENALTY = 1e2
 MAX_TOKEN_ID = 2**31 - 1  # the engine checks stop token ids against its vocabulary
 
 
@@ -28,6 +35,15 @@ class SamplingParams:
     does the same for every prompt token after the first (teacher-forced: each
     token's logprob given the ones before it; the prompt is then computed in full, not
     matched from the prefix cache).
+
+    Penalties, as vLLM defines them, change the logits before any choice (greedy too):
+    `repetition_penalty` (1 = off) divides the positive logits and multiplies the
+    negative ones of every token already in the prompt or the output (HF/CTRL);
+    `presence_penalty` and `frequency_penalty` (0 = off) subtract, as the OpenAI API
+    does, `presence * (count > 0) + frequency * count` from each token's logit, counting
+    output tokens only (a resumed request's earlier tokens included). `min_p` (0 = off),
+    after temperature, drops every token less likely than min_p times the most likely
+    one (a no-op when greedy). Logprobs stay those of the raw distribution.
     """
 
     max_tokens: int = 16
@@ -35,6 +51,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1 = off
     top_p: float = 1.0
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; prompt and output tokens
+    presence_penalty: float = 0.0  # 0 = off; output tokens
+    frequency_penalty: float = 0.0  # 0 = off; output tokens
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -56,6 +76,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty changes this request's logits (the sampler needs its tokens)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Raise RequestRejected for a token id or count the model's vocabulary cannot
@@ -91,6 +117,21 @@ class SamplingParams:
             raise bad("top_p", self.top_p,
                       f"must be in [{MIN_TOP_P:g}, 1] (for the single most likely token "
                       "use top_k=1 or temperature=0)")
+        if not 0.0 <= _number(self.min_p) <= 1.0:
+            raise bad("min_p", self.min_p, "must be a number in [0, 1] (0 = off; keeps the "
+                      "tokens at least min_p times as likely as the most likely one)")
+        if not MIN_REPETITION_PENALTY <= _number(self.repetition_penalty) \
+                <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", self.repetition_penalty,
+                      f"must be a number in [{MIN_REPETITION_PENALTY:g}, "
+                      f"{MAX_REPETITION_PENALTY:g}] (1 = off; above 1 discourages tokens "
+                      "already in the prompt or output, below 1 encourages them)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= _number(value) <= MAX_PENALTY:
+                raise bad(name, value, f"must be a number in [-{MAX_PENALTY:g}, "
+                          f"{MAX_PENALTY:g}] (0 = off; above 0 discourages tokens already "
+                          "generated, below 0 encourages them)")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0
                                       or self.seed >= 2**63):
             raise bad("seed", self.seed, "must be an integer in [0, 2**63)")
@@ -108,3 +149,11 @@ class SamplingParams:
             if not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
                 raise bad("stop_token_ids", t, "token ids must be integers in "
                           f"[0, {MAX_TOKEN_ID}] (and inside the model's vocabulary)")
+
+
+def _number(value: object) -> float:
+    """A real number as a float; NaN for anything else (a string, a bool, None), so the
+    range check that follows refuses it with the parameter's own message."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return float("nan")
+    return float(value)

@@ -85,6 +85,7 @@ class Tokenizer:
         chat_template: str | None = None,
     ) -> None:
         self._backend = backend
+        self._text_backend: _Backend | None = None  # encode_as_text's, made on first use
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
         self.bos_token_id = bos_token_id
         # The token strings, for chat templates that mention {{ bos_token }}.
@@ -225,6 +226,16 @@ class Tokenizer:
         does that; the single one does not), so a caller on a worker thread leaves the
         event loop free: the router tokenizes a long prompt this way."""
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """`encode_releasing_gil` without special tokens: text that spells one (a user
+        typing `<|im_start|>`) is tokenized as ordinary text, never as the control token.
+        The router encodes chat message content this way (`router.chat`)."""
+        if self._text_backend is None:  # a copy that never matches special tokens
+            backend = _Backend.from_str(self._backend.to_str())
+            backend.encode_special_tokens = True
+            self._text_backend = backend
+        return self._text_backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -118,7 +118,8 @@ def tandem_pods(namespace: str, labels: Any, body: Any, **_: Any) -> dict[Any, A
 
 def tandem_objects(namespace: str, labels: Any, body: Any, resource: Any, **_: Any
                    ) -> dict[Any, Any]:
-    """(namespace, pool) -> (kind, body) of the pool's Secret, Services, PDBs, RBAC."""
+    """(namespace, pool) -> (kind, body) of the pool's Secret, Services, PDBs, RBAC and
+    NetworkPolicies."""
     return {(namespace, labels[POOL_LABEL]): (resource.kind, dict(body))}
 
 

@@ -48,12 +48,13 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
     "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
     "InferencePool": (GROUP, VERSION, PLURAL),
 }
-# What a pool owns besides its pods (the admin Secret and `manifests.support_objects`): the
-# operator watches these, labelled with the pool's name.
+# What a pool owns besides its pods (the credentials Secret and `manifests.support_objects`):
+# the operator watches these, labelled with the pool's name.
 POOL_OBJECT_KINDS = ("Secret", "Service", "ServiceAccount", "PodDisruptionBudget", "Role",
-                     "RoleBinding")
+                     "RoleBinding", "NetworkPolicy")
 MERGE_PATCH = "application/merge-patch+json"
 WRITE_TTL_SECONDS = 60.0  # a write a watch never shows stops holding the watch back
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from pathlib import PurePosixPath
 from typing import Any
 
 from tandem_engine.weights import WeightsRef
@@ -20,6 +21,7 @@ from tandem_operator.spec import API_VERSION, KIND, Group, InitContainer, PoolSp
 
 ENGINE_ZMQ_PORT = 5555
 ENGINE_ADMIN_PORT = 8080
+ENGINE_METRICS_PORT = 9100  # read-only: /metrics, /healthz, /readyz
 ROUTER_HTTP_PORT = 8000
 
 POOL_LABEL = "tandem.dev/pool"
@@ -32,7 +34,16 @@ WEIGHTS_URI = "tandem.dev/weights-uri"
 WEIGHTS_EPOCH = "tandem.dev/weights-epoch"  # the pool-wide refit number of those weights
 DRAINING_SINCE = "tandem.dev/draining-since"  # set by the operator when it starts a drain
 ADMIN_TOKEN_KEY = "token"
+# The pool's ZMQ CURVE keypairs (Z85) in the same Secret: engines serve with the server's
+# secret key and accept only the client's public key; routers connect with the client's.
+CURVE_KEYS: dict[str, tuple[str, str]] = {  # pair -> (public key, secret key)
+    "server": ("zmq-server-public", "zmq-server-secret"),
+    "client": ("zmq-client-public", "zmq-client-secret"),
+}
 MANAGER = "tandem-operator"
+# The operator's own pods, as the Helm chart labels them (tandem.selectorLabels).
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "tandem",
+                       "app.kubernetes.io/component": "operator"}
 
 # What the template hash sees instead of the weights and the drain timeout.
 _HASH_WEIGHTS = WeightsRef(uri="file:///weights", version="weights")
@@ -40,6 +51,8 @@ _HASH_DRAIN_SECONDS = 0
 
 
 def admin_secret_name(pool: str) -> str:
+    """The pool's credentials Secret: the engines' admin token and the ZMQ CURVE keys (the
+    name predates the keys and stays, so upgraded pools keep their token)."""
     return f"{pool}-admin-token"
 
 
@@ -49,6 +62,11 @@ def router_account_name(pool: str) -> str:
 
 def engines_service_name(pool: str) -> str:
     return f"{pool}-engines"
+
+
+def network_policy_names(pool: str) -> tuple[str, str]:
+    """(engines' policy, routers' policy)."""
+    return f"{pool}-engines", f"{pool}-router"
 
 
 def router_endpoint(spec: PoolSpec) -> str:
@@ -96,6 +114,28 @@ def _http_probe(path: str, port: str, **timing: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": port}, **timing}
 
 
+def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def _credential_env(spec: PoolSpec, names: dict[str, str]) -> list[dict[str, Any]]:
+    """Env from the pool's credentials Secret: variable name -> Secret key."""
+    secret = admin_secret_name(spec.name)
+    return [_secret_env(name, secret, key) for name, key in names.items()]
+
+
+def weights_roots(spec: PoolSpec, weights: WeightsRef) -> list[str]:
+    """The folders an engine on `weights` may refit from (`--weights-root`; the engine
+    refuses any other): `spec.engine.weightsRoots`, and the engine volume mounts that hold
+    those weights. None (weights baked into the image, or outside every mount, and no
+    weightsRoots) leaves the engine's default, the folder holding its start-up checkpoint."""
+    path = PurePosixPath(weights.path)
+    roots = [*spec.engine.weights_roots,
+             *(str(mount["mountPath"]) for mount in spec.engine.volume_mounts
+               if mount.get("mountPath") and path.is_relative_to(str(mount["mountPath"])))]
+    return list(dict.fromkeys(roots))
+
+
 def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: int,
                 epoch: int | None = None) -> list[str]:
     """The engine's command line; `epoch` None leaves --weight-epoch out (the template
@@ -104,7 +144,9 @@ def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds
     args = ["--role", str(spec.engine_role(group)), "--model", weights.path,
             "--served-model-name", spec.model_name,
             "--host", "$(POD_IP)", "--port", str(ENGINE_ZMQ_PORT),
-            "--admin-port", str(ENGINE_ADMIN_PORT), "--engine-id", "$(POD_NAME)",
+            "--admin-port", str(ENGINE_ADMIN_PORT), "--metrics-port", str(ENGINE_METRICS_PORT),
+            *(arg for root in weights_roots(spec, weights) for arg in ("--weights-root", root)),
+            "--engine-id", "$(POD_NAME)",
             "--weight-version", weights.version,
             *(("--weight-epoch", str(epoch)) if epoch is not None else ()),
             "--max-num-seqs", str(e.max_num_seqs),
@@ -122,15 +164,26 @@ def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds
 
 
 def _engine_env(spec: PoolSpec) -> list[dict[str, Any]]:
-    env = _pod_env()
-    env.append({"name": "TANDEM_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {
-        "name": admin_secret_name(spec.name), "key": ADMIN_TOKEN_KEY}}})
+    env = [*_pod_env(), *_credential_env(spec, {
+        "TANDEM_ADMIN_TOKEN": ADMIN_TOKEN_KEY,
+        "TANDEM_ZMQ_SERVER_SECRET_KEY": CURVE_KEYS["server"][1],
+        "TANDEM_ZMQ_CLIENT_PUBLIC_KEY": CURVE_KEYS["client"][0]})]
     ucx = spec.kv_transfer
     if ucx.ucx_transports:
         env.append({"name": "UCX_TLS", "value": ucx.ucx_transports})
     if ucx.ucx_net_devices:
         env.append({"name": "UCX_NET_DEVICES", "value": ucx.ucx_net_devices})
     return [*env, *(dict(v) for v in spec.engine.env)]
+
+
+def _router_env(spec: PoolSpec) -> list[dict[str, Any]]:
+    env = [*_pod_env(), *_credential_env(spec, {
+        "TANDEM_ZMQ_SERVER_PUBLIC_KEY": CURVE_KEYS["server"][0],
+        "TANDEM_ZMQ_CLIENT_SECRET_KEY": CURVE_KEYS["client"][1]})]
+    ref = spec.router.api_key_secret
+    if ref is not None:
+        env.append(_secret_env("TANDEM_API_KEY", ref.name, ref.key))
+    return env
 
 
 def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: int,
@@ -143,7 +196,7 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: 
             "args": ["--discover-pool", spec.name, "--namespace", "$(POD_NAMESPACE)",
                      "--model", weights.path, "--served-model-name", spec.model_name,
                      "--host", "$(POD_IP)", "--port", str(ROUTER_HTTP_PORT)],
-            "env": _pod_env(),
+            "env": _router_env(spec),
             "ports": [{"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}],
             "readinessProbe": _http_probe("/readyz", "http", periodSeconds=2),
             "livenessProbe": _http_probe("/healthz", "http", initialDelaySeconds=10,
@@ -158,9 +211,10 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: 
         "args": engine_args(spec, group, weights, drain_seconds, epoch),
         "env": _engine_env(spec),
         "ports": [{"name": "zmq", "containerPort": ENGINE_ZMQ_PORT, "protocol": "TCP"},
-                  {"name": "admin", "containerPort": ENGINE_ADMIN_PORT, "protocol": "TCP"}],
-        "readinessProbe": _http_probe("/readyz", "admin", periodSeconds=2),
-        "livenessProbe": _http_probe("/healthz", "admin", initialDelaySeconds=30,
+                  {"name": "admin", "containerPort": ENGINE_ADMIN_PORT, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": ENGINE_METRICS_PORT, "protocol": "TCP"}],
+        "readinessProbe": _http_probe("/readyz", "metrics", periodSeconds=2),
+        "livenessProbe": _http_probe("/healthz", "metrics", initialDelaySeconds=30,
                                      periodSeconds=10, failureThreshold=6)}
     resources = role.resources if role.resources is not None else e.resources
     if resources:
@@ -220,6 +274,14 @@ def template_hash(spec: PoolSpec, group: Group) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
 
+def _scrape_annotations(group: Group) -> dict[str, str]:
+    """For Prometheus' usual pod discovery: engines on their read-only metrics port, routers
+    on their HTTP port (its /metrics needs no API key)."""
+    port = ROUTER_HTTP_PORT if group == "router" else ENGINE_METRICS_PORT
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics"}
+
+
 def pod(spec: PoolSpec, group: Group, weights: WeightsRef, epoch: int = 0) -> dict[str, Any]:
     """A new pod of `group` (created with generateName `<pool>-<group>-`) on `weights`, whose
     pool-wide weight epoch is `epoch` (engines start with it; routers prefer the highest)."""
@@ -227,7 +289,8 @@ def pod(spec: PoolSpec, group: Group, weights: WeightsRef, epoch: int = 0) -> di
     del meta["name"]
     meta["generateName"] = f"{spec.name}-{group}-"
     meta["annotations"] = {TEMPLATE_HASH: template_hash(spec, group),
-                           WEIGHTS_VERSION: weights.version, WEIGHTS_URI: weights.uri}
+                           WEIGHTS_VERSION: weights.version, WEIGHTS_URI: weights.uri,
+                           **_scrape_annotations(group)}
     if group != "router":
         meta["annotations"][WEIGHTS_EPOCH] = str(epoch)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
@@ -238,13 +301,32 @@ def pod(spec: PoolSpec, group: Group, weights: WeightsRef, epoch: int = 0) -> di
 # ---- the pool's other objects -------------------------------------------------------------------
 
 
-def admin_secret(spec: PoolSpec, token: str) -> dict[str, Any]:
-    """The engines' admin bearer token; created once, never rotated by reconcile."""
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def admin_secret(spec: PoolSpec, token: str, curve: dict[str, str] | None = None
+                 ) -> dict[str, Any]:
+    """The pool's credentials: the engines' admin bearer token and `curve`, the ZMQ CURVE
+    keys (`CURVE_KEYS` names -> Z85). Created once, never rotated by reconcile."""
     labels = {**common_labels(spec), COMPONENT_LABEL: "engine"}
     return {"apiVersion": "v1", "kind": "Secret",
             "metadata": _meta(spec, admin_secret_name(spec.name), labels),
             "type": "Opaque",
-            "data": {ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode()}}
+            "data": {ADMIN_TOKEN_KEY: _b64(token),
+                     **{key: _b64(value) for key, value in (curve or {}).items()}}}
+
+
+def curve_keys_data(curve: dict[str, str]) -> dict[str, str]:
+    """A Secret's `data` for CURVE keys (name -> Z85), to merge into an existing Secret."""
+    return {key: _b64(value) for key, value in curve.items()}
+
+
+def missing_curve_pairs(secret: dict[str, Any]) -> tuple[str, ...]:
+    """The CURVE keypairs ("server", "client") a Secret lacks a half of: each is made anew
+    whole (a public key without its secret half is useless)."""
+    have = {*(secret.get("data") or {}), *(secret.get("stringData") or {})}
+    return tuple(pair for pair, keys in CURVE_KEYS.items() if not set(keys) <= have)
 
 
 def secret_token(secret: dict[str, Any]) -> str | None:
@@ -272,7 +354,9 @@ def engines_service(spec: PoolSpec) -> dict[str, Any]:
                      "ports": [{"name": "zmq", "port": ENGINE_ZMQ_PORT, "targetPort": "zmq",
                                 "protocol": "TCP"},
                                {"name": "admin", "port": ENGINE_ADMIN_PORT,
-                                "targetPort": "admin", "protocol": "TCP"}]}}
+                                "targetPort": "admin", "protocol": "TCP"},
+                               {"name": "metrics", "port": ENGINE_METRICS_PORT,
+                                "targetPort": "metrics", "protocol": "TCP"}]}}
 
 
 def pod_disruption_budget(spec: PoolSpec, group: Group) -> dict[str, Any]:
@@ -307,11 +391,68 @@ def router_role_binding(spec: PoolSpec) -> dict[str, Any]:
                           "namespace": spec.namespace}]}
 
 
+# ---- network policies ---------------------------------------------------------------------------
+
+
+def _tcp(port: int | None = None) -> dict[str, Any]:
+    """A NetworkPolicyPort: one TCP port, or every TCP port when None."""
+    return {"protocol": "TCP"} if port is None else {"protocol": "TCP", "port": port}
+
+
+def _rule(peers: tuple[dict[str, Any], ...] | list[dict[str, Any]], ports: list[dict[str, Any]]
+          ) -> dict[str, Any]:
+    """An ingress rule; no peers admits any source (Kubernetes' meaning of an absent `from`)."""
+    return {"from": [dict(p) for p in peers], "ports": ports} if peers else {"ports": ports}
+
+
+def network_policies(spec: PoolSpec) -> list[dict[str, Any]]:
+    """The pool's ingress NetworkPolicies (egress is left open), when spec.networkPolicy
+    enables them:
+
+    * engines: ZMQ (5555) from the pool's routers; admin (8080) from the pool's routers and
+      the operator's pods (chart labels, any namespace: the admin API also wants the
+      token); every TCP port from the pool's engines (NIXL over UCX listens on ephemeral
+      ports); metrics (9100) from `metricsFrom`;
+    * routers: their HTTP port (8000: API and /metrics) from `apiFrom`.
+    """
+    if not spec.network_policy.enabled:
+        return []
+    np = spec.network_policy
+    engines_name, router_name = network_policy_names(spec.name)
+    routers = {"podSelector": {"matchLabels": {POOL_LABEL: spec.name, ROLE_LABEL: "router"}}}
+    engines = {"podSelector": {"matchLabels": {POOL_LABEL: spec.name, ENGINE_LABEL: "true"}}}
+    operator = {"namespaceSelector": {}, "podSelector": {"matchLabels": OPERATOR_POD_LABELS}}
+
+    def policy(name: str, labels: dict[str, str], selector: dict[str, Any],
+               ingress: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": _meta(spec, name, labels),
+                "spec": {"podSelector": selector["podSelector"], "policyTypes": ["Ingress"],
+                         "ingress": ingress}}
+
+    return [
+        policy(engines_name, {**common_labels(spec), COMPONENT_LABEL: "engine"}, engines, [
+            _rule([routers], [_tcp(ENGINE_ZMQ_PORT), _tcp(ENGINE_ADMIN_PORT)]),
+            _rule([operator], [_tcp(ENGINE_ADMIN_PORT)]),
+            _rule([engines], [_tcp()]),
+            _rule([dict(p) for p in np.metrics_from], [_tcp(ENGINE_METRICS_PORT)])]),
+        policy(router_name, group_labels(spec, "router"), routers, [
+            _rule([dict(p) for p in np.api_from], [_tcp(ROUTER_HTTP_PORT)])]),
+    ]
+
+
 def support_objects(spec: PoolSpec) -> list[dict[str, Any]]:
-    """Everything but pods and the admin Secret, in the order to create them."""
+    """Everything but pods and the credentials Secret, in the order to create them."""
     return [router_service_account(spec), router_role(spec), router_role_binding(spec),
             router_service(spec), engines_service(spec),
-            pod_disruption_budget(spec, "prefill"), pod_disruption_budget(spec, "decode")]
+            pod_disruption_budget(spec, "prefill"), pod_disruption_budget(spec, "decode"),
+            *network_policies(spec)]
+
+
+def optional_objects(spec: PoolSpec) -> list[tuple[str, str]]:
+    """(kind, name) of the objects a pool has only while its spec asks for them: reconcile
+    looks for them always and deletes those the spec no longer wants."""
+    return [("NetworkPolicy", name) for name in network_policy_names(spec.name)]
 
 
 # Fields of each kind the operator keeps equal to the spec (the rest is the API server's).
@@ -321,6 +462,7 @@ MANAGED_FIELDS: dict[str, tuple[str, ...]] = {
     "Role": ("rules",),
     "RoleBinding": ("subjects",),
     "ServiceAccount": (),
+    "NetworkPolicy": ("spec.podSelector", "spec.policyTypes", "spec.ingress"),
 }
 
 

@@ -16,7 +16,9 @@ serving live here, where they are tested exhaustively without an API server:
   0 and that rule would stall a rollout, one pod is surged anyway;
 * decode pods leave only while a prefill pod is ready (new decode engines need one), and
   prefill pods scaled to zero leave only once decode pods run as mixed engines;
-* failed pods are deleted and replaced, missing pods and objects are (re)created.
+* failed pods are deleted and replaced, missing pods and objects are (re)created, objects
+  the spec no longer asks for (NetworkPolicies once disabled) are deleted, and a credentials
+  Secret from before the ZMQ CURVE keys gets the keypairs it lacks.
 """
 
 from __future__ import annotations
@@ -135,6 +137,23 @@ class CreateAdminSecret:
 
 
 @dataclass(frozen=True)
+class AddCurveKeys:
+    """Complete an existing credentials Secret with the ZMQ CURVE keypairs it lacks
+    ("server", "client"); generated when acting, like the token."""
+
+    name: str
+    pairs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DeleteObject:
+    """An object the spec no longer asks for (a NetworkPolicy once disabled)."""
+
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
 class PatchObject:
     kind: str
     name: str
@@ -162,7 +181,10 @@ class DeletePod:
     reason: str  # Failed
 
 
-Action = CreateObject | CreateAdminSecret | PatchObject | CreatePod | DrainPod | DeletePod
+Action = (CreateObject | CreateAdminSecret | AddCurveKeys | PatchObject | DeleteObject
+          | CreatePod | DrainPod | DeletePod)
+# The steps on the pool's objects (not its pods): reconcile takes them first.
+OBJECT_ACTIONS = (CreateObject, CreateAdminSecret, AddCurveKeys, PatchObject, DeleteObject)
 
 
 # ---- planning -----------------------------------------------------------------------------------
@@ -227,9 +249,16 @@ def plan(spec: PoolSpec, observed: Observed) -> list[Action]:
 def _plan_objects(spec: PoolSpec, observed: Observed) -> list[Action]:
     actions: list[Action] = []
     secret = m.admin_secret_name(spec.name)
-    if ("Secret", secret) not in observed.objects:
+    have_secret = observed.objects.get(("Secret", secret))
+    if have_secret is None:
         actions.append(CreateAdminSecret(secret))
-    for body in m.support_objects(spec):
+    elif pairs := m.missing_curve_pairs(dict(have_secret)):
+        actions.append(AddCurveKeys(secret, pairs))
+    desired = m.support_objects(spec)
+    wanted = {(body["kind"], body["metadata"]["name"]) for body in desired}
+    actions += [DeleteObject(kind, name) for kind, name in m.optional_objects(spec)
+                if (kind, name) in observed.objects and (kind, name) not in wanted]
+    for body in desired:
         have = observed.objects.get((body["kind"], body["metadata"]["name"]))
         if have is None:
             actions.append(CreateObject(body))

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
 from tandem_engine.fleet import AdminError, EngineAdmin, admin_url
 from tandem_engine.weights import CHECKPOINT_FORMS, WeightsRef, checkpoint_problem
 
@@ -34,10 +35,13 @@ from tandem_operator import manifests as m
 from tandem_operator import metrics
 from tandem_operator.kube import POOL_OBJECT_KINDS, Kube, KubeError, now, parse_time
 from tandem_operator.plan import (
+    OBJECT_ACTIONS,
     Action,
+    AddCurveKeys,
     CreateAdminSecret,
     CreateObject,
     CreatePod,
+    DeleteObject,
     DeletePod,
     DrainPod,
     Observed,
@@ -106,6 +110,17 @@ class Outcome:
     requeue_after: float | None = None  # reconcile again this soon (a refit under way)
 
 
+def curve_keys(pairs: tuple[str, ...]) -> dict[str, str]:
+    """New ZMQ CURVE keypairs for `pairs` ("server", "client"), as `manifests.CURVE_KEYS`
+    names -> Z85 text."""
+    keys: dict[str, str] = {}
+    for pair in pairs:
+        public, secret = zmq.curve_keypair()
+        public_key, secret_key = m.CURVE_KEYS[pair]
+        keys[public_key], keys[secret_key] = public.decode(), secret.decode()
+    return keys
+
+
 def weights_problem(weights: WeightsRef) -> str | None:
     """Why the operator cannot serve these weights, or None when it can."""
     problem = checkpoint_problem(weights.path)
@@ -129,6 +144,7 @@ async def observe(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any],
     ns, kinds = spec.namespace, ("Pod", *POOL_OBJECT_KINDS)
     wanted = [("Secret", m.admin_secret_name(spec.name)),
               *((o["kind"], o["metadata"]["name"]) for o in m.support_objects(spec))]
+    wanted += [key for key in m.optional_objects(spec) if key not in wanted]
     pods: list[Mapping[str, Any]] | None = None
     bodies: Mapping[tuple[str, str], Mapping[str, Any]] = {}
     if watched is not None:
@@ -226,8 +242,8 @@ async def act(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], actions: li
               ) -> list[str]:
     """Carry out one batch: objects first (pods need the Secret and the ServiceAccount), then
     every pod step at once. Returns the errors met; nothing raises."""
-    objects = [a for a in actions if isinstance(a, CreateObject | CreateAdminSecret | PatchObject)]
-    pods = [a for a in actions if not isinstance(a, CreateObject | CreateAdminSecret | PatchObject)]
+    objects = [a for a in actions if isinstance(a, OBJECT_ACTIONS)]
+    pods = [a for a in actions if not isinstance(a, OBJECT_ACTIONS)]
     errors: list[str] = []
     created: list[str] = []
     for batch in (objects, pods):
@@ -257,6 +273,10 @@ def _describe(action: Action) -> str:
         return f"create {action.kind} {action.name}"
     if isinstance(action, CreateAdminSecret):
         return f"create Secret {action.name}"
+    if isinstance(action, AddCurveKeys):
+        return f"add ZMQ keys to Secret {action.name}"
+    if isinstance(action, DeleteObject):
+        return f"delete {action.kind} {action.name}"
     return f"patch {action.kind} {action.name}"
 
 
@@ -265,7 +285,17 @@ async def _act(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], action: Ac
     if isinstance(action, CreateObject):
         await kube.create(action.body)
     elif isinstance(action, CreateAdminSecret):
-        await kube.create(m.admin_secret(spec, secrets.token_urlsafe(32)))
+        await kube.create(m.admin_secret(spec, secrets.token_urlsafe(32),
+                                         curve_keys(tuple(m.CURVE_KEYS))))
+    elif isinstance(action, AddCurveKeys):
+        await kube.patch("Secret", ns, action.name,
+                         {"data": m.curve_keys_data(curve_keys(action.pairs))})
+        await _event(ctx, pool, "Updated", f"added ZMQ CURVE keys ({', '.join(action.pairs)}) "
+                     f"to Secret {action.name}")
+    elif isinstance(action, DeleteObject):
+        if await kube.delete(action.kind, ns, action.name):
+            await _event(ctx, pool, "Deleted", f"deleted {action.kind} {action.name} (no "
+                         "longer in the spec)")
     elif isinstance(action, PatchObject):
         await kube.patch(action.kind, ns, action.name, action.patch)
         await _event(ctx, pool, "Updated", f"updated {action.kind} {action.name} to the spec")

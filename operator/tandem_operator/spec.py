@@ -83,6 +83,7 @@ class EngineSettings:
     args: tuple[str, ...] = ()
     volumes: tuple[Mapping[str, Any], ...] = ()  # added to engine and router pods
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    weights_roots: tuple[str, ...] = ()  # folders refits may read, besides the mounts
     init_containers: tuple[InitContainer, ...] = ()  # in engine and router pods
     kv_cache: KVCache = KVCache()
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
@@ -100,10 +101,31 @@ class RoleSettings:
 
 
 @dataclass(frozen=True)
+class SecretKey:
+    """One key of a Secret in the pool's namespace (a secretKeyRef)."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
 class RouterSettings:
     replicas: int = 1
     service_type: str = "ClusterIP"
     service_port: int = 8000
+    api_key_secret: SecretKey | None = None  # the router's API keys (comma-separated)
+
+
+@dataclass(frozen=True)
+class NetworkPolicySettings:
+    """spec.networkPolicy: who may reach the pool's pods. Peers are networking/v1
+    NetworkPolicyPeer objects; an empty `api_from` admits the router's API from anywhere, a
+    empty `metrics_from` admits the engines' metrics from anywhere; by default every pod in
+    the pool's namespace may scrape them."""
+
+    enabled: bool = False
+    api_from: tuple[Mapping[str, Any], ...] = ()
+    metrics_from: tuple[Mapping[str, Any], ...] = ({"podSelector": {}},)
 
 
 @dataclass(frozen=True)
@@ -146,6 +168,7 @@ class PoolSpec:
     rollout: Rollout = Rollout()
     refit: RefitSettings = RefitSettings()
     kv_transfer: KVTransfer = KVTransfer()
+    network_policy: NetworkPolicySettings = NetworkPolicySettings()
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PoolSpec:
@@ -176,6 +199,11 @@ class PoolSpec:
 # The defaults parse_pool applies: the dataclasses' own.
 _ENGINE, _KV, _ROLE = EngineSettings(), KVCache(), RoleSettings()
 _ROUTER, _ROLLOUT, _REFIT, _KVT = RouterSettings(), Rollout(), RefitSettings(), KVTransfer()
+_NETPOL = NetworkPolicySettings()
+API_KEYS_KEY = "api-keys"  # spec.router.apiKeySecret.key when not given
+_PEER_FIELDS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 
 
 # ---- parsing with the CRD's defaults and rules --------------------------------------------------
@@ -267,6 +295,15 @@ def _strings(d: Mapping[str, Any], key: str, path: str, max_items: int) -> tuple
     return items
 
 
+def _absolute_paths(d: Mapping[str, Any], key: str, path: str, max_items: int
+                    ) -> tuple[str, ...]:
+    items = _strings(d, key, path, max_items)
+    for i, item in enumerate(items):
+        if not item.startswith("/"):
+            raise SpecError(f"{path}.{key}[{i}] = {item!r} must be an absolute path")
+    return items
+
+
 def _init_containers(e: Mapping[str, Any], volumes: tuple[Any, ...]
                      ) -> tuple[InitContainer, ...]:
     containers: list[InitContainer] = []
@@ -292,6 +329,53 @@ def _init_containers(e: Mapping[str, Any], volumes: tuple[Any, ...]
             image=_str(c, "image", path, None, 512, min_len=1) if "image" in c else None,
             env=tuple(env), volume_mounts=_mounts(c, path, volumes, read_only=False)))
     return tuple(containers)
+
+
+def _bool(d: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
+    value = d.get(key, default)
+    if not isinstance(value, bool):
+        raise SpecError(f"{path}.{key} must be true or false, not {value!r}")
+    return value
+
+
+def _secret_key(d: Mapping[str, Any], key: str, path: str) -> SecretKey | None:
+    ref = _obj(d, key, path)
+    if not ref:
+        return None
+    path = f"{path}.{key}"
+    name = _str(ref, "name", path, None, 253, min_len=1)
+    if not _DNS_SUBDOMAIN.fullmatch(name):
+        raise SpecError(f"{path}.name {name!r} is not a Secret name (lowercase letters, "
+                        "digits, '-' and '.')")
+    secret_key = _str(ref, "key", path, API_KEYS_KEY, 253, min_len=1)
+    if not _SECRET_KEY.fullmatch(secret_key):
+        raise SpecError(f"{path}.key {secret_key!r} is not a Secret key (letters, digits, "
+                        "'-', '_' and '.')")
+    return SecretKey(name=name, key=secret_key)
+
+
+def _peers(d: Mapping[str, Any], key: str, path: str) -> tuple[Mapping[str, Any], ...]:
+    """NetworkPolicyPeer objects: each one of podSelector, namespaceSelector (together or
+    alone) or ipBlock, passed to the NetworkPolicy as written."""
+    peers = _list(d, key, path, 16)
+    for i, peer in enumerate(peers):
+        where = f"{path}.{key}[{i}]"
+        if not isinstance(peer, Mapping) or not peer or not set(peer) <= _PEER_FIELDS:
+            raise SpecError(f"{where} must be a NetworkPolicyPeer: an object with podSelector "
+                            "and/or namespaceSelector, or ipBlock")
+        if "ipBlock" in peer and len(peer) > 1:
+            raise SpecError(f"{where}: ipBlock cannot be combined with a selector")
+    return tuple(dict(p) for p in peers)
+
+
+def _network_policy(spec: Mapping[str, Any]) -> NetworkPolicySettings:
+    d = _obj(spec, "networkPolicy", "spec")
+    path = "spec.networkPolicy"
+    return NetworkPolicySettings(
+        enabled=_bool(d, "enabled", path, _NETPOL.enabled),
+        api_from=_peers(d, "apiFrom", path),
+        metrics_from=(_peers(d, "metricsFrom", path) if "metricsFrom" in d
+                      else _NETPOL.metrics_from))
 
 
 def _role(spec: Mapping[str, Any], key: str) -> RoleSettings:
@@ -334,6 +418,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         args=tuple(str(a) for a in _list(e, "args", "spec.engine", 64)),
         volumes=volumes,
         volume_mounts=_mounts(e, "spec.engine", volumes, read_only=True),
+        weights_roots=_absolute_paths(e, "weightsRoots", "spec.engine", 8),
         init_containers=_init_containers(e, volumes),
         kv_cache=KVCache(
             block_size=_req_int(kv, "blockSize", "spec.engine.kvCache", _KV.block_size, 1, 256),
@@ -365,7 +450,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
             service_type=_str(svc, "type", "spec.router.service", _ROUTER.service_type, 32,
                               ("ClusterIP", "NodePort", "LoadBalancer")),
             service_port=_req_int(svc, "port", "spec.router.service", _ROUTER.service_port, 1,
-                                  65535)),
+                                  65535),
+            api_key_secret=_secret_key(r, "apiKeySecret", "spec.router")),
         rollout=Rollout(
             max_surge=_req_int(ro, "maxSurge", "spec.rollout", _ROLLOUT.max_surge, 0, 64),
             max_unavailable=_req_int(ro, "maxUnavailable", "spec.rollout",
@@ -388,7 +474,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
             ucx_transports=_str(ucx, "transports", "spec.kvTransfer.ucx", _KVT.ucx_transports,
                                 256),
             ucx_net_devices=_str(ucx, "netDevices", "spec.kvTransfer.ucx",
-                                 _KVT.ucx_net_devices, 256)))
+                                 _KVT.ucx_net_devices, 256)),
+        network_policy=_network_policy(spec))
     _check_rules(pool)
     return pool
 

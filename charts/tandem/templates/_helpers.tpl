@@ -69,8 +69,9 @@ app.kubernetes.io/component: operator
 {{/*
 What the operator does inside a namespace it serves, and nothing more: reconcile
 InferencePools (kopf patches them for finalizers and progress, and writes status), run their
-pods, and create the Services, Secret, PDBs and router RBAC it owns. Creating the router's Role
-needs the operator to hold the pod read permissions that Role grants (it does).
+pods, and create the Services, Secret, PDBs, router RBAC and NetworkPolicies it owns.
+Creating the router's Role needs the operator to hold the pod read permissions that Role
+grants (it does).
 */}}
 {{- define "tandem.namespacedRules" -}}
 - apiGroups: [tandem.dev]
@@ -96,6 +97,9 @@ needs the operator to hold the pod read permissions that Role grants (it does).
   verbs: [create, get, list, watch, patch, update, delete]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
+  verbs: [create, get, list, watch, patch, update, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
   verbs: [create, get, list, watch, patch, update, delete]
 - apiGroups: [""]
   resources: [events]

@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from tandem_engine.cli.models import (
     FORMATS,
@@ -78,6 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tandem_engine.cli.serve import LocalStack, run
+    from tandem_engine.router.auth import resolve_api_keys
 
     if args.demo:
         model = Path(args.demo_dir)
@@ -95,7 +97,9 @@ def _serve(args: argparse.Namespace) -> int:
                    "--kernels", args.kernels]
     stack = LocalStack(model.resolve(), engines=args.engines, prefill=args.prefill,
                        decode=args.decode, host=args.host, port=args.port,
-                       served_model_name=name, engine_args=engine_args)
+                       served_model_name=name, engine_args=engine_args,
+                       weights_roots=args.weights_root,
+                       api_keys=resolve_api_keys(args.api_key))
     return run(stack)
 
 
@@ -180,6 +184,13 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-num-batched-tokens", type=int,
                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     serve.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS)
+    serve.add_argument("--weights-root", type=Path, action="append", default=[],
+                       metavar="DIR", help="a folder `tandem refit` may load checkpoints "
+                       "from, besides the one holding --model (repeatable)")
+    serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help="a key clients must send (Authorization: Bearer KEY); repeat "
+                       "for several. $TANDEM_API_KEY (comma-separated) adds more. Passed to "
+                       "the router in its environment, never on its command line")
     serve.set_defaults(func=_serve)
 
 

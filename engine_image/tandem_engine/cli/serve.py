@@ -13,8 +13,14 @@ keeps its port. Only a child that crash-loops (more than `restart_limit` restart
 `restart_window` s) stops the stack.
 
 While it serves, `<log dir>/stack.json` describes the stack (router URL, each engine's
-name, role and admin URL; per child its pid, restarts and last exit cause), so other
-commands (`tandem refit`) find it by its port.
+name, role and admin URL; the engines' admin token; per child its pid, restarts and last
+exit cause), so other commands (`tandem refit`) find it by its port. It holds a secret,
+so only the user can read it (mode 0600).
+
+The stack is authenticated by default: each `tandem serve` makes fresh CURVE keypairs
+for the engines' ZMQ sockets (only its router can connect to them) and a fresh admin
+token, and hands them to its children in their environment, never in argv. Refits may
+load checkpoints from the folder holding `--model` and from each `--weights-root`.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -30,11 +37,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem_engine.errors import TandemError
 from tandem_engine.lifecycle import EngineRole, EngineState
+from tandem_engine.router.auth import API_KEY_ENV
+from tandem_engine.zmq_auth import ALL_VARIABLES, stack_environments
 
 _PR_SET_PDEATHSIG = 1
 STACK_FILE = "stack.json"
@@ -86,6 +96,7 @@ class Child:
     ready_url: str
     log: Path
     args: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None  # None: this process's environment
     restarts: int = 0
     last_exit: str | None = None
     restart_times: list[float] = field(default_factory=list)  # monotonic, recent ones
@@ -103,9 +114,14 @@ class Child:
         except (urllib.error.URLError, OSError):
             return False
 
-    def tail(self, lines: int = 15) -> str:
+    def tail(self, lines: int = 15, max_bytes: int = 65536) -> str:
+        """The log's last lines, reading at most its last `max_bytes` (a log can be huge,
+        or a device such as /dev/full that never ends)."""
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+            with self.log.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+                data = f.read(max_bytes)
+            return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
 
@@ -116,7 +132,9 @@ class LocalStack:
                  port: int = 8000, served_model_name: str | None = None,
                  engine_args: list[str] | None = None, log_dir: Path | None = None,
                  out=sys.stdout, restart_limit: int = 5, restart_window: float = 60.0,
-                 backoff_base: float = 1.0, backoff_cap: float = 30.0) -> None:
+                 backoff_base: float = 1.0, backoff_cap: float = 30.0,
+                 weights_roots: list[Path] | None = None,
+                 api_keys: Sequence[str] = ()) -> None:
         if prefill or decode:
             if prefill < 1 or decode < 1:
                 raise ValueError(f"--prefill {prefill} --decode {decode}: a disaggregated "
@@ -140,22 +158,40 @@ class LocalStack:
         self.restart_window = restart_window
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
+        # Refits may load from beside --model and from each --weights-root given.
+        self.weights_roots = [model.resolve().parent, *(weights_roots or [])]
+        # Per stack: the engines' admin token and the ZMQ CURVE keys of engines and router.
+        self.admin_token = secrets.token_urlsafe(32)
+        engine_keys, router_keys = stack_environments()
+        inherited = {k: v for k, v in os.environ.items()
+                     if k not in (*ALL_VARIABLES, "TANDEM_ADMIN_TOKEN")}
+        self.engine_env = {**inherited, **engine_keys, "TANDEM_ADMIN_TOKEN": self.admin_token}
+        self.router_env = {**inherited, **router_keys}
+        # The router's API keys travel in its environment, never in argv (`ps`); these
+        # are all it accepts (an inherited $TANDEM_API_KEY is not passed on).
+        self.api_keys = tuple(api_keys)
+        self.router_env.pop(API_KEY_ENV, None)
+        if self.api_keys:
+            self.router_env[API_KEY_ENV] = ",".join(self.api_keys)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
     @staticmethod
-    def _popen(args: list[str], log: Path, mode: str) -> subprocess.Popen:
+    def _popen(args: list[str], log: Path, mode: str,
+               env: dict[str, str] | None = None) -> subprocess.Popen:
         with log.open(mode) as out:
             return subprocess.Popen([sys.executable, "-m", *args], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    preexec_fn=die_with_parent)
+                                    preexec_fn=die_with_parent, env=env)
 
-    def _spawn(self, name: str, args: list[str], ready_url: str) -> Child:
+    def _spawn(self, name: str, args: list[str], ready_url: str,
+               env: dict[str, str] | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
-        child = Child(name, self._popen(args, log, "wb"), ready_url, log, args=list(args))
+        child = Child(name, self._popen(args, log, "wb", env), ready_url, log,
+                      args=list(args), env=env)
         self.children.append(child)
         return child
 
@@ -191,7 +227,7 @@ class LocalStack:
                 with contextlib.suppress(OSError), child.log.open("ab") as log:
                     log.write(f"\n--- tandem serve: restart {child.restarts} after "
                               f"{child.last_exit} ---\n".encode())
-                child.process = self._popen(child.args, child.log, "ab")
+                child.process = self._popen(child.args, child.log, "ab", child.env)
                 child.awaiting_ready = True
                 changed = True
                 print(f"{child.name}: restarted (restart {child.restarts}, pid "
@@ -216,12 +252,16 @@ class LocalStack:
             raise
 
     def _describe(self) -> None:
-        """Write stack.json (atomically: a reader never sees half of it)."""
+        """Write stack.json (atomically: a reader never sees half of it; only the user
+        can read it: it holds the admin token)."""
         description = {"router": self.url, "port": self.port, "engines": self.engines,
-                       "admin_token": None,
+                       "admin_token": self.admin_token,
                        "children": {c.name: c.describe() for c in self.children}}
         tmp = self.log_dir / f".{STACK_FILE}.tmp"
-        tmp.write_text(json.dumps(description, indent=2))
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(description, indent=2))
         tmp.replace(self.log_dir / STACK_FILE)
 
     def _start(self, timeout: float) -> None:
@@ -237,25 +277,29 @@ class LocalStack:
                 ["tandem_engine.server.main", "--model", str(self.model), "--host", self.host,
                  "--port", str(zmq_port), "--admin-port", str(admin_port),
                  "--engine-id", name, "--served-model-name", self.name, "--role", role,
+                 *(a for root in self.weights_roots for a in ("--weights-root", str(root))),
                  *self.engine_args],
-                f"http://{self.host}:{admin_port}/readyz")))
+                f"http://{self.host}:{admin_port}/readyz", self.engine_env)))
         self._wait([c for _, c in engines], timeout, "loading the model")
         router_args = ["tandem_engine.router.main", "--model", str(self.model),
                        "--served-model-name", self.name, "--host", self.host,
                        "--port", str(self.port)]
         for zmq_port, _ in engines:
             router_args += ["--engine", f"{self.host}:{zmq_port}"]
-        router = self._spawn("router", router_args, f"http://{self.host}:{self.port}/readyz")
+        router = self._spawn("router", router_args, f"http://{self.host}:{self.port}/readyz",
+                             self.router_env)
         self._wait([router], timeout, "connecting to the engines")
         self._wait_router_sees_all(timeout)
 
     def _wait_router_sees_all(self, timeout: float) -> None:
         """The router is ready with one engine; the stack is ready when it has them all."""
         deadline = time.monotonic() + timeout
-        url = f"http://{self.host}:{self.port}/v1/engines"
+        request = urllib.request.Request(f"http://{self.host}:{self.port}/v1/engines")
+        if self.api_keys:
+            request.add_header("Authorization", f"Bearer {self.api_keys[0]}")
         while True:
             try:
-                with urllib.request.urlopen(url, timeout=1) as r:
+                with urllib.request.urlopen(request, timeout=1) as r:
                     engines = json.loads(r.read())["engines"]
                 if len(engines) == self.num_engines and all(
                         e.get("alive") and e.get("state") == EngineState.RUNNING for e in engines):
@@ -331,8 +375,9 @@ def run(stack: LocalStack) -> int:
         print(f"starting {stack.num_engines} engine(s) ({roles}) for {stack.model} "
               f"(logs in {stack.log_dir})", file=stack.out, flush=True)
         stack.start()
+        keys = "an API key required" if stack.api_keys else "no API key: open to anyone"
         print(f"Tandem is serving '{stack.name}' at {stack.url} "
-              f"(OpenAI API; Ctrl-C to stop)", file=stack.out, flush=True)
+              f"(OpenAI API, {keys}; Ctrl-C to stop)", file=stack.out, flush=True)
         while not stop_requested:
             reason = stack.supervise()
             if reason is not None:

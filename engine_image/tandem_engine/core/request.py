@@ -65,6 +65,8 @@ class Request:
     salt: bytes = b""
     block_hashes: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # Prompt tokens matched in the prefix cache at first admission (-1: not admitted yet).
+    num_cached_tokens: int = -1
     # (weight epoch, index of the first output token generated under it), one entry
     # per epoch the request generated tokens in.
     epoch_segments: list[tuple[int, int]] = field(default_factory=list)

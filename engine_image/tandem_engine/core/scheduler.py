@@ -79,6 +79,9 @@ class Scheduler:
             if (not self.kv.block_table(request.request_id)
                     and not request.wants_prompt_logprobs):
                 request.num_computed_tokens = self.kv.acquire_cached_prefix(request)
+                if request.num_cached_tokens < 0:  # the first admission's (for usage)
+                    request.num_cached_tokens = min(request.num_computed_tokens,
+                                                    request.num_prompt_tokens)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
                 self._release(request)

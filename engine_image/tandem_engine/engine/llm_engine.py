@@ -367,7 +367,8 @@ class LLMEngine:
         requests = batch.requests
         result = sample_contained(
             self.sampler, batch.logits, [r.request_id for r in requests],
-            [r.params for r in requests], [self.outputs.banned_tokens(r) for r in requests])
+            [r.params for r in requests], [self.outputs.banned_tokens(r) for r in requests],
+            requests)
         for request, first, logits in batch.prompt_logits:
             targets = request.token_ids[first:first + len(logits)]
             request.prompt_logprobs.extend(self.sampler.prompt_logprobs(

@@ -110,4 +110,5 @@ class OutputProcessor:
                              [completion], finished=reason is not None,
                              epoch_segments=list(request.epoch_segments),
                              pinned_blocks=request.pinned_blocks,
-                             prompt_logprobs=request.prompt_logprobs)
+                             prompt_logprobs=request.prompt_logprobs,
+                             num_cached_tokens=max(request.num_cached_tokens, 0))

@@ -38,6 +38,7 @@ class RequestOutput:
     pinned_blocks: list[int] | None = None
     # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,21 @@
-"""Turning one step's logits into tokens: greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Turning one step's logits into tokens: penalties, greedy, temperature, min-p, top-k,
+top-p, seeds, logprobs.
 
-Logprobs are those of the model's raw distribution (before temperature and
-truncation), as vLLM and the OpenAI API report them. A request with a seed draws
-from its own generator, so its tokens do not depend on what else is in the batch.
+The order is vLLM's: stop tokens banned inside min_tokens, then the repetition,
+frequency and presence penalties (they change greedy choices too), then for sampled
+rows temperature, min-p, top-k and top-p. Logprobs are those of the model's raw
+distribution (before penalties, temperature and truncation), as vLLM and the OpenAI API
+report them. A request with a seed draws from its own generator, so its tokens do not
+depend on what else is in the batch; every transform is per row, so neither do its
+logits. A batch where no row asks for a penalty or min-p takes the same path as before
+they existed: one attribute check per row.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -25,6 +33,40 @@ class SampleResult:
     # Rows that could not be sampled (their logits are not finite): row -> why. Their
     # token id is a placeholder; the engine fails those requests only.
     errors: dict[int, str] = field(default_factory=dict)
+
+
+class TokenHistory(Protocol):
+    """What the penalties read of a request (`core.request.Request` is one): its prompt,
+    and prompt + output tokens so far (tokens resumed from another engine are output)."""
+
+    @property
+    def prompt_token_ids(self) -> list[int]: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+
+def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor,
+                    output_counts: torch.Tensor, repetition: torch.Tensor,
+                    presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """vLLM's penalties on logits [R, V]. `prompt_mask` [R, V] marks tokens in the prompt,
+    `output_counts` [R, V] counts them in the output; the per-row penalties are [R].
+    Repetition (HF/CTRL): a token seen in prompt or output has a positive logit divided
+    by the penalty, a negative one multiplied. Then, as the OpenAI API defines them,
+    logit -= frequency * count + presence * (count > 0), over output tokens only."""
+    seen = prompt_mask | (output_counts > 0)
+    penalty = torch.where(seen, repetition.unsqueeze(1), torch.ones_like(logits))
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    return logits - presence.unsqueeze(1) * (output_counts > 0).to(logits.dtype)
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Mask (to -inf) every token whose probability is under min_p times the most likely
+    token's (that one always stays). logits: [..., V] already divided by temperature."""
+    probs = logits.softmax(-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p
+    return logits.masked_fill(probs < threshold, float("-inf"))
 
 
 def top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -59,7 +101,10 @@ def sample_row(logits: torch.Tensor, params: SamplingParams,
     """Draw one token from one row of logits ([V], float32) under `params`."""
     if params.greedy:
         return int(torch.argmax(logits))
-    filtered = top_k_top_p_filter(logits / params.temperature, params.top_k, params.top_p)
+    scaled = logits / params.temperature
+    if params.min_p > 0.0:
+        scaled = min_p_filter(scaled, params.min_p)
+    filtered = top_k_top_p_filter(scaled, params.top_k, params.top_p)
     probs = filtered.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -68,6 +113,9 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         self.generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        # A penalized request's prompt as a [V] mask, built once per prompt list (the
+        # request's own, kept for its life): request id -> (that list, mask).
+        self._prompt_masks: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -111,6 +159,41 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
+        self._prompt_masks.pop(request_id, None)
+
+    def _prompt_mask(self, request_id: str, prompt: list[int], vocab: int) -> torch.Tensor:
+        cached = self._prompt_masks.get(request_id)
+        if cached is None or cached[0] is not prompt or cached[1].shape[0] != vocab:
+            mask = torch.zeros(vocab, dtype=torch.bool)
+            mask[torch.tensor(prompt, dtype=torch.long)] = True
+            cached = self._prompt_masks[request_id] = (prompt, mask)
+        return cached[1]
+
+    def penalize(self, logits: torch.Tensor, rows: list[int], request_ids: list[str],
+                 params: list[SamplingParams], histories: Sequence[TokenHistory]
+                 ) -> torch.Tensor:
+        """`logits` with the penalties of `rows` applied; other rows are left untouched."""
+        vocab = logits.shape[-1]
+        prompt_mask = torch.stack([
+            self._prompt_mask(request_ids[r], histories[r].prompt_token_ids, vocab)
+            for r in rows])
+        output_counts = torch.zeros(len(rows), vocab, dtype=logits.dtype)
+        for i, r in enumerate(rows):
+            history = histories[r]
+            output = history.token_ids[len(history.prompt_token_ids):]
+            if output:
+                output_counts[i] = torch.bincount(
+                    torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab]
+
+        def per_row(name: str) -> torch.Tensor:
+            return torch.tensor([float(getattr(params[r], name)) for r in rows],
+                                dtype=logits.dtype)
+
+        logits = logits.clone()
+        logits[rows] = apply_penalties(
+            logits[rows], prompt_mask, output_counts, per_row("repetition_penalty"),
+            per_row("presence_penalty"), per_row("frequency_penalty"))
+        return logits
 
     def checkpoint(self, request_ids: list[str], params: list[SamplingParams]
                    ) -> list[tuple[torch.Generator, torch.Tensor]]:
@@ -127,9 +210,11 @@ class Sampler:
             gen.set_state(state)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams], banned: list[tuple[int, ...]]) -> SampleResult:
+               params: list[SamplingParams], banned: list[tuple[int, ...]],
+               histories: Sequence[TokenHistory] | None = None) -> SampleResult:
         """logits: [N, V] float32, one row per request. `banned` token ids per row are
-        masked before sampling (stop tokens inside min_tokens)."""
+        masked before sampling (stop tokens inside min_tokens). `histories` (one per row)
+        are read only for rows with a penalty, which need them."""
         raw = logits.cpu()
         errors = non_finite_rows(raw)
         logits = raw
@@ -138,6 +223,12 @@ class Sampler:
             for row, ids in enumerate(banned):
                 if ids:
                     logits[row, list(ids)] = float("-inf")
+        penalized = [i for i, p in enumerate(params) if p.penalized and i not in errors]
+        if penalized:
+            if histories is None:
+                raise ValueError("sampling with penalties needs each request's tokens "
+                                 "(histories)")
+            logits = self.penalize(logits, penalized, request_ids, params, histories)
         greedy_rows = [i for i, p in enumerate(params) if p.greedy and i not in errors]
         tokens = [0] * len(params)
         if greedy_rows:

@@ -2,12 +2,19 @@
 
 Pure functions over the decoded JSON body: every problem is an `InvalidRequest` that
 names the parameter, the value and the limit (HTTP 400 in the OpenAI error shape).
-Parameters the engine cannot honour (penalties, logit bias, tools, echo) are refused
-rather than silently ignored. vLLM-style extensions are accepted too (`top_k`,
-`min_tokens`, `stop_token_ids`, `ignore_eos`, `skip_special_tokens`,
-`include_stop_str_in_output`, `cache_salt`, and `return_token_ids`, which adds each
-choice's generated token ids to the response), e.g. through the openai client's
-`extra_body`.
+Every parameter of the OpenAI completions and chat-completions bodies, and of vLLM's
+extensions to them, is in one of the tables below: implemented (read by the parsers),
+informational (`user` and the like: no effect on the output by definition), or refused
+with a 400 naming it unless absent or at its neutral value (`REFUSED`); a name in no
+table is refused as unrecognized, as OpenAI does. Nothing is silently ignored.
+
+Implemented vLLM-style extensions (through the openai client's `extra_body`): `top_k`,
+`min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
+`skip_special_tokens`, `include_stop_str_in_output`, `cache_salt`, `prompt_logprobs`
+(each prompt token's logprob, vLLM's shape; not with stream), `add_special_tokens`
+(completions), `add_generation_prompt`, `continue_final_message` and
+`chat_template_kwargs` (chat), and `return_token_ids`, which adds each choice's
+generated token ids to the response.
 
 Completions accept batches (a list of prompts): choice `i * n + j` is prompt `i`'s
 `j`-th sample. With a seed, sample `j` of every prompt uses `seed + j`.
@@ -49,6 +56,46 @@ MAX_JSON_DEPTH = 32  # an OpenAI body needs 5 (messages[i].content[j].text)
 # JSON escaping, or a 128k-token id list.
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+# Parameters each parser reads (and so implements).
+COMMON_PARAMS = frozenset({
+    "model", "n", "stream", "stream_options", "max_tokens", "seed", "temperature", "top_p",
+    "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "include_stop_str_in_output", "cache_salt", "return_token_ids", "prompt_logprobs"})
+COMPLETION_PARAMS = COMMON_PARAMS | {"prompt", "logprobs", "echo", "add_special_tokens"}
+CHAT_PARAMS = COMMON_PARAMS | {
+    "messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
+    "continue_final_message", "chat_template_kwargs", "add_special_tokens"}
+# Accepted with no effect on the output, by their definition (end-user ids, metadata,
+# a cache-routing hint, a client's own request id).
+INFORMATIONAL_PARAMS = frozenset({
+    "user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+    "request_id", "parallel_tool_calls"})
+# Refused (400 naming it) unless absent or at one of these neutral values.
+REFUSED: dict[str, tuple[Any, ...]] = {
+    # OpenAI
+    "logit_bias": ({},), "best_of": (), "suffix": ("",), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
+    "verbosity": (), "web_search_options": (), "store": (False,),
+    "service_tier": ("auto", "default"), "response_format": ({"type": "text"},),
+    # vLLM
+    "use_beam_search": (False,), "length_penalty": (1, 1.0),
+    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "allowed_token_ids": (), "bad_words": ([],), "logits_processors": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structural_tag": (),
+    "structured_outputs": (), "priority": (0,), "return_tokens_as_token_ids": (False,),
+    "kv_transfer_params": (), "vllm_xargs": (), "prompt_embeds": (), "documents": (),
+    "chat_template": (), "mm_processor_kwargs": (), "media_io_kwargs": (),
+    "thinking_token_budget": (), "include_reasoning": (), "prompt_embeds_list": ()}
+# What a chat message may hold (`tool_calls`, `audio` and the like are refused).
+MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id")
+# chat_template_kwargs may not set what the router passes to the template itself.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
+    "bos_token", "eos_token"})
 
 
 class InvalidRequest(Exception):
@@ -100,18 +147,24 @@ class Options:
     # defaults); `engine_sampling` turns them into each choice's SamplingParams.
     sampling_args: dict[str, Any]
     return_token_ids: bool = False
+    prompt_logprobs: int | None = None  # top alternatives per prompt token, vLLM's shape
+    echo: bool = False  # completions: the prompt (and its logprobs) before the text
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
     options: Options
     prompts: list[str | list[int]]
+    add_special_tokens: bool = True  # a text prompt's BOS, as the tokenizer adds it
 
 
 @dataclass(frozen=True)
 class ChatRequest:
     options: Options
     messages: list[dict[str, str]]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # ---- the raw body ----------------------------------------------------------------------------
@@ -195,23 +248,33 @@ def check_prompt_chars(request: CompletionRequest | ChatRequest, limits: Request
 
 def parse_completion(body: Any) -> CompletionRequest:
     body = _object(body)
-    _refuse(body, echo=False, suffix="", best_of=None)
-    options = _options(body, logprobs=_int(body, "logprobs", 0, MAX_LOGPROBS))
+    _check_names(body, COMPLETION_PARAMS)
+    n = body.get("n") if body.get("n") is not None else 1
+    if body.get("best_of") is not None and body["best_of"] == n:
+        body = {k: v for k, v in body.items() if k != "best_of"}  # best_of == n: neutral
+    _refuse(body)
+    echo = bool(_bool(body, "echo", False))
+    options = _options(body, logprobs=_int(body, "logprobs", 0, MAX_LOGPROBS), echo=echo)
     prompts = _prompts(body.get("prompt"))
     if len(prompts) * options.n > MAX_CHOICES:
         raise InvalidRequest(f"{len(prompts)} prompts x n={options.n} is "
                              f"{len(prompts) * options.n} choices, over the limit of "
                              f"{MAX_CHOICES}: send fewer prompts or a smaller n", "n")
-    return CompletionRequest(options, prompts)
+    return CompletionRequest(options, prompts,
+                             bool(_bool(body, "add_special_tokens", True)))
 
 
 def parse_chat(body: Any) -> ChatRequest:
     body = _object(body)
-    _refuse(body, tools=None, functions=None)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise InvalidRequest("response_format other than {'type': 'text'} is not supported",
-                             "response_format")
+    _check_names(body, CHAT_PARAMS | {"echo"})
+    _refuse(body)
+    if _bool(body, "echo", False):  # vLLM's chat echo (prepend the last message): not here
+        raise InvalidRequest("echo=True is not supported for chat completions by this "
+                             "server: drop it", "echo")
+    if _bool(body, "add_special_tokens", False):
+        raise InvalidRequest("add_special_tokens=True is not supported for chat "
+                             "completions: the chat template writes the special tokens",
+                             "add_special_tokens")
     want = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not want:
@@ -219,7 +282,31 @@ def parse_chat(body: Any) -> ChatRequest:
     max_completion = _int(body, "max_completion_tokens", 1, None)
     options = _options(body, logprobs=(top or 0) if want else None,
                        max_tokens=max_completion)
-    return ChatRequest(options, _messages(body.get("messages")))
+    messages = _messages(body.get("messages"))
+    add_generation_prompt = bool(_bool(body, "add_generation_prompt", True))
+    continue_final = bool(_bool(body, "continue_final_message", False))
+    if continue_final and add_generation_prompt:
+        raise InvalidRequest("continue_final_message=true cannot be used with "
+                             "add_generation_prompt=true (the default): set "
+                             "add_generation_prompt to false", "continue_final_message")
+    return ChatRequest(options, messages, add_generation_prompt, continue_final,
+                       _template_kwargs(body.get("chat_template_kwargs")))
+
+
+def _template_kwargs(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequest("chat_template_kwargs must be an object of template "
+                             "variables", "chat_template_kwargs")
+    for key in value:
+        if not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS:
+            raise InvalidRequest(
+                f"chat_template_kwargs.{key} cannot be set: template variables are "
+                "identifiers other than the router's own "
+                f"({', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})",
+                f"chat_template_kwargs.{key}")
+    return dict(value)
 
 
 # ---- from a parsed request to the engine's parameters -----------------------------------------
@@ -228,32 +315,41 @@ def parse_chat(body: Any) -> ChatRequest:
 def resolve_max_tokens(options: Options, prompt_len: int, max_model_len: int, *,
                        default: int | None, prompt_param: str = "prompt") -> int:
     """How many tokens to generate: the request's max_tokens, or `default` (None: all the
-    context left), checked against the context limit."""
+    context left). The one place the context limit is decided, by vLLM's rule: the
+    prompt's tokens plus max_tokens must fit in max_model_len (so a prompt must leave
+    room for at least one token)."""
     if prompt_len == 0:
         raise InvalidRequest("the prompt is empty: give at least one token", prompt_param)
-    if prompt_len > max_model_len:
+    room = max_model_len - prompt_len
+    if room < 1:
         raise InvalidRequest(
-            f"the prompt has {prompt_len} tokens, over the model's context limit of "
-            f"{max_model_len} tokens (max_model_len): shorten it", prompt_param,
-            code="context_length_exceeded")
-    room = max(1, max_model_len - prompt_len)
+            f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
+            f"the model's context limit of {max_model_len} tokens (max_model_len; prompt "
+            f"tokens + max_tokens must be at most {max_model_len}): shorten it to at most "
+            f"{max_model_len - 1} tokens", prompt_param, code="context_length_exceeded")
     if options.max_tokens is None:
         return room if default is None else min(default, room)
     if options.max_tokens > room:
         raise InvalidRequest(
             f"max_tokens={options.max_tokens} is too large: the prompt has {prompt_len} "
             f"tokens and the context limit (max_model_len) is {max_model_len}, so at most "
-            f"{room} tokens can be generated", "max_tokens", code="context_length_exceeded")
+            f"{room} tokens can be generated (prompt tokens + max_tokens must be at most "
+            f"{max_model_len})", "max_tokens", code="context_length_exceeded")
     return options.max_tokens
 
 
 def engine_sampling(options: Options, max_tokens: int, sample_index: int) -> SamplingParams:
     """The SamplingParams of one choice (its `Submit.sampling`, for its whole generation),
-    validated here, at the edge: a problem is an InvalidRequest naming the parameter."""
+    validated here, at the edge: a problem is an InvalidRequest naming the parameter.
+    The prompt's logprobs are computed for `prompt_logprobs`, and for `echo` with
+    `logprobs` (as many alternatives as the larger of the two asks)."""
     seed = options.seed + sample_index if options.seed is not None else None
+    asked = [n for n in (options.prompt_logprobs,
+                         options.logprobs if options.echo else None) if n is not None]
     try:
         return SamplingParams(**options.sampling_args, max_tokens=max_tokens,
-                              logprobs=options.logprobs, seed=seed)
+                              logprobs=options.logprobs, seed=seed,
+                              prompt_logprobs=max(asked) if asked else None)
     except RequestRejected as exc:
         raise InvalidRequest(str(exc), rejected_param(str(exc))) from None
 
@@ -271,12 +367,11 @@ def rejected_param(message: str) -> str | None:
 
 
 def _options(body: dict[str, Any], *, logprobs: int | None,
-             max_tokens: int | None = None) -> Options:
+             max_tokens: int | None = None, echo: bool = False) -> Options:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model is required: the served model's name (GET /v1/models)",
                              "model")
-    _refuse(body, presence_penalty=0, frequency_penalty=0, logit_bias=None)
     n = _int(body, "n", 1, MAX_N)
     stream = _bool(body, "stream", False)
     stream_options = body.get("stream_options")
@@ -285,8 +380,18 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
         if not isinstance(stream_options, dict):
             raise InvalidRequest("stream_options must be an object", "stream_options")
         include_usage = _bool(stream_options, "include_usage", False, "stream_options.")
+        for key, value in stream_options.items():
+            if key != "include_usage" and value not in (None, False):
+                raise InvalidRequest(f"stream_options.{key}={_show(value)} is not supported "
+                                     "by this server (only include_usage is)",
+                                     f"stream_options.{key}")
+    prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        raise InvalidRequest("prompt_logprobs is not available with stream=true (as in "
+                             "vLLM): ask without streaming", "prompt_logprobs")
+    legacy_max = _int(body, "max_tokens", 1, None)  # checked even when not used
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, None)
+        max_tokens = legacy_max
     seed = _int(body, "seed", 0, MAX_SEED)
     n_value = n or 1
     if seed is not None and seed + n_value - 1 > MAX_SEED:
@@ -302,6 +407,11 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
     top_k = _int(body, "top_k", -1, None)
     if top_k is not None:
         sampling["top_k"] = top_k
+    # Type-checked here; their ranges are SamplingParams' (engine_sampling names them).
+    for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = _real(body, name)
+        if value is not None:
+            sampling[name] = value
     min_tokens = _int(body, "min_tokens", 0, None)
     if min_tokens is not None:
         sampling["min_tokens"] = min_tokens
@@ -327,7 +437,8 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
     return Options(model=model, n=n_value, stream=stream, include_usage=include_usage,
                    max_tokens=max_tokens, seed=seed, logprobs=logprobs,
                    cache_salt=cache_salt, sampling_args=sampling,
-                   return_token_ids=bool(_bool(body, "return_token_ids", False)))
+                   return_token_ids=bool(_bool(body, "return_token_ids", False)),
+                   prompt_logprobs=prompt_logprobs, echo=echo)
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -374,9 +485,20 @@ def _messages(messages: Any) -> list[dict[str, str]]:
         if role not in CHAT_ROLES:
             raise InvalidRequest(f"{where}.role={_show(role)} is not one of "
                                  f"{', '.join(CHAT_ROLES)}", f"{where}.role")
+        for key, value in m.items():
+            if key not in MESSAGE_FIELDS and value not in (None, [], ""):
+                raise InvalidRequest(f"{where}.{key} is not supported by this server (a "
+                                     f"message has {', '.join(MESSAGE_FIELDS)})",
+                                     f"{where}.{key}"[:120])
         message = {"role": role, "content": _content(m.get("content"), role, where)}
-        if isinstance(m.get("name"), str):
-            message["name"] = m["name"]
+        for key in ("name", "tool_call_id"):  # for templates that show them
+            value = m.get(key)
+            if value is None:
+                continue
+            if not isinstance(value, str) or len(value) > 256:
+                raise InvalidRequest(f"{where}.{key} must be a string of at most 256 "
+                                     f"characters, not {_show(value)}", f"{where}.{key}")
+            message[key] = value
         out.append(message)
     return out
 
@@ -476,13 +598,30 @@ def _bool(body: dict[str, Any], name: str, default: bool | None,
     return value
 
 
-def _refuse(body: dict[str, Any], **neutral: Any) -> None:
-    """Refuse unsupported parameters unless absent or at their neutral value."""
-    for name, ok in neutral.items():
+def _real(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not float("-inf") < value < float("inf"):
+        raise InvalidRequest(f"{name}={_show(value)} is invalid: it must be a number", name)
+    return float(value)
+
+
+def _check_names(body: dict[str, Any], implemented: frozenset[str]) -> None:
+    """Refuse a parameter no table knows (OpenAI's "unrecognized request argument")."""
+    for name in body:
+        if name not in implemented and name not in INFORMATIONAL_PARAMS \
+                and name not in REFUSED:
+            raise InvalidRequest(f"{_show(name)} is an unrecognized request argument: this "
+                                 "server does not know it, so it is refused rather than "
+                                 "ignored", str(name)[:80])
+
+
+def _refuse(body: dict[str, Any]) -> None:
+    """Refuse the REFUSED parameters unless absent or at a neutral value."""
+    for name, neutral in REFUSED.items():
         value = body.get(name)
-        if value is None or value == ok or (name in ("logit_bias", "tools", "functions")
-                                            and not value):
-            continue
-        if name == "best_of" and value == body.get("n", 1):
+        if value is None or any(value == ok and type(value) is type(ok) for ok in neutral):
             continue
         raise InvalidRequest(f"{name}={_show(value)} is not supported by this server", name)

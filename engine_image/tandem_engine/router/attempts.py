@@ -62,6 +62,8 @@ class Delta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     received_at: float | None = None  # when the engine output behind it arrived (monotonic)
+    num_cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+    prompt_logprobs: list[p.TokenLogprobs] | None = None  # prompt tokens 1.., when asked
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,7 @@ class Progress:
         if not (out.token_ids or out.text or finished):
             return None
         return Delta(list(out.token_ids), out.text, out.logprobs, finished, reason,
-                     stop_reason, received_at)
+                     stop_reason, received_at, out.num_cached_tokens, out.prompt_logprobs)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from kubernetes_asyncio.client import Configuration
 from tandem_engine.kubeclient import SERVICE_ACCOUNT_DIR, KubeClient, KubeError
 from tandem_engine.lifecycle import EngineRole
 from tandem_engine.router.engines import EnginePool
+from tandem_engine.zmq_auth import CurveClient
 
 log = logging.getLogger(__name__)
 
@@ -291,9 +292,9 @@ class DiscoveredEnginePool(EnginePool):
     def __init__(self, pool: str, namespace: str, config: Configuration, *,
                  router_id: str | None = None, heartbeat_deadline: float = 2.0,
                  handshake_timeout: float = 1.0, request_timeout: float = 10.0,
-                 **watch_options: Any) -> None:
+                 curve: CurveClient | None = None, **watch_options: Any) -> None:
         super().__init__([], router_id=router_id, heartbeat_deadline=heartbeat_deadline,
-                         handshake_timeout=handshake_timeout, allow_empty=True)
+                         handshake_timeout=handshake_timeout, allow_empty=True, curve=curve)
         self.discovered = check_pool_name(pool)
         self.namespace = namespace
         self.config = config

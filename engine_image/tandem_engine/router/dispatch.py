@@ -94,6 +94,7 @@ class _Choice:
     latency: ChoiceLatency
     progress: Progress = field(default_factory=Progress)
     excluded: set[str] = field(default_factory=set)  # engines that refused or failed it
+    resumed: bool = False  # failed over after tokens were streamed
 
 
 class Dispatcher:
@@ -133,6 +134,8 @@ class Dispatcher:
             if isinstance(outcome, Finished):
                 if leg.decode is not None:
                     self._count_disaggregated("finished_at_prefill")
+                if choice.resumed and self.metrics is not None:
+                    self.metrics.resumed.inc()
                 self.picker.remember(leg.client, choice.prompt + choice.progress.generated,
                                      cache_salt)
                 return
@@ -229,6 +232,8 @@ class Dispatcher:
                     len(choice.progress.generated), outcome.detail)
         if self.metrics is not None:
             self.metrics.failovers.labels(outcome.reason).inc()
+        if choice.progress.generated:
+            choice.resumed = True
         if outcome.exclude:
             choice.excluded.add(client.key)
 

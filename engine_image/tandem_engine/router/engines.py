@@ -39,6 +39,7 @@ from zmq.utils.monitor import parse_monitor_message
 from tandem_engine import protocol as p
 from tandem_engine.router.routing import EngineView
 from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.zmq_auth import CurveClient
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,10 @@ def parse_address(address: str) -> str:
 class EngineClient:
     def __init__(self, address: str, *, router_id: str, context: zmq.asyncio.Context,
                  heartbeat_deadline: float = 2.0, handshake_timeout: float = 1.0,
-                 ping_interval: float = PING_INTERVAL) -> None:
+                 ping_interval: float = PING_INTERVAL, curve: CurveClient | None = None
+                 ) -> None:
         self.address = parse_address(address)
+        self.curve = curve
         self.key = self.address.removeprefix("tcp://")
         self._drops = p.DropLog(log, f"engine {self.key}")
         self.router_id = router_id
@@ -109,6 +112,8 @@ class EngineClient:
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)  # never buffer a huge frame
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self.curve is not None:
+            self.curve.secure(sock)
         monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.address)
         self._socket = sock
@@ -341,11 +346,12 @@ class EngineClient:
 
 class EnginePool:
     """The router's engines: a static list of addresses, or (`allow_empty`, then `add` and
-    `remove`) a set that changes while the router runs."""
+    `remove`) a set that changes while the router runs. With `curve`, every connection
+    authenticates with the pool's CURVE keys (`tandem_engine.zmq_auth`)."""
 
     def __init__(self, addresses: Sequence[str], *, router_id: str | None = None,
                  heartbeat_deadline: float = 2.0, handshake_timeout: float = 1.0,
-                 allow_empty: bool = False) -> None:
+                 allow_empty: bool = False, curve: CurveClient | None = None) -> None:
         if not addresses and not allow_empty:
             raise ValueError("the router needs at least one engine address (--engine)")
         keys = [parse_address(a) for a in addresses]
@@ -356,6 +362,7 @@ class EnginePool:
         self.router_id = router_id or f"router-{uuid.uuid4().hex[:12]}"
         self.heartbeat_deadline = heartbeat_deadline
         self.handshake_timeout = handshake_timeout
+        self.curve = curve
         self._context = zmq.asyncio.Context()
         self._started = False
         self.clients = [self._client(a) for a in addresses]
@@ -364,7 +371,7 @@ class EnginePool:
     def _client(self, address: str) -> EngineClient:
         return EngineClient(address, router_id=self.router_id, context=self._context,
                             heartbeat_deadline=self.heartbeat_deadline,
-                            handshake_timeout=self.handshake_timeout)
+                            handshake_timeout=self.handshake_timeout, curve=self.curve)
 
     async def start(self) -> None:
         self._started = True

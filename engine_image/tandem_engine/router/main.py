@@ -8,6 +8,9 @@ followed through the Kubernetes API (`--discover-pool`, see `router/discovery.py
 
 `--model` (a checkpoint folder or GGUF file) is read for the tokenizer and the chat
 template only (no weights, no torch).
+`--api-key` (repeatable) and $TANDEM_API_KEY (comma-separated) set the keys clients must
+send (`router/auth.py`); without any, the API is open to anyone who reaches the port.
+A client gets `--header-timeout` seconds to send a request's headers (slowloris).
 SIGTERM or SIGINT stops accepting connections, gives open requests
 `--shutdown-grace` seconds, then closes the engine connections and exits 0.
 """
@@ -25,9 +28,9 @@ from pathlib import Path
 
 import uvicorn
 
-from tandem_engine import kubeclient
+from tandem_engine import kubeclient, zmq_auth
 from tandem_engine.errors import TandemError
-from tandem_engine.router import discovery
+from tandem_engine.router import auth, discovery
 from tandem_engine.router.api_params import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_PROMPT_CHARS,
@@ -35,6 +38,7 @@ from tandem_engine.router.api_params import (
 )
 from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
 from tandem_engine.router.engines import EnginePool
+from tandem_engine.router.header_timeout import DEFAULT_HEADER_TIMEOUT, protocol_class
 from tandem_engine.router.openai_api import build_app
 from tandem_engine.tokenizer import Tokenizer
 
@@ -78,6 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest prompt (a completions prompt, or a chat's messages together) "
                         "in characters; a longer one gets 400 before it is tokenized (default "
                         "%(default)s: about twice a 128k-token context of English text)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="a key clients must send (Authorization: Bearer KEY); repeat for "
+                        f"several, or set ${auth.API_KEY_ENV} (comma-separated), which "
+                        "keeps them out of `ps`. Any configured key is accepted. Default: "
+                        "none, the API is open")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="seconds a client gets to send a request's line and headers before "
+                        "its connection is closed (slowloris; default %(default)s)")
+    p.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="tokenize chat message content that spells a special token "
+                        "(<|im_start|>, say) as that control token. Unsafe: a user can then "
+                        "forge turns and roles (role injection). Default: content is text")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds open requests get after SIGTERM")
     p.add_argument("--log-level", default="info",
@@ -100,14 +116,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 failover_timeout=args.failover_timeout)
         limits = RequestLimits(max_body_bytes=args.max_body_bytes,
                                max_prompt_chars=args.max_prompt_chars)
+        api_keys = auth.resolve_api_keys(args.api_key)
+        http = protocol_class(args.header_timeout)
     except (TandemError, ValueError, OSError) as exc:
         print(f"tandem-router: error: {exc}", file=sys.stderr)
         return 2
     served = args.served_model_name or args.model.name or args.model.resolve().name
     dispatcher = Dispatcher(pool, config)
-    app = build_app(pool, tokenizer, served, dispatcher, limits)
+    app = build_app(pool, tokenizer, served, dispatcher, limits, api_keys,
+                    args.allow_special_tokens_in_content)
+    if not api_keys:
+        log.warning("the API is open to anyone who reaches port %d: no API key configured "
+                    "(--api-key or $%s)", args.port, auth.API_KEY_ENV)
     server = _Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="warning", access_log=False,
+        app, host=args.host, port=args.port, http=http, log_level="warning", access_log=False,
         timeout_graceful_shutdown=max(1, round(args.shutdown_grace))))
     log.info("router %s serving %r on http://%s:%d for engines %s", pool.router_id, served,
              args.host, args.port, engines)
@@ -120,8 +142,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _engine_pool(args: argparse.Namespace) -> tuple[EnginePool, str]:
     """The pool the flags ask for, and how to name its engines in the log."""
+    curve = zmq_auth.router_curve()  # ZmqAuthError (a ValueError): exit 2 naming the variable
+    if curve is None:
+        log.warning("ZMQ unauthenticated: engines that require CURVE will refuse this "
+                    "router; set $%s and $%s to authenticate", zmq_auth.SERVER_PUBLIC_KEY,
+                    zmq_auth.CLIENT_SECRET_KEY)
     timing = {"heartbeat_deadline": args.heartbeat_deadline,
-              "handshake_timeout": args.handshake_timeout}
+              "handshake_timeout": args.handshake_timeout, "curve": curve}
     if args.engine:
         return EnginePool(args.engine, **timing), ", ".join(args.engine)
     namespace = discovery.resolve_namespace(args.namespace)

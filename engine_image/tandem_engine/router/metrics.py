@@ -59,6 +59,10 @@ class RouterMetrics:
         self.failovers = Counter(
             "tandem_router_failovers", "Requests resubmitted to another engine", ["reason"],
             registry=r)
+        self.resumed = Counter(
+            "tandem_router_resumed_choices", "Choices that completed after failing over "
+            "mid-stream: resubmitted to another engine after tokens had been streamed, and "
+            "resumed from them", registry=r)
         self.disaggregated = Counter(
             "tandem_router_disaggregated_requests", "Choices routed disaggregated (prefill "
             "engine, then a decode engine pulling its KV), by outcome: handoff (the decode "

@@ -11,29 +11,39 @@ get a real HTTP status; later errors arrive as an `error` event before `[DONE]`.
 
 A client that disconnects has its choices cancelled, which aborts them on the engines.
 Also served: `GET /v1/models`, `/v1/engines` (the router's view of each engine),
-`/healthz`, `/readyz` (200 once an engine is RUNNING) and `/metrics`.
+`/healthz`, `/readyz` (200 once an engine is RUNNING) and `/metrics`, and as vLLM serves
+them `/health` (200, empty, while an engine serves), `/version`, `/tokenize` and
+`/detokenize` (`tokenize_params`), and the OpenAPI description `/openapi.json`
+(`openapi_schema`). With API keys configured (`auth`), every path but the probes and
+`/metrics` needs one.
 
-An unexpected exception answers 500 in the OpenAI error shape with `Connection: close`
+Every error is in the OpenAI shape: an unknown path (404), a wrong method (405) and a
+validation error (422) too. An unexpected exception answers 500 with `Connection: close`
 (the server closes the connection after it, so a pooling client must not reuse it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
 from tandem_engine.router import openai_format as fmt
+from tandem_engine.router import openapi_schema as docs
 from tandem_engine.router.api_params import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     InvalidRequest,
@@ -54,15 +64,22 @@ from tandem_engine.router.attempts import (
     NoEngineAvailable,
     RequestFailed,
 )
-from tandem_engine.router.chat import ChatTemplate
+from tandem_engine.router.auth import OPEN_PATHS, ApiKeyMiddleware
+from tandem_engine.router.chat import ChatEncoder, ChatPrompt, ChatTemplate
 from tandem_engine.router.dispatch import Dispatcher
 from tandem_engine.router.engines import EnginePool
 from tandem_engine.router.metrics import RouterMetrics
 from tandem_engine.router.picker import no_engine_message
+from tandem_engine.router.tokenize_params import parse_detokenize, parse_tokenize
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+try:
+    VERSION = importlib.metadata.version("tandem")
+except importlib.metadata.PackageNotFoundError:  # run from a source tree
+    VERSION = "0+unknown"
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,7 @@ class Job:
     prompt_index: int
     prompt_ids: list[int]
     sampling: SamplingParams
+    echo_text: str = ""  # completions echo: the prompt as the choice's text starts
 
 
 class ClientGone(Exception):
@@ -138,7 +156,8 @@ class RouterApi:
 
     def __init__(self, pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
                  dispatcher: Dispatcher, metrics: RouterMetrics,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None,
+                 allow_special_tokens_in_content: bool = False) -> None:
         self.pool = pool
         self.limits = limits or RequestLimits()
         self.tokenizer = tokenizer
@@ -146,6 +165,8 @@ class RouterApi:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.chat_template = ChatTemplate.from_tokenizer(tokenizer)
+        self.chat_encoder = ChatEncoder(
+            tokenizer, allow_special_tokens_in_content=allow_special_tokens_in_content)
         self.strings = fmt.TokenStrings(tokenizer)
 
     # ---- generation endpoints -----------------------------------------------------------------
@@ -160,13 +181,16 @@ class RouterApi:
         jobs: list[Job] = []
         prompt_tokens = 0
         for i, prompt in enumerate(req.prompts):
-            ids = await asyncio.to_thread(self.tokenizer.encode_releasing_gil, prompt) \
+            ids = await asyncio.to_thread(self.tokenizer.encode_releasing_gil, prompt,
+                                          req.add_special_tokens) \
                 if isinstance(prompt, str) else prompt
             max_tokens = resolve_max_tokens(options, len(ids), limit,
                                             default=DEFAULT_COMPLETION_MAX_TOKENS)
             prompt_tokens += len(ids)
-            jobs += [Job(i * options.n + j, i, ids, engine_sampling(options, max_tokens, j))
-                     for j in range(options.n)]
+            echo = "" if not options.echo else prompt if isinstance(prompt, str) \
+                else await asyncio.to_thread(self.tokenizer.decode, prompt, False)
+            jobs += [Job(i * options.n + j, i, ids, engine_sampling(options, max_tokens, j),
+                         echo) for j in range(options.n)]
         return await self._serve(request, "cmpl", jobs, options, prompt_tokens, arrival)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -176,22 +200,32 @@ class RouterApi:
         options = req.options
         self._check_model(options)
         if self.chat_template is None:
-            raise InvalidRequest(f"the model {self.served_model_name!r} has no chat template "
-                                 "(tokenizer_config.json chat_template): use /v1/completions",
-                                 "messages")
+            raise self._no_chat_template()
         limit = await self._context_limit()
-        ids = await asyncio.to_thread(self._chat_prompt_ids, self.chat_template, req.messages)
+        ids = await asyncio.to_thread(
+            self._chat_prompt_ids, self.chat_template, req.messages,
+            req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
         max_tokens = resolve_max_tokens(options, len(ids), limit, default=None,
                                         prompt_param="messages")
         jobs = [Job(j, 0, ids, engine_sampling(options, max_tokens, j))
                 for j in range(options.n)]
         return await self._serve(request, "chatcmpl", jobs, options, len(ids), arrival)
 
-    def _chat_prompt_ids(self, template: ChatTemplate, messages: list[dict[str, str]]
-                         ) -> list[int]:
-        """The rendered conversation's token ids (on a worker thread)."""
-        return self.tokenizer.encode_releasing_gil(template.render(messages),
-                                                   add_special_tokens=False)
+    def _chat_prompt_ids(self, template: ChatTemplate, messages: list[dict[str, str]],
+                         add_generation_prompt: bool = True,
+                         continue_final_message: bool = False,
+                         template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The rendered conversation's token ids (on a worker thread), message content
+        tokenized as text (`chat.ChatEncoder`); /tokenize counts a chat with this too, so
+        both always agree."""
+        prompt = ChatPrompt(messages, add_generation_prompt, continue_final_message,
+                            template_kwargs)
+        return self.chat_encoder.encode(template, prompt)
+
+    def _no_chat_template(self) -> InvalidRequest:
+        return InvalidRequest(f"the model {self.served_model_name!r} has no chat template "
+                              "(tokenizer_config.json chat_template): use /v1/completions",
+                              "messages")
 
     async def _body(self, request: Request) -> Any:
         """The request's JSON: read up to `max_body_bytes` (413 beyond, without reading
@@ -209,8 +243,12 @@ class RouterApi:
         return await asyncio.to_thread(decode_body, b"".join(chunks))
 
     def _check_model(self, options: Options) -> None:
-        if options.model != self.served_model_name:
-            raise InvalidRequest(f"the model {options.model!r} does not exist: this server "
+        self._check_model_name(options.model)
+
+    def _check_model_name(self, model: str | None) -> None:
+        """404 unless `model` is the served model's name (None: /tokenize's default)."""
+        if model is not None and model != self.served_model_name:
+            raise InvalidRequest(f"the model {model!r} does not exist: this server "
                                  f"serves {self.served_model_name!r}", "model", 404,
                                  "model_not_found")
 
@@ -240,7 +278,8 @@ class RouterApi:
             choices.cancel()
             return self._failure(first[1])
         render = fmt.Renderer(kind, request_id, self.served_model_name, options, len(jobs),
-                              self.strings)
+                              self.strings,
+                              [fmt.ChoicePrompt(j.prompt_ids, j.echo_text) for j in jobs])
         if options.stream:
             return StreamingResponse(self._stream(choices, first, render, prompt_tokens),
                                      media_type="text/event-stream",
@@ -257,7 +296,7 @@ class RouterApi:
                 index, delta = item
                 if isinstance(delta, BaseException):
                     return self._failure(delta)
-                render.accumulate(results[index], delta)
+                render.accumulate(results[index], delta, index)
                 last = delta
                 item = await choices.next()
         finally:
@@ -328,6 +367,76 @@ class RouterApi:
         response.headers["Connection"] = "close"
         return response
 
+    async def http_error(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's own errors (no such path, a wrong method) in the OpenAI shape."""
+        where = f"{request.method} {request.url.path}"
+        headers = dict(exc.headers or {})
+        if exc.status_code == 404:
+            message = (f"Invalid URL ({where}): no such endpoint. The router serves "
+                       "/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                       "/detokenize, /version, /health (see /openapi.json)")
+        elif exc.status_code == 405:
+            allowed = headers.get("allow") or headers.get("Allow") or "?"
+            message = (f"Invalid method for URL ({where}): {request.url.path} takes "
+                       f"{allowed}")
+        else:
+            message = f"{exc.detail} ({where})"
+        self.metrics.requests.labels(_outcome(exc.status_code)).inc()
+        response = _error(exc.status_code, message,
+                          "server_error" if exc.status_code >= 500 else "invalid_request_error")
+        response.headers.update(headers)
+        return response
+
+    async def validation_error(self, request: Request, exc: RequestValidationError
+                               ) -> JSONResponse:
+        """FastAPI's request validation (422) in the OpenAI shape, naming each field."""
+        problems, first = [], None
+        for error in exc.errors():
+            field = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+            first = first or field
+            problems.append(f"{field}: {error.get('msg', 'invalid')}")
+        self.metrics.requests.labels("invalid").inc()
+        return _error(422, f"invalid request to {request.method} {request.url.path}: "
+                      + "; ".join(problems), "invalid_request_error", first)
+
+    # ---- vLLM's utility endpoints -------------------------------------------------------------
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        req = parse_tokenize(await self._body(request))
+        self._check_model_name(req.model)
+        model = self.served_model_name
+        if req.messages is not None:
+            chat = parse_chat({"model": model, "messages": req.messages})
+            check_prompt_chars(chat, self.limits)
+            if self.chat_template is None:
+                raise self._no_chat_template()
+            ids = await asyncio.to_thread(self._chat_prompt_ids, self.chat_template,
+                                          chat.messages, req.add_generation_prompt)
+        else:
+            check_prompt_chars(parse_completion({"model": model, "prompt": req.prompt}),
+                               self.limits)
+            ids = await asyncio.to_thread(self.tokenizer.encode_releasing_gil, req.prompt,
+                                          req.add_special_tokens)
+        answer: dict[str, Any] = {"count": len(ids),
+                                  "max_model_len": self.dispatcher.picker.max_model_len(),
+                                  "tokens": ids}
+        if req.return_token_strs:
+            answer["token_strs"] = [self.strings.text(t) for t in ids]
+        return answer
+
+    async def detokenize(self, request: Request) -> dict[str, str]:
+        req = parse_detokenize(await self._body(request), self.tokenizer.vocab_size)
+        self._check_model_name(req.model)
+        text = await asyncio.to_thread(self.tokenizer.decode, req.tokens, False)
+        return {"prompt": text}
+
+    async def health(self) -> Response:
+        """vLLM's /health: 200 with an empty body while an engine serves, else 503."""
+        return Response(status_code=200 if self.dispatcher.picker.ready() else 503)
+
+    async def version(self) -> dict[str, str]:
+        return {"version": VERSION}
+
     # ---- the router's own endpoints -----------------------------------------------------------
 
     async def models(self) -> dict[str, Any]:
@@ -352,15 +461,19 @@ class RouterApi:
 
 def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
               dispatcher: Dispatcher | None = None,
-              limits: RequestLimits | None = None) -> FastAPI:
-    """The router app; its lifespan starts and closes the pool's connections."""
+              limits: RequestLimits | None = None,
+              api_keys: Sequence[str] = (),
+              allow_special_tokens_in_content: bool = False) -> FastAPI:
+    """The router app; its lifespan starts and closes the pool's connections. With
+    `api_keys`, every path but `auth.OPEN_PATHS` needs one of them."""
     if dispatcher is None:
         dispatcher = Dispatcher(pool)
     if dispatcher.metrics is None:
         dispatcher.metrics = RouterMetrics()
     metrics = dispatcher.metrics
     metrics.watch_engines(pool.views)
-    api = RouterApi(pool, tokenizer, served_model_name, dispatcher, metrics, limits)
+    api = RouterApi(pool, tokenizer, served_model_name, dispatcher, metrics, limits,
+                    allow_special_tokens_in_content)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -370,20 +483,47 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
         finally:
             await pool.close()
 
-    app = FastAPI(title="tandem-router", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="tandem-router", version=VERSION, lifespan=lifespan, docs_url=None,
+                  redoc_url=None, openapi_url="/openapi.json")
     app.state.dispatcher = dispatcher
     app.state.metrics = metrics
     app.add_exception_handler(InvalidRequest, api.invalid)
+    app.add_exception_handler(HTTPException, api.http_error)
+    app.add_exception_handler(RequestValidationError, api.validation_error)
     app.add_exception_handler(Exception, api.unexpected)
-    app.post("/v1/completions")(api.completions)
-    app.post("/v1/chat/completions")(api.chat_completions)
-    app.get("/v1/models")(api.models)
+    _mount(app, api)
+    if api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys)
+
+        def openapi() -> dict[str, Any]:
+            if app.openapi_schema is None:
+                app.openapi_schema = docs.secure(
+                    get_openapi(title=app.title, version=app.version, routes=app.routes),
+                    OPEN_PATHS)
+            return app.openapi_schema
+
+        app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def _mount(app: FastAPI, api: RouterApi) -> None:
+    """The routes, each with its documented body and answers (`openapi_schema`)."""
+    model = api.served_model_name
+    app.post("/v1/completions", **docs.route_docs(
+        docs.completion_request(model), docs.COMPLETION, stream=True))(api.completions)
+    app.post("/v1/chat/completions", **docs.route_docs(
+        docs.chat_request(model), docs.COMPLETION, stream=True))(api.chat_completions)
+    app.get("/v1/models", **docs.route_docs(None, docs.MODELS))(api.models)
+    app.post("/tokenize", **docs.route_docs(
+        docs.tokenize_request(model), docs.TOKENIZE))(api.tokenize)
+    app.post("/detokenize", **docs.route_docs(
+        docs.detokenize_request(model), docs.DETOKENIZE))(api.detokenize)
+    app.get("/version", **docs.route_docs(None, docs.VERSION))(api.version)
+    app.get("/health")(api.health)
     app.get("/v1/engines")(api.engines)
     app.get("/healthz")(api.healthz)
     app.get("/readyz")(api.readyz)
     app.get("/metrics")(api.render_metrics)
-    return app
 
 
 # ---- helpers ------------------------------------------------------------------------------------

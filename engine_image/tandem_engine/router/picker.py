@@ -33,6 +33,12 @@ from tandem_engine.router.routing import (
 )
 
 POLL_INTERVAL = 0.05  # seconds between looks at the pool while waiting for an engine
+# A router just started (or restarted under `tandem serve`, clients already sending) waits
+# this long for engines it has not heard from yet rather than answering 503 at once: its
+# first HELLO can go out before the connection is up, and the retry comes a
+# --handshake-timeout (1 s) later; three of them.
+STARTUP_GRACE_S = 3.0
+NEVER_HEARD = "UNKNOWN"  # an EngineView's state before the engine's first load report
 
 
 class EnginePicker:
@@ -46,6 +52,7 @@ class EnginePicker:
         # Per engine address: the client object and its epoch_changes the index is for.
         self._index_generation: dict[str, tuple[EngineClient, int]] = {}
         self._tie_break = itertools.count()
+        self._started = time.monotonic()
 
     # ---- what the API layer asks before dispatching ----------------------------------------
 
@@ -58,11 +65,17 @@ class EnginePicker:
         window) rather than failing the request."""
         deadline = time.monotonic() + self.wait_timeout
         while not self.ready():
-            if time.monotonic() > deadline or not any(
-                    v.coming_back for v in self.pool.views()):
+            if time.monotonic() > deadline or not (self._starting() or any(
+                    v.coming_back for v in self.pool.views())):
                 return False
             await asyncio.sleep(POLL_INTERVAL)
         return True
+
+    def _starting(self) -> bool:
+        """Within the router's first STARTUP_GRACE_S, with an engine not heard from yet:
+        it may be connecting now."""
+        return (time.monotonic() - self._started < STARTUP_GRACE_S
+                and any(v.state == NEVER_HEARD for v in self.pool.views()))
 
     def max_model_len(self) -> int | None:
         """The context limit of the serving version (the smallest among its engines)."""

@@ -5,11 +5,16 @@ mutating call goes through `EngineControl` (server/control.py); reads come from 
 engine's published snapshot. Lifecycle calls block on the engine lock, so they are
 plain (threadpool) handlers. With an admin token configured, every
 mutating call needs `Authorization: Bearer <token>`.
+
+`build_metrics_app` is the read-only subset for Prometheus and probes (GET /metrics,
+/healthz, /readyz and nothing else), served on its own port (`--metrics-port`) so the
+mutating API need not be reachable from wherever metrics are scraped.
 """
 
 from __future__ import annotations
 
 import hmac
+import threading
 from typing import Any
 
 from fastapi import FastAPI, Header, HTTPException, Request
@@ -48,7 +53,16 @@ class CanaryBody(BaseModel):
     timeout: float = Field(default=30.0, gt=0, le=600)
 
 
-def build_admin_app(control: EngineControl, admin_token: str | None = None) -> FastAPI:
+def engine_registry(worker: EngineWorker) -> CollectorRegistry:
+    """The engine's Prometheus registry. One per process: a scrape drains the step and
+    pull samples recorded since the last one, so the admin and metrics ports share it."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(worker))
+    return registry
+
+
+def build_admin_app(control: EngineControl, admin_token: str | None = None,
+                    registry: CollectorRegistry | None = None) -> FastAPI:
     """The admin API: every mutating call goes through `control` (and needs the bearer
     token when one is configured); reads come from published snapshots."""
     app = FastAPI(title="tandem-engine admin", docs_url=None, redoc_url=None)
@@ -69,6 +83,15 @@ def build_admin_app(control: EngineControl, admin_token: str | None = None) -> F
     _add_lifecycle_routes(app, control, authorize)
     _add_serving_routes(app, control, authorize)
     _add_read_routes(app, control)
+    _add_probe_routes(app, control, registry or engine_registry(control.worker))
+    return app
+
+
+def build_metrics_app(control: EngineControl, registry: CollectorRegistry) -> FastAPI:
+    """Read-only: GET /metrics, /healthz and /readyz, no other route at all."""
+    app = FastAPI(title="tandem-engine metrics", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    _add_probe_routes(app, control, registry)
     return app
 
 
@@ -165,11 +188,16 @@ def _add_serving_routes(app: FastAPI, control: EngineControl, authorize) -> None
 
 
 def _add_read_routes(app: FastAPI, control: EngineControl) -> None:
-    """State, health, readiness and metrics: open, and never waiting for a step."""
+    """State: open, and never waiting for a step."""
 
     @app.get("/v1/state")
     def state() -> dict[str, Any]:
         return control.status()
+
+
+def _add_probe_routes(app: FastAPI, control: EngineControl,
+                      registry: CollectorRegistry) -> None:
+    """Health, readiness and metrics: open, read-only, never waiting for a step."""
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
@@ -188,9 +216,6 @@ def _add_read_routes(app: FastAPI, control: EngineControl) -> None:
         ready = control.ready
         return JSONResponse({"ready": ready, "state": str(control.engine.stats.state)},
                             status_code=200 if ready else 503)
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_EngineCollector(control.worker))
 
     @app.get("/metrics")
     def metrics() -> PlainTextResponse:
@@ -232,8 +257,14 @@ class _EngineCollector:
         self._pulls = _FoldedHistogram(
             "tandem_kv_handoff_seconds", "KV handoff pull time on the decode engine (add "
             "peer, READ, wait), successful pulls", HANDOFF_BUCKETS)
+        self._lock = threading.Lock()  # two ports' scrapes fold the same samples
 
     def collect(self):
+        with self._lock:
+            families = list(self._families())
+        yield from families
+
+    def _families(self):
         w, s = self.worker, self.worker.engine.stats
         labels = ["engine_id"]
         v = [w.engine_id]

@@ -15,6 +15,7 @@ from typing import Any
 
 from tandem_engine.lifecycle import EngineState, KVMode
 from tandem_engine.server.handoff import HandoffStats
+from tandem_engine.server.weights_roots import WeightsRoots
 from tandem_engine.server.worker import Canary, EngineWorker
 from tandem_engine.weights import checkpoint_path
 
@@ -24,9 +25,13 @@ class ShuttingDown(Exception):
 
 
 class EngineControl:
-    def __init__(self, worker: EngineWorker) -> None:
+    def __init__(self, worker: EngineWorker, weights_roots: WeightsRoots | None = None
+                 ) -> None:
+        """`weights_roots`: where refits may read checkpoints (None: anywhere, for
+        in-process use; the engine process always passes its `--weights-root`)."""
         self.worker = worker
         self.engine = worker.engine
+        self.weights_roots = weights_roots
 
     # ---- the state machine --------------------------------------------------------------
 
@@ -60,9 +65,12 @@ class EngineControl:
     def refit(self, uri: str, version: str | None, epoch: int | None) -> int:
         """Load the checkpoint `uri` names (PAUSED, SUSPENDED or RESUMED). Raises
         WeightsURIError (a ValueError) for a URI naming no local checkpoint,
-        CheckpointError for one that does not fit the running model (the old weights keep
-        serving), EngineStateError in any other state."""
+        RefitPathRefused (a ValueError) for a path outside the weights roots or no
+        checkpoint there, CheckpointError for one that does not fit the running model (the
+        old weights keep serving), EngineStateError in any other state."""
         path = Path(checkpoint_path(uri, "refit uri"))
+        if self.weights_roots is not None:
+            path = self.weights_roots.admit(path)
         epoch = self.engine.refit(path, version or uri, epoch, uri=uri)
         self.worker.announce_state()
         return epoch

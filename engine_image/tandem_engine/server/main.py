@@ -1,5 +1,9 @@
 """`tandem-engine`: one engine process — the model, a ZMQ socket for routers, the admin API.
 
+The ZMQ socket authenticates routers with CURVE when the environment holds the pool's
+keys (`tandem_engine.zmq_auth`); refits read checkpoints only inside `--weights-root`;
+`--metrics-port` serves metrics and probes read-only, apart from the admin API.
+
 SIGTERM (or SIGINT) stops admitting requests, lets in-flight ones finish within
 `--shutdown-grace` seconds, aborts the rest (their routers get final outputs), and
 exits 0.
@@ -31,6 +35,8 @@ from tandem_engine.config import (
     MAX_KV_QUARANTINE_TTL_S,
 )
 from tandem_engine.lifecycle import EngineRole
+from tandem_engine.server.weights_roots import WeightsRoots
+from tandem_engine.zmq_auth import CurveServer, engine_curve, unauthenticated_warning
 
 log = logging.getLogger("tandem_engine.server.main")
 
@@ -44,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True, help="ZMQ port routers connect to")
     p.add_argument("--admin-port", type=int, required=True, help="admin HTTP port")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve GET /metrics, /healthz and /readyz (read-only, nothing "
+                        "else) on this port, for Prometheus and probes")
     p.add_argument("--engine-id", default=None, help="default: host:port")
     p.add_argument("--role", choices=[str(r) for r in EngineRole],
                    default=str(EngineRole.MIXED))
@@ -61,7 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "transfer state is unknown (a timeout) stay out of use "
                         f"(<= {MAX_KV_QUARANTINE_TTL_S})")
     p.add_argument("--shutdown-grace", type=float, default=30.0)
-    p.add_argument("--admin-token-file", type=Path, default=None)
+    p.add_argument("--admin-token-file", type=Path, default=None,
+                   help="bearer token for mutating admin calls (else $TANDEM_ADMIN_TOKEN)")
+    p.add_argument("--weights-root", type=Path, action="append", default=[],
+                   metavar="DIR", help="a folder refits may load checkpoints from "
+                   "(repeatable; symlinks are resolved first); default: the folder "
+                   "holding --model")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--max-num-batched-tokens", type=int,
@@ -95,19 +109,22 @@ def _read_token(path: Path | None) -> str | None:
     return token
 
 
-async def _run(args: argparse.Namespace) -> int:
+async def _run(args: argparse.Namespace, curve: CurveServer | None,
+               roots: WeightsRoots) -> int:
     import torch
     import uvicorn
 
     from tandem_engine.config import EngineConfig
     from tandem_engine.engine.llm_engine import LLMEngine
-    from tandem_engine.server.admin import build_admin_app
+    from tandem_engine.server.admin import build_admin_app, build_metrics_app, engine_registry
     from tandem_engine.server.control import EngineControl
     from tandem_engine.server.worker import EngineWorker
     from tandem_engine.weights import WeightIdentity
 
     torch.set_num_threads(args.threads)
     token = _read_token(args.admin_token_file)
+    if curve is None:
+        log.warning("%s", unauthenticated_warning(args.port))
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_blocks=args.num_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -134,13 +151,19 @@ async def _run(args: argparse.Namespace) -> int:
                           router_timeout=args.router_timeout)
 
     shutdown = asyncio.Event()
-    admin = uvicorn.Server(uvicorn.Config(
-        build_admin_app(EngineControl(worker), token), host=args.host, port=args.admin_port,
-        log_level="warning", lifespan="off"))
-    # The admin server runs on its own thread and loop: off the main thread uvicorn
+    control = EngineControl(worker, roots)
+    registry = engine_registry(worker)
+    apps = {"admin": (build_admin_app(control, token, registry), args.admin_port)}
+    if args.metrics_port is not None:
+        apps["metrics"] = (build_metrics_app(control, registry), args.metrics_port)
+    servers = [uvicorn.Server(uvicorn.Config(app, host=args.host, port=port,
+                                             log_level="warning", lifespan="off"))
+               for app, port in apps.values()]
+    # Each HTTP server runs on its own thread and loop: off the main thread uvicorn
     # leaves SIGTERM/SIGINT alone, and a slow admin call never delays socket I/O.
-    admin_thread = threading.Thread(target=lambda: asyncio.run(admin.serve()),
-                                    name="admin-http", daemon=True)
+    threads = [threading.Thread(target=lambda s=server: asyncio.run(s.serve()),
+                                name=f"{name}-http", daemon=True)
+               for name, server in zip(apps, servers, strict=True)]
 
     loop = asyncio.get_running_loop()
     stopping = False
@@ -156,7 +179,8 @@ async def _run(args: argparse.Namespace) -> int:
 
         async def drain_then_stop() -> None:
             await asyncio.to_thread(worker.drain, args.shutdown_grace)
-            admin.should_exit = True
+            for server in servers:
+                server.should_exit = True
             shutdown.set()
 
         task = loop.create_task(drain_then_stop())
@@ -166,13 +190,19 @@ async def _run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
 
-    serving = asyncio.create_task(worker.serve(f"tcp://{args.host}:{args.port}", shutdown))
-    admin_thread.start()
-    log.info("engine %s ready: zmq tcp://%s:%d, admin http://%s:%d", engine_id, args.host,
-             args.port, args.host, args.admin_port)
+    serving = asyncio.create_task(worker.serve(f"tcp://{args.host}:{args.port}", shutdown,
+                                               curve))
+    for thread in threads:
+        thread.start()
+    log.info("engine %s ready: zmq tcp://%s:%d (%s), admin http://%s:%d%s", engine_id,
+             args.host, args.port, "CURVE" if curve else "unauthenticated", args.host,
+             args.admin_port, "" if args.metrics_port is None
+             else f", metrics http://{args.host}:{args.metrics_port}")
     await serving
-    admin.should_exit = True
-    await asyncio.to_thread(admin_thread.join, 5)
+    for server in servers:
+        server.should_exit = True
+    for thread in threads:
+        await asyncio.to_thread(thread.join, 5)
     log.info("engine %s stopped", engine_id)
     return 0
 
@@ -182,7 +212,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
     try:
-        return asyncio.run(_run(args))
+        # Keys and roots are checked before the model loads: a bad Secret fails at once.
+        curve = engine_curve()
+        roots = WeightsRoots.of(args.weights_root, Path(args.model))
+        if args.metrics_port in (args.port, args.admin_port):
+            raise ValueError(f"--metrics-port {args.metrics_port}: give a port apart from "
+                             "--port and --admin-port")
+        return asyncio.run(_run(args, curve, roots))
     except Exception as exc:  # report a startup failure in one line, not a traceback
         from tandem_engine.errors import TandemError
 

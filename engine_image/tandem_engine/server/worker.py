@@ -43,6 +43,7 @@ from tandem_engine.lifecycle import EngineState, EngineStateError
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.server.handoff import KVHandoff
 from tandem_engine.transfer import KVTransferBackend
+from tandem_engine.zmq_auth import CurveServer
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,28 @@ def stream_delta(stream: _Stream, out: RequestOutput) -> p.Output:
         request_id=stream.client_id, token_ids=list(new_ids),
         text=completion.text[stream.sent_chars:], logprobs=logprobs, finished=out.finished,
         finish_reason=reason, stop_reason=completion.stop_reason,
-        num_prompt_tokens=len(out.prompt_token_ids), handoff=handoff, error=completion.error)
+        num_prompt_tokens=len(out.prompt_token_ids), handoff=handoff, error=completion.error,
+        num_cached_tokens=out.num_cached_tokens,
+        prompt_logprobs=_prompt_logprobs(out) if stream.sent_tokens == 0 and new_ids
+        else None)
     stream.sent_tokens += len(new_ids)
     stream.sent_chars = max(stream.sent_chars, len(completion.text))
     return delta
+
+
+def _prompt_logprobs(out: RequestOutput) -> list[p.TokenLogprobs] | None:
+    """The prompt's logprobs on the wire, once all are computed (a decode engine that
+    pulled the prompt's KV computes none: the prefill engine sent them)."""
+    entries = out.prompt_logprobs
+    if entries is None or len(entries) != len(out.prompt_token_ids):
+        return None
+    wire = []
+    for tid, entry in zip(out.prompt_token_ids[1:], entries[1:], strict=True):
+        assert entry is not None
+        ranked = sorted(entry.items(), key=lambda kv: kv[1].rank)
+        wire.append(p.TokenLogprobs(entry[tid].logprob, [(t, lp.logprob) for t, lp in ranked],
+                                    entry[tid].rank))
+    return wire
 
 
 class EngineWorker:
@@ -187,9 +206,11 @@ class EngineWorker:
 
     # ---- serving --------------------------------------------------------------------------
 
-    async def serve(self, address: str, shutdown: asyncio.Event) -> None:
+    async def serve(self, address: str, shutdown: asyncio.Event,
+                    curve: CurveServer | None = None) -> None:
         """Bind `address` (tcp://host:port) and serve until `shutdown` is set and every
-        in-flight request is done (or the grace period ran out, see `drain`)."""
+        in-flight request is done (or the grace period ran out, see `drain`). With
+        `curve`, only routers holding an admitted CURVE key can connect."""
         self._loop = asyncio.get_running_loop()
         self._outbox = asyncio.Queue()
         ctx = zmq.asyncio.Context.instance()
@@ -197,6 +218,7 @@ class EngineWorker:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)  # never buffer a huge one
+        authenticator = curve.secure(self._socket) if curve is not None else None
         self._socket.bind(address)
         self._thread = threading.Thread(target=self._step_loop, name="engine-steps",
                                         daemon=True)
@@ -217,6 +239,8 @@ class EngineWorker:
             for t in tasks:
                 t.cancel()
             self._socket.close(linger=200)
+            if authenticator is not None:
+                authenticator.stop()
 
     def drain(self, grace_seconds: float) -> None:
         """Stop admitting; let in-flight requests finish for up to `grace_seconds`, then

@@ -1,0 +1,61 @@
+"""Where a refit may read weights from: an allow-list of folders (`--weights-root`).
+
+A refit names a checkpoint by URI; the admin API is reachable by the operator and the
+routers, and a refit reads whatever the engine can see. So the path is resolved
+(symlinks, `..`) and must lie inside one of the roots, and be a checkpoint there.
+Every refusal answers the same text (`REFUSED`), so the error is no oracle for what
+exists on the engine's filesystem; the precise reason goes to the engine's log only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tandem_engine.weights import checkpoint_problem
+
+log = logging.getLogger(__name__)
+
+REFUSED = ("refit path refused: it is not a checkpoint inside the allowed weights roots "
+           "(--weights-root)")
+
+
+class RefitPathRefused(ValueError):
+    """A refit path outside the weights roots, or no checkpoint: always `REFUSED`."""
+
+    def __init__(self) -> None:
+        super().__init__(REFUSED)
+
+
+@dataclass(frozen=True)
+class WeightsRoots:
+    roots: tuple[Path, ...]  # resolved
+
+    @classmethod
+    def of(cls, roots: Sequence[Path], model: Path) -> WeightsRoots:
+        """The `--weights-root` folders; with none, the folder holding the start-up
+        `--model`. A root that is not a folder raises ValueError naming it."""
+        resolved = []
+        for root in roots or [Path(model).resolve().parent]:
+            path = Path(root).resolve()
+            if not path.is_dir():
+                raise ValueError(f"--weights-root {root}: not a folder; give folders that "
+                                 "hold the checkpoints refits may load")
+            resolved.append(path)
+        return cls(tuple(resolved))
+
+    def admit(self, path: str | Path) -> Path:
+        """The resolved checkpoint `path` names, if it lies inside a root and looks like a
+        checkpoint; else RefitPathRefused (the reason is logged here only)."""
+        resolved = Path(path).resolve()
+        if not any(resolved.is_relative_to(root) for root in self.roots):
+            reason = (f"{resolved} is outside the weights roots "
+                      f"{', '.join(map(str, self.roots))}")
+        else:
+            reason = checkpoint_problem(resolved)
+        if reason is not None:
+            log.warning("refit to %s refused: %s", path, reason)
+            raise RefitPathRefused()
+        return resolved
