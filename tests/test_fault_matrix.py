@@ -1,0 +1,62 @@
+"""Fault injection under streaming load, the rows no other test covers: a full disk for
+`tandem serve`'s log folder, kill -9 of one of two routers, kill -9 of the operator.
+
+Each test runs one row of `benchmarks/fault_matrix.py` (the one implementation of the
+stacks, the load and the faults; docs/reliability.md holds its full table) with a few
+seconds of load, and asserts the client-side counts: 0 failed requests wherever the
+promise says so, and losses only on a killed router. The other rows are covered here
+elsewhere: a mixed engine killed or frozen (test_router_e2e), a `serve` engine killed
+(test_serve), a prefill engine frozen or killed mid-pull (test_disagg_failures).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import fault_matrix
+
+pytestmark = pytest.mark.slow
+DURATION_S = 3.0
+STREAMS = 6
+
+
+def test_a_full_log_folder_fails_no_request_and_kills_no_process(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """`tandem serve`'s log folder on a full 1 MiB tmpfs (or logs that are /dev/full), and
+    an engine killed meanwhile so that everyone writes logs: no request fails, no child
+    dies of a write error, the killed engine restarts."""
+    row = fault_matrix.log_disk_full(tiny_llama, tmp_path, DURATION_S, STREAMS)
+    assert row.sent > 0 and row.failed == 0, (row, row.detail["errors"][:3])
+    assert row.detail["serving"] and row.detail["others_died"] == 0, row
+    assert row.held, row
+
+
+def test_a_killed_router_loses_only_its_own_requests(tiny_llama: Path, tmp_path: Path) -> None:
+    """Two routers over the same engine, clients spread over both; kill -9 of one: the
+    requests it had are the only losses (counted), the other router fails none."""
+    row = fault_matrix.router_fault(tiny_llama, tmp_path, True, DURATION_S, STREAMS, engines=1)
+    victim, survivor = row.detail["victim"], row.detail["survivor"]
+    assert survivor.sent > 0 and survivor.failed == 0, (row, survivor.errors[:3])
+    assert victim.failed <= victim.sent  # counted, and every failure is the killed router's
+    assert row.failed == victim.failed
+    assert victim.failed <= STREAMS, row  # at most what was in flight (or just sent) there
+    assert row.detail["engines_alive"], row
+    assert row.held, row
+
+
+def test_a_killed_operator_fails_no_request_and_churns_no_pod(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """kill -9 of the operator while its pool serves: no request fails; the restarted
+    operator reconciles the pool and takes no action (same pods, same uids)."""
+    pytest.importorskip("kopf")
+    row = fault_matrix.operator_fault(tiny_llama, tmp_path, True, DURATION_S, STREAMS)
+    assert row.sent > 0 and row.failed == 0, row
+    assert row.detail["actions"] == 0, row
+    assert row.detail["pods_before"] == row.detail["pods_after"], row
+    assert len(row.detail["pods_after"]) == 2, row  # the engine and the router
+    assert row.held, row
