@@ -72,6 +72,21 @@ def test_context_limit_is_prompt_plus_max_tokens() -> None:
         assert err.value.param == param and err.value.code == "context_length_exceeded"
 
 
+def test_the_engine_admits_by_the_same_rule(tiny_llama: Path) -> None:
+    """Offline or over ZMQ, the engine admits exactly the prompts the router admits: one
+    that leaves no room for a token is refused, one token shorter generates one."""
+    from tandem_engine import LLM
+    from tandem_engine.errors import RequestRejected
+
+    llm = LLM(tiny_llama, max_model_len=64, num_blocks=16)
+    (out,) = llm.generate([[5] * 63], SamplingParams(max_tokens=8, temperature=0.0,
+                                                      ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(RequestRejected, match=r"prompt has 64 tokens, which leaves no room "
+                                              r"to generate within this engine's limit of 64"):
+        llm.generate([[5] * 64], SamplingParams(max_tokens=1))
+
+
 # ---- chat: content is text ---------------------------------------------------------------------
 
 

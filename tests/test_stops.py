@@ -124,8 +124,9 @@ def test_too_long_prompt_is_rejected_and_others_keep_running(tiny_qwen2: Path) -
     llm = LLM(tiny_qwen2, num_blocks=8)  # 128 token slots
     engine = llm.engine
     engine.add_request("ok", random_prompts(2048, [20])[0], SamplingParams(max_tokens=5))
-    with pytest.raises(RequestRejected, match=r"prompt has 200 tokens, over this engine's "
-                                              r"limit of 128 .*KV cache 128 tokens"):
+    with pytest.raises(RequestRejected, match=r"prompt has 200 tokens, which leaves no room "
+                                              r"to generate within this engine's limit of 128 "
+                                              r".*KV cache 128 tokens"):
         engine.add_request("long", random_prompts(2048, [200])[0])
     with pytest.raises(RequestRejected, match="outside the model's vocabulary"):
         engine.add_request("bad", [1, 2, 999_999])

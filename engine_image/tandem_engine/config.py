@@ -227,6 +227,14 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
+def context_room(prompt_tokens: int, max_model_len: int) -> int:
+    """Tokens a request may still generate after a prompt of `prompt_tokens`: the one rule
+    of the context limit (vLLM's: prompt tokens + max_tokens <= max_model_len), used by
+    the router to refuse or size max_tokens and by the engine to admit a prompt (which
+    must leave room for at least one token)."""
+    return max_model_len - prompt_tokens
+
+
 def normalize_dtype(value: Any, source: str, key: str = "dtype") -> str:
     name = str(value).removeprefix("torch.")
     name = _DTYPE_ALIASES.get(name, name)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tandem_engine.config import EngineConfig, ModelConfig
+from tandem_engine.config import EngineConfig, ModelConfig, context_room
 from tandem_engine.core.kv import KVCacheManager
 from tandem_engine.core.kv.hashing import block_salt
 from tandem_engine.core.request import FinishReason, Request
@@ -235,11 +235,12 @@ class LLMEngine:
                 raise RequestRejected(
                     f"{what} token id {bad!r} is outside the model's vocabulary [0, {vocab})")
         params.check_vocabulary(vocab)
-        if len(token_ids) > self.max_model_len:
+        if context_room(len(token_ids), self.max_model_len) < 1:
             raise RequestRejected(
-                f"prompt has {len(token_ids)} tokens, over this engine's limit of "
-                f"{self.max_model_len} (model context {self.model_context}, KV cache "
-                f"{self.kv.capacity_tokens} tokens): shorten the prompt or give the engine "
+                f"prompt has {len(token_ids)} tokens, which leaves no room to generate within "
+                f"this engine's limit of {self.max_model_len} tokens (model context "
+                f"{self.model_context}, KV cache {self.kv.capacity_tokens} tokens): shorten "
+                f"the prompt to at most {self.max_model_len - 1} tokens or give the engine "
                 "a larger KV cache")
 
     # ---- KV handoff (disaggregated prefill/decode) ----------------------------------------

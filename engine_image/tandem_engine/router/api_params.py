@@ -34,6 +34,7 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any
 
+from tandem_engine.config import context_room
 from tandem_engine.errors import RequestRejected
 from tandem_engine.sampling_params import (
     MAX_LOGPROBS,
@@ -320,7 +321,7 @@ def resolve_max_tokens(options: Options, prompt_len: int, max_model_len: int, *,
     room for at least one token)."""
     if prompt_len == 0:
         raise InvalidRequest("the prompt is empty: give at least one token", prompt_param)
-    room = max_model_len - prompt_len
+    room = context_room(prompt_len, max_model_len)
     if room < 1:
         raise InvalidRequest(
             f"the prompt has {prompt_len} tokens, which leaves no room to generate within "
