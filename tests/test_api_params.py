@@ -266,10 +266,16 @@ def test_penalties_and_min_p_match_the_offline_engine(cluster: Cluster, llm) -> 
         assert r.choices[0].model_extra["token_ids"] == ref.token_ids, params
 
 
-def test_echo_and_prompt_logprobs(cluster: Cluster, llm) -> None:
+def test_echo_and_prompt_logprobs(cluster: Cluster, llm, tiny_llama: Path) -> None:
+    from reference import LOGPROB_TOL, hf_prompt_logprobs
+
     client = cluster.client()
     prompt = "Once upon a time there was"
     score = llm.score([prompt])[0]
+    # The reference: a teacher-forced transformers run on the same checkpoint.
+    teacher = hf_prompt_logprobs(tiny_llama, tuple(score.token_ids))
+    assert all(math.isclose(a, b, abs_tol=LOGPROB_TOL)
+               for a, b in zip(score.logprobs, teacher, strict=True))
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
                                   echo=True, logprobs=2, extra_body={"prompt_logprobs": 1})
     choice = r.choices[0]
