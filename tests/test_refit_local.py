@@ -618,6 +618,42 @@ def test_a_second_refit_supersedes_the_first(stack: Stack, checkpoints: dict[str
 
 
 @slow
+def test_a_restarted_engine_comes_back_on_the_refitted_weights(stack: Stack) -> None:
+    """After refits, an engine killed (-9) is restarted by `tandem serve` on the weights
+    its peers serve now, under their epoch (not the stack's start-up --model), so the
+    router takes it back into traffic. No request fails meanwhile."""
+    log_dir = stack.tmp / f"tandem-{stack.port}"
+    description = json.loads((log_dir / "stack.json").read_text())
+    admin = {e["name"]: e["admin_url"] for e in description["engines"]}
+    before = {n: httpx.get(f"{a}/v1/state", timeout=10).json() for n, a in admin.items()}
+    (version,) = {s["weight_version"] for s in before.values()}
+    (epoch,) = {s["weight_epoch"] for s in before.values()}
+    assert version != "initial" and epoch > 0  # refitted since the start
+    victim = "decode-3"
+    with Load(stack) as load:  # the router fails over meanwhile
+        os.kill(description["children"][victim]["pid"], signal.SIGKILL)
+        time.sleep(2)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            state = httpx.get(f"{admin[victim]}/v1/state", timeout=2).json()
+        except httpx.HTTPError:
+            state = {}
+        if state.get("incarnation") not in (None, before[victim]["incarnation"]) \
+                and state.get("state") == "RUNNING":
+            break
+        assert time.monotonic() < deadline, "the engine was not restarted"
+        time.sleep(0.2)
+    assert (state["weight_version"], state["weight_epoch"]) == (version, epoch), state
+    assert state["weight_uri"] == before[victim]["weight_uri"]
+    deadline = time.monotonic() + 30
+    while not stack.all_serving(name(version)):
+        assert time.monotonic() < deadline, stack.engines()
+        time.sleep(0.2)
+    assert_no_failure(stack, load)
+
+
+@slow
 def test_stopping_the_stack_removes_its_description(stack: Stack) -> None:
     path = stack.tmp / f"tandem-{stack.port}" / "stack.json"
     assert path.is_file()

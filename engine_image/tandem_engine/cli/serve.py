@@ -44,6 +44,7 @@ from pathlib import Path
 from tandem_engine.errors import TandemError
 from tandem_engine.lifecycle import EngineRole, EngineState
 from tandem_engine.router.auth import API_KEY_ENV
+from tandem_engine.weights import WeightsURIError, checkpoint_path
 from tandem_engine.zmq_auth import ALL_VARIABLES, stack_environments
 
 _PR_SET_PDEATHSIG = 1
@@ -87,6 +88,19 @@ def exit_cause(returncode: int) -> str:
         except ValueError:
             return f"signal {-returncode}"
     return f"exit code {returncode}"
+
+
+def _drop_flags(args: list[str], flags: Sequence[str]) -> list[str]:
+    """`args` without each of `flags` and its value."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        else:
+            out.append(arg)
+    return out
 
 
 @dataclass
@@ -227,6 +241,8 @@ class LocalStack:
                 with contextlib.suppress(OSError), child.log.open("ab") as log:
                     log.write(f"\n--- tandem serve: restart {child.restarts} after "
                               f"{child.last_exit} ---\n".encode())
+                if child.name in {e["name"] for e in self.engines}:
+                    self._follow_refits(child)
                 child.process = self._popen(child.args, child.log, "ab", child.env)
                 child.awaiting_ready = True
                 changed = True
@@ -263,6 +279,44 @@ class LocalStack:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(description, indent=2))
         tmp.replace(self.log_dir / STACK_FILE)
+
+    def serving_weights(self, besides: str) -> tuple[str, str, int] | None:
+        """(uri, version, epoch) of the weights the other engines serve now — the newest
+        epoch among those RUNNING and admitting — or None when none answers. A refit
+        (`tandem refit`) may have changed them since the stack started."""
+        best: tuple[str, str, int] | None = None
+        for engine in self.engines:
+            if engine["name"] == besides:
+                continue
+            try:
+                with urllib.request.urlopen(f"{engine['admin_url']}/v1/state",
+                                            timeout=2) as r:
+                    state = json.loads(r.read())
+                weights = (str(state["weight_uri"]), str(state["weight_version"]),
+                           int(state["weight_epoch"]))
+            except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+                continue
+            if state.get("state") != EngineState.RUNNING or state.get("draining"):
+                continue
+            if best is None or weights[2] > best[2]:
+                best = weights
+        return best
+
+    def _follow_refits(self, child: Child) -> None:
+        """A restarted engine starts on the weights its peers serve now, under their
+        epoch, not on the stack's start-up `--model`: else routers, which prefer the newest
+        epoch, would keep it out of traffic (or, with no peer, it serves what it had)."""
+        weights = self.serving_weights(besides=child.name)
+        if weights is None or not weights[0].startswith("file://"):
+            return
+        uri, version, epoch = weights
+        try:
+            path = checkpoint_path(uri)
+        except WeightsURIError:
+            return
+        args = _drop_flags(child.args, ("--model", "--weight-version", "--weight-epoch"))
+        child.args = [*args, "--model", path, "--weight-version", version,
+                      "--weight-epoch", str(epoch)]
 
     def _start(self, timeout: float) -> None:
         engines = []
