@@ -699,7 +699,7 @@ def operator_fault(model: Path, folder: Path, kill: bool, duration: float,
             cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
 
             def ready() -> bool:
-                conditions = kubectl_json("inferencepool", "demo").get("status", {}).get(
+                conditions = kubectl_json("ipool", "demo").get("status", {}).get(
                     "conditions", [])
                 return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
             wait_for("the pool to be Ready", ready, timeout=180, every=0.3)

@@ -29,6 +29,7 @@ from tandem_engine.config import (
 )
 from tandem_engine.fleet.transaction import Phase
 from tandem_engine.refit_policy import DEFAULT_DRAIN_TIMEOUT_S, InFlight, OnFailure, RefitStrategy
+from tandem_operator.spec import DEFAULT_STARTUP_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_PATH = ROOT / "crds" / "inferencepools.tandem.dev.yaml"
@@ -40,8 +41,8 @@ SCHEMA: dict[str, Any] = VERSION["schema"]["openAPIV3Schema"]
 
 # The only nodes allowed to keep fields the schema does not name.
 # Volume objects (any volume source) and affinity keep their Kubernetes schemas, not ours.
-PRESERVE_UNKNOWN_PATHS = {"spec.prefill.affinity", "spec.decode.affinity", "status.refit",
-                          "spec.engine.volumes[]"}
+PRESERVE_UNKNOWN_PATHS = {"spec.prefill.affinity", "spec.decode.affinity",
+                          "spec.router.affinity", "status.refit", "spec.engine.volumes[]"}
 
 
 # --- the API server's work, offline --------------------------------------------------------------
@@ -286,6 +287,15 @@ def test_every_field_is_bounded():
     assert not problems, "\n".join(problems)
 
 
+def test_every_property_is_described():
+    """`kubectl explain inferencepools.tandem.dev --recursive` has something to say about
+    every field."""
+    undescribed = [path for path, node in walk_schema(SCHEMA)
+                   if path and not path.endswith(("[]", ".*"))
+                   and not str(node.get("description", "")).strip()]
+    assert undescribed == []
+
+
 def test_preserved_unknown_fields_are_exactly_the_allowed_ones():
     preserved = {
         path
@@ -303,7 +313,7 @@ def all_cel_rules() -> list[dict[str, str]]:
 
 def test_every_cel_rule_compiles():
     rules = [rule["rule"] for rule in all_cel_rules()]
-    assert len(rules) == 9
+    assert len(rules) == 11
     for rule in rules:
         CEL_ENV.compile(rule)
 
@@ -318,6 +328,8 @@ DOCUMENTED_DEFAULTS = {
         "maxNumSeqs": 64,
         "maxNumBatchedTokens": 512,
         "threads": 1,
+        "startupTimeoutSeconds": 1800,
+        "rdma": {"ipcLock": False},  # no capability unless asked for
     },
     "prefill": {"replicas": 1},
     "decode": {"replicas": 1},
@@ -378,6 +390,7 @@ OWNED_DEFAULTS = [
     ("spec.engine.maxNumSeqs", DEFAULT_MAX_NUM_SEQS),
     ("spec.engine.maxNumBatchedTokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
     ("spec.engine.threads", DEFAULT_THREADS),
+    ("spec.engine.startupTimeoutSeconds", DEFAULT_STARTUP_TIMEOUT_S),
     ("spec.kvTransfer.pinTTLSeconds", DEFAULT_KV_PIN_TTL_S),
     ("spec.refit.drainTimeoutSeconds", DEFAULT_DRAIN_TIMEOUT_S),
     ("spec.refit.strategy", RefitStrategy.ROLLING.value),
@@ -515,6 +528,32 @@ SCHEMA_REJECTS = [
      "spec.engine.initContainers[0].command", "should be non-empty"),
     ({"engine": {"initContainers": [{"name": "pull", "command": ["x"], "securityContext": {}}]}},
      "spec.engine.initContainers[0]", "'securityContext' was unexpected"),
+    # start-up, RDMA and the pod-level fields
+    ({"engine": {"startupTimeoutSeconds": 5}}, "spec.engine.startupTimeoutSeconds", "minimum"),
+    ({"engine": {"startupTimeoutSeconds": 86401}}, "spec.engine.startupTimeoutSeconds",
+     "maximum"),
+    ({"engine": {"rdma": {"ipcLock": "yes"}}}, "spec.engine.rdma.ipcLock", "'boolean'"),
+    ({"engine": {"rdma": {"sysAdmin": True}}}, "spec.engine.rdma", "'sysAdmin' was unexpected"),
+    ({"pod": {"imagePullSecrets": [{"name": "Regcred"}]}},
+     "spec.pod.imagePullSecrets[0].name", "match"),
+    ({"pod": {"imagePullSecrets": [{"name": f"r{i}"} for i in range(9)]}},
+     "spec.pod.imagePullSecrets", "is too long"),
+    ({"pod": {"labels": {"team": "x" * 64}}}, "spec.pod.labels.team", "is too long"),
+    ({"pod": {"labels": {"team": "a b"}}}, "spec.pod.labels.team", "match"),
+    ({"pod": {"annotations": {f"k{i}": "v" for i in range(33)}}},
+     "spec.pod.annotations", "too many properties"),
+    ({"pod": {"priorityClassName": "High"}}, "spec.pod.priorityClassName", "match"),
+    ({"pod": {"runtimeClassName": ""}}, "spec.pod.runtimeClassName", "should be non-empty"),
+    ({"pod": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone"}]}},
+     "spec.pod.topologySpreadConstraints[0]", "'whenUnsatisfiable' is a required property"),
+    ({"pod": {"topologySpreadConstraints": [
+        {"maxSkew": 0, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}]}},
+     "spec.pod.topologySpreadConstraints[0].maxSkew", "minimum of 1"),
+    ({"pod": {"hostNetwork": True}}, "spec.pod", "'hostNetwork' was unexpected"),
+    ({"router": {"tolerations": [{"operator": "In"}]}},
+     "spec.router.tolerations[0].operator", "is not one of"),
+    ({"router": {"nodeSelector": {f"k{i}": "v" for i in range(33)}}},
+     "spec.router.nodeSelector", "too many properties"),
 ]
 
 
@@ -537,6 +576,17 @@ def test_schema_accepts_what_it_should():
         {"decode": {"tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]}},
         {"model": {"weights": {"version": "step-1200.ckpt_2"}}},
         {"model": {"weights": {"version": "7"}}},
+        {"engine": {"startupTimeoutSeconds": 7200, "rdma": {"ipcLock": True}}},
+        {"pod": {"imagePullSecrets": [{"name": "regcred"}],
+                 "labels": {"team": "ml", "app.kubernetes.io/version": "1.2"},
+                 "annotations": {"example.com/owner": "ml team"},
+                 "priorityClassName": "inference-high", "runtimeClassName": "nvidia",
+                 "topologySpreadConstraints": [{
+                     "maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                     "whenUnsatisfiable": "ScheduleAnyway", "matchLabelKeys": ["pod-x"],
+                     "labelSelector": {"matchLabels": {"tandem.dev/pool": "demo"}}}]}},
+        {"router": {"nodeSelector": {"pool": "cpu"}, "affinity": {"podAntiAffinity": {}},
+                    "tolerations": [{"key": "cpu", "operator": "Exists"}]}},
         {"prefill": {"replicas": 0}, "decode": {"replicas": 1}},
         {"rollout": {"maxSurge": 0, "maxUnavailable": 1}},
         {"engine": {"volumes": [{"name": "models", "emptyDir": {}}],
@@ -580,6 +630,15 @@ def test_status_is_bounded_too():
                   "canary": {"v2": [5, 6, 7, 8]}},
     }
     assert validate(manifest) == []
+    # Conditions are metav1.Conditions: these five fields are required, reason is one word.
+    for field in ("type", "status", "reason", "message", "lastTransitionTime"):
+        broken = copy.deepcopy(manifest)
+        del broken["status"]["conditions"][0][field]
+        assert validate(broken) == [
+            ("status.conditions[0]", f"'{field}' is a required property")], field
+    broken = copy.deepcopy(manifest)
+    broken["status"]["conditions"][0]["reason"] = ""
+    assert {f for f, _ in validate(broken)} == {"status.conditions[0].reason"}
     manifest["status"]["conditions"][0]["type"] = "Healthy"
     manifest["status"]["conditions"][0]["reason"] = "all engines ready"
     manifest["status"]["refit"]["phase"] = "Idle"
@@ -620,6 +679,10 @@ CEL_REJECTS = [
                                      "podSelector": {}}]}},
      "spec.networkPolicy.apiFrom[0]",
      "ipBlock cannot be combined with podSelector or namespaceSelector"),
+    ({"pod": {"labels": {"tandem.dev/role": "decode"}}},
+     "spec.pod.labels", "pod.labels must not set the operator's own labels"),
+    ({"pod": {"annotations": {"prometheus.io/port": "1"}}},
+     "spec.pod.annotations", "pod.annotations must not set the operator's own annotations"),
 ]
 
 

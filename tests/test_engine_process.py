@@ -28,7 +28,10 @@ pytestmark = pytest.mark.slow
 
 class EngineProcess:
     def __init__(self, model: Path, tmp: Path, *extra: str, port: int | None = None,
-                 admin_port: int | None = None) -> None:
+                 admin_port: int | None = None, env: dict[str, str] | None = None,
+                 wait_ready: bool = True) -> None:
+        """Start the engine and wait until /readyz is 200 (`wait_ready=False`: return at
+        once; `env`: added to the environment)."""
         self.port, self.admin_port = port or free_port(), admin_port or free_port()
         self.log = tmp / f"engine-{self.port}.log"
         if self.log.exists():  # a restart on the same port: keep the old log
@@ -38,12 +41,16 @@ class EngineProcess:
              "--port", str(self.port), "--admin-port", str(self.admin_port),
              "--engine-id", "e0", "--heartbeat-interval", "0.2", "--shutdown-grace", "20",
              *extra], stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent)
-        deadline = time.monotonic() + 120
+            env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
+        if wait_ready:
+            self.wait_ready(120)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         try:
             while self.http("GET", "/readyz")[0] != 200:
                 assert self.proc.poll() is None, self.log.read_text()
-                assert time.monotonic() < deadline, "engine not ready in 120 s"
+                assert time.monotonic() < deadline, f"engine not ready in {timeout:.0f} s"
                 time.sleep(0.2)
         except BaseException:
             self.close()  # never leave an engine behind

@@ -93,7 +93,8 @@ def test_next_act_for_every_combination(state: str | None, goal: str, draining: 
 
 
 def test_transient_states_and_unreachable_engines_wait() -> None:
-    assert {"PAUSING", "UNPAUSING", "SUSPENDING", "RESUMING", "STOPPING"} == TRANSIENT_STATES
+    assert {"LOADING", "PAUSING", "UNPAUSING", "SUSPENDING", "RESUMING",
+            "STOPPING"} == TRANSIENT_STATES
     for state in [None, *TRANSIENT_STATES, "STOPPED"]:
         for version in ("v1", "v2"):
             assert next_act(engine("e", state=state, version=version), V2, InFlight.DRAIN,

@@ -35,6 +35,14 @@ def parse(**spec: Any) -> PoolSpec:
     return PoolSpec.from_body(body(**spec))
 
 
+# What every pool pod's containers get: a writable /tmp on an emptyDir, HOME and TMPDIR there.
+TMP_VOLUME = {"name": "tandem-tmp", "emptyDir": {}}
+TMP_MOUNT = {"name": "tandem-tmp", "mountPath": "/tmp"}
+TMP_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "TMPDIR", "value": "/tmp"}]
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "capabilities": {"drop": ["ALL"]}}
+
+
 def container(pod: dict[str, Any]) -> dict[str, Any]:
     (c,) = pod["spec"]["containers"]
     return c
@@ -173,7 +181,8 @@ def test_engine_pod_for_each_role() -> None:
             "--metrics-port", "9100",
             "--engine-id", "$(POD_NAME)", "--weight-version", "v1", "--weight-epoch", "3",
             "--max-num-seqs", "8",
-            "--max-num-batched-tokens", "256", "--threads", "2", "--kv-pin-ttl", "30",
+            "--max-num-batched-tokens", "256", "--block-size", "16", "--threads", "2",
+            "--kv-pin-ttl", "30",
             "--kv-cache-memory-bytes", str(512 * 1024 * 1024), "--shutdown-grace", "50",
             "--seed", "1"]
         assert c["ports"] == [{"name": "zmq", "containerPort": 5555, "protocol": "TCP"},
@@ -181,9 +190,12 @@ def test_engine_pod_for_each_role() -> None:
                               {"name": "metrics", "containerPort": 9100, "protocol": "TCP"}]
         assert c["readinessProbe"] == {"httpGet": {"path": "/readyz", "port": "metrics"},
                                        "periodSeconds": 2}
+        # A checkpoint may load for spec.engine.startupTimeoutSeconds (default 1800 s);
+        # liveness waits for the startup probe and then looks often.
+        assert c["startupProbe"] == {"httpGet": {"path": "/healthz", "port": "metrics"},
+                                     "periodSeconds": 2, "failureThreshold": 900}
         assert c["livenessProbe"] == {"httpGet": {"path": "/healthz", "port": "metrics"},
-                                      "initialDelaySeconds": 30, "periodSeconds": 10,
-                                      "failureThreshold": 6}
+                                      "periodSeconds": 10, "failureThreshold": 3}
         assert pod["spec"]["terminationGracePeriodSeconds"] == 60
         assert pod["spec"]["restartPolicy"] == "Always"
     mixed = parse(prefill={"replicas": 0})
@@ -209,13 +221,13 @@ def test_engine_env_token_ucx_then_user_env() -> None:
                                                                        "spec.nodeName"}}}]},
               kvTransfer={"ucx": {"transports": "rc,cuda_copy", "netDevices": "mlx5_0:1"}})
     env = container(m.pod(s, "prefill", s.weights))["env"]
-    assert [e["name"] for e in env] == ["POD_IP", "POD_NAME", "POD_NAMESPACE",
+    assert [e["name"] for e in env] == ["POD_IP", "POD_NAME", "POD_NAMESPACE", "HOME", "TMPDIR",
                                         "TANDEM_ADMIN_TOKEN", "TANDEM_ZMQ_SERVER_SECRET_KEY",
                                         "TANDEM_ZMQ_CLIENT_PUBLIC_KEY", "UCX_TLS",
                                         "UCX_NET_DEVICES", "A", "B"]
     assert env[0]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-    assert env[3]["valueFrom"] == {"secretKeyRef": {"name": "pool-admin-token", "key": "token"}}
-    assert env[6]["value"] == "rc,cuda_copy" and env[7]["value"] == "mlx5_0:1"
+    assert env[5]["valueFrom"] == {"secretKeyRef": {"name": "pool-admin-token", "key": "token"}}
+    assert env[8]["value"] == "rc,cuda_copy" and env[9]["value"] == "mlx5_0:1"
     plain = parse()
     assert "UCX_TLS" not in [e["name"] for e in container(m.pod(plain, "decode",
                                                                  plain.weights))["env"]]
@@ -256,8 +268,8 @@ def test_router_pod() -> None:
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
-    assert [e["name"] for e in c["env"]] == ["POD_IP", "POD_NAME", "POD_NAMESPACE",
-                                             "TANDEM_ZMQ_SERVER_PUBLIC_KEY",
+    assert [e["name"] for e in c["env"]] == ["POD_IP", "POD_NAME", "POD_NAMESPACE", "HOME",
+                                             "TMPDIR", "TANDEM_ZMQ_SERVER_PUBLIC_KEY",
                                              "TANDEM_ZMQ_CLIENT_SECRET_KEY"]
 
 
@@ -269,11 +281,11 @@ def test_weights_volumes_are_mounted_into_engine_and_router_pods() -> None:
                       "volumeMounts": [{"name": "models", "mountPath": "/models"}]})
     for group in ("prefill", "decode", "router"):
         pod = m.pod(s, group, s.weights)
-        assert pod["spec"]["volumes"] == volumes
+        assert pod["spec"]["volumes"] == [TMP_VOLUME, *volumes]
         assert container(pod)["volumeMounts"] == [
-            {"readOnly": True, "name": "models", "mountPath": "/models"}]
+            TMP_MOUNT, {"readOnly": True, "name": "models", "mountPath": "/models"}]
         kubernetes_validate.validate(pod, "1.32", strict=True)
-    assert "volumes" not in m.pod(parse(), "decode", s.weights)["spec"]
+    assert m.pod(parse(), "decode", s.weights)["spec"]["volumes"] == [TMP_VOLUME]
     with pytest.raises(SpecError, match=r"volumeMounts entry .* names no volume .*models"):
         parse(engine={"volumes": volumes,
                       "volumeMounts": [{"name": "weights", "mountPath": "/models"}]})
@@ -312,10 +324,15 @@ def test_init_containers_run_in_engine_and_router_pods() -> None:
                                                 "env": [{"name": "A", "value": "1"}]}]})
     for group in ("prefill", "decode", "router"):
         pod = m.pod(s, group, s.weights)
+        # Like the main container: non-root, read-only root filesystem, /tmp for HOME.
         assert pod["spec"]["initContainers"] == [
-            {**pull, "image": "tandem/engine:9", "imagePullPolicy": "Always"},
+            {**pull, "image": "tandem/engine:9", "imagePullPolicy": "Always",
+             "env": TMP_ENV, "volumeMounts": [TMP_MOUNT, *pull["volumeMounts"]],
+             "securityContext": CONTAINER_SECURITY},
             {"name": "check", "image": "busybox:1", "imagePullPolicy": "Always",
-             "command": ["ls"], "args": ["/models"], "env": [{"name": "A", "value": "1"}]}]
+             "command": ["ls"], "args": ["/models"],
+             "env": [*TMP_ENV, {"name": "A", "value": "1"}], "volumeMounts": [TMP_MOUNT],
+             "securityContext": CONTAINER_SECURITY}]
         kubernetes_validate.validate(pod, "1.32", strict=True)
     assert "initContainers" not in m.pod(parse(), "decode", s.weights)["spec"]
 
@@ -359,6 +376,19 @@ def test_the_template_hash_is_stable_across_processes() -> None:
     ({"engine": {"env": [{"name": "X", "value": "1"}]}}, {"prefill", "decode"}),
     ({"engine": {"args": ["--seed", "3"]}}, {"prefill", "decode"}),
     ({"engine": {"kvCache": {"numBlocks": 64}}}, {"prefill", "decode"}),
+    ({"engine": {"kvCache": {"blockSize": 64}}}, {"prefill", "decode"}),
+    ({"engine": {"startupTimeoutSeconds": 600}}, {"prefill", "decode"}),
+    ({"engine": {"rdma": {"ipcLock": True}}}, {"prefill", "decode"}),
+    ({"pod": {"imagePullSecrets": [{"name": "regcred"}]}}, {"prefill", "decode", "router"}),
+    ({"pod": {"labels": {"team": "ml"}}}, {"prefill", "decode", "router"}),
+    ({"pod": {"annotations": {"example.com/owner": "ml"}}}, {"prefill", "decode", "router"}),
+    ({"pod": {"priorityClassName": "high"}}, {"prefill", "decode", "router"}),
+    ({"pod": {"runtimeClassName": "nvidia"}}, {"prefill", "decode", "router"}),
+    ({"pod": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone",
+                                             "whenUnsatisfiable": "ScheduleAnyway"}]}},
+     {"prefill", "decode", "router"}),
+    ({"router": {"nodeSelector": {"pool": "cpu"}}}, {"router"}),
+    ({"router": {"affinity": {"podAntiAffinity": {}}}}, {"router"}),
     ({"engine": {"maxNumSeqs": 3}}, {"prefill", "decode"}),
     ({"engine": {"maxNumBatchedTokens": 64}}, {"prefill", "decode"}),
     ({"engine": {"threads": 4}}, {"prefill", "decode"}),

@@ -217,6 +217,55 @@ def test_readiness_and_liveness_follow_their_probes(core, runner, tmp_path) -> N
              "got ready after the restart")
 
 
+def test_a_startup_probe_holds_liveness_and_readiness_back(core, runner, tmp_path) -> None:
+    """As in kubelet: a slow start (a checkpoint loading) is not killed by liveness, nor
+    ready, until the startup probe first succeeds; a start that never succeeds is restarted."""
+    started, live = tmp_path / "started", tmp_path / "live"
+    sleep = python("import time; time.sleep(600)")
+    probes = {"readinessProbe": {"exec": {"command": ["true"]}, "periodSeconds": 1},
+              "livenessProbe": {"exec": {"command": ["test", "-e", str(live)]},
+                                "periodSeconds": 1, "failureThreshold": 1}}
+    core.create_namespaced_pod(NS, pod_body("slow", sleep, terminationGracePeriodSeconds=1,
+                                            container={**probes, "startupProbe": {
+                                                "exec": {"command": ["test", "-e",
+                                                                     str(started)]},
+                                                "periodSeconds": 1, "failureThreshold": 600}}))
+    core.create_namespaced_pod(NS, pod_body("stuck", sleep, terminationGracePeriodSeconds=1,
+                                            container={"startupProbe": {
+                                                "exec": {"command": ["false"]},
+                                                "periodSeconds": 1, "failureThreshold": 2}}))
+    wait_for(core, runner, "slow", lambda p: "running" in container_status(p).get("state", {}),
+             "ran")
+    time.sleep(3)  # several liveness periods, had liveness been asked
+    pod = read(core, "slow")
+    assert container_status(pod)["restartCount"] == 0 and not container_status(pod)["started"]
+    assert condition(pod, "Ready") == "False"
+    live.touch()
+    started.touch()
+    pod = wait_for(core, runner, "slow", lambda p: condition(p, "Ready") == "True",
+                   "got ready once started")
+    assert container_status(pod)["started"] and container_status(pod)["restartCount"] == 0
+    wait_for(core, runner, "stuck", lambda p: container_status(p).get("restartCount", 0) >= 1,
+             "was restarted for never starting")
+    assert "startup probe failed 2 times" in runner.logs("stuck")
+
+
+def test_home_and_tmpdir_in_a_volume_keep_this_machines(core, runner, tmp_path) -> None:
+    """Pool pods set HOME=/tmp on an emptyDir (their root is read-only); a local process has
+    no such volume and keeps this machine's, so caches stay shared."""
+    out = tmp_path / "env"
+    code = f"import os; open({str(out)!r}, 'w').write(os.environ['HOME'] + '|' + " \
+           "os.environ.get('TMPDIR', '-') + '|' + os.environ['ELSEWHERE'])"
+    core.create_namespaced_pod(NS, pod_body("homes", python(code), restartPolicy="Never",
+                                            container={
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TMPDIR", "value": "/tmp/x"},
+                {"name": "ELSEWHERE", "value": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]},
+        volumes=[{"name": "tmp", "emptyDir": {}}]))
+    wait_for(core, runner, "homes", lambda p: p["status"]["phase"] == "Succeeded", "ran")
+    assert out.read_text() == f"{os.environ['HOME']}|{os.environ.get('TMPDIR', '-')}|/tmp"
+
+
 def test_deletion_terminates_within_the_grace_period(core, runner) -> None:
     polite = python("import signal, sys, time\n"
                     "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"

@@ -1,5 +1,6 @@
 """The engine's lifecycle as one declarative transition table.
 
+LOADING → RUNNING (the process reads its checkpoint; there is no engine to signal yet)
 RUNNING → PAUSING → PAUSED → UNPAUSING → RUNNING
 PAUSED → SUSPENDING → SUSPENDED → RESUMING → RESUMED (a paused engine with its
 memory back: it unpauses, suspends again or stops like PAUSED)
@@ -19,6 +20,7 @@ from tandem_engine.errors import TandemError
 
 
 class EngineState(str, enum.Enum):
+    LOADING = "LOADING"  # the engine process is up, its checkpoint still loading
     RUNNING = "RUNNING"
     PAUSING = "PAUSING"
     PAUSED = "PAUSED"
@@ -88,8 +90,9 @@ TRANSITIONS: dict[Signal, Transition] = {
 STABLE_STATES = frozenset({S.RUNNING, S.PAUSED, S.SUSPENDED, S.RESUMED, S.STOPPED})
 # States in which the engine does not step and weights may be swapped.
 REFIT_STATES = frozenset({S.PAUSED, S.SUSPENDED, S.RESUMED})
-# States a signal passes through; a fleet waits them out rather than send another signal.
-TRANSIENT_STATES = frozenset(t.transient for t in TRANSITIONS.values())
+# States a fleet waits out rather than send a signal: those a signal passes through, and
+# LOADING (no engine to signal yet; it turns RUNNING by itself once loaded).
+TRANSIENT_STATES = frozenset({S.LOADING, *(t.transient for t in TRANSITIONS.values())})
 # An engine on its way out (STOP): routers and refits no longer count it.
 LEAVING_STATES = frozenset({S.STOPPING, S.STOPPED})
 
@@ -118,6 +121,7 @@ def _check_table() -> None:
     assert all(s.name == s.value for s in EngineState)
     # Every stable state but STOPPED has a way out; transient states are never a source.
     assert TRANSIENT_STATES.isdisjoint(STABLE_STATES)
+    assert not allowed_signals(S.LOADING), "a loading process has no engine to signal"
     for t in TRANSITIONS.values():
         assert t.allowed_from <= STABLE_STATES and t.target in STABLE_STATES
     for state in STABLE_STATES - {S.STOPPED}:

@@ -17,7 +17,16 @@ from typing import Any
 
 from tandem_engine.weights import WeightsRef
 
-from tandem_operator.spec import API_VERSION, KIND, Group, InitContainer, PoolSpec
+from tandem_operator.spec import (
+    API_VERSION,
+    KIND,
+    TMP_PATH,
+    TMP_VOLUME,
+    Group,
+    InitContainer,
+    Placement,
+    PoolSpec,
+)
 
 ENGINE_ZMQ_PORT = 5555
 ENGINE_ADMIN_PORT = 8080
@@ -44,6 +53,13 @@ MANAGER = "tandem-operator"
 # The operator's own pods, as the Helm chart labels them (tandem.selectorLabels).
 OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "tandem",
                        "app.kubernetes.io/component": "operator"}
+
+# Every pool pod runs as this user (the operator chart's too), never as root.
+POD_UID = 65532
+# How often a starting pod's /healthz is tried (spec.engine.startupTimeoutSeconds / this many
+# tries), and the router's own startup budget (it loads only the tokenizer).
+STARTUP_PERIOD_S = 2
+ROUTER_STARTUP_TIMEOUT_S = 300
 
 # What the template hash sees instead of the weights and the drain timeout.
 _HASH_WEIGHTS = WeightsRef(uri="file:///weights", version="weights")
@@ -151,6 +167,7 @@ def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds
             *(("--weight-epoch", str(epoch)) if epoch is not None else ()),
             "--max-num-seqs", str(e.max_num_seqs),
             "--max-num-batched-tokens", str(e.max_num_batched_tokens),
+            "--block-size", str(e.kv_cache.block_size),
             "--threads", str(e.threads),
             "--kv-pin-ttl", str(spec.kv_transfer.pin_ttl_seconds)]
     if e.kv_cache.num_blocks is not None:
@@ -163,8 +180,15 @@ def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds
     return [*args, *e.args]
 
 
+def _writable_env() -> list[dict[str, Any]]:
+    """HOME and TMPDIR on the pod's /tmp emptyDir: the root filesystem is read-only, and the
+    engine caches there (the native kernel's build under ~/.cache/torch_extensions, models
+    pulled to ~/.cache/tandem)."""
+    return [{"name": "HOME", "value": TMP_PATH}, {"name": "TMPDIR", "value": TMP_PATH}]
+
+
 def _engine_env(spec: PoolSpec) -> list[dict[str, Any]]:
-    env = [*_pod_env(), *_credential_env(spec, {
+    env = [*_pod_env(), *_writable_env(), *_credential_env(spec, {
         "TANDEM_ADMIN_TOKEN": ADMIN_TOKEN_KEY,
         "TANDEM_ZMQ_SERVER_SECRET_KEY": CURVE_KEYS["server"][1],
         "TANDEM_ZMQ_CLIENT_PUBLIC_KEY": CURVE_KEYS["client"][0]})]
@@ -177,13 +201,40 @@ def _engine_env(spec: PoolSpec) -> list[dict[str, Any]]:
 
 
 def _router_env(spec: PoolSpec) -> list[dict[str, Any]]:
-    env = [*_pod_env(), *_credential_env(spec, {
+    env = [*_pod_env(), *_writable_env(), *_credential_env(spec, {
         "TANDEM_ZMQ_SERVER_PUBLIC_KEY": CURVE_KEYS["server"][0],
         "TANDEM_ZMQ_CLIENT_SECRET_KEY": CURVE_KEYS["client"][1]})]
     ref = spec.router.api_key_secret
     if ref is not None:
         env.append(_secret_env("TANDEM_API_KEY", ref.name, ref.key))
     return env
+
+
+def _container_security(capabilities: tuple[str, ...] = ()) -> dict[str, Any]:
+    """No privilege escalation, no capabilities but those asked for, a read-only root
+    filesystem (/tmp is an emptyDir)."""
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if capabilities:
+        caps["add"] = list(capabilities)
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": caps}
+
+
+def _pod_security() -> dict[str, Any]:
+    return {"runAsNonRoot": True, "runAsUser": POD_UID, "runAsGroup": POD_UID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def _probes(port: str, startup_timeout_s: int) -> dict[str, Any]:
+    """/healthz must answer within `startup_timeout_s` of the start (the engine serves it
+    while it loads its checkpoint), then keeps being asked on a short period; /readyz says
+    when the pod takes traffic. Liveness and readiness wait for the startup probe."""
+    return {"startupProbe": _http_probe("/healthz", port, periodSeconds=STARTUP_PERIOD_S,
+                                        failureThreshold=-(-startup_timeout_s
+                                                           // STARTUP_PERIOD_S)),
+            "readinessProbe": _http_probe("/readyz", port, periodSeconds=2),
+            "livenessProbe": _http_probe("/healthz", port, periodSeconds=10,
+                                         failureThreshold=3)}
 
 
 def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: int,
@@ -198,10 +249,9 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: 
                      "--host", "$(POD_IP)", "--port", str(ROUTER_HTTP_PORT)],
             "env": _router_env(spec),
             "ports": [{"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}],
-            "readinessProbe": _http_probe("/readyz", "http", periodSeconds=2),
-            "livenessProbe": _http_probe("/healthz", "http", initialDelaySeconds=10,
-                                         periodSeconds=10, failureThreshold=6)}
-        return _with_volumes(spec, {
+            **_probes("http", ROUTER_STARTUP_TIMEOUT_S),
+            "securityContext": _container_security()}
+        return _pod_fields(spec, group, spec.router.placement, {
             "restartPolicy": "Always", "serviceAccountName": router_account_name(spec.name),
             "containers": [container]})
     role = spec.role(group)
@@ -213,52 +263,74 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: 
         "ports": [{"name": "zmq", "containerPort": ENGINE_ZMQ_PORT, "protocol": "TCP"},
                   {"name": "admin", "containerPort": ENGINE_ADMIN_PORT, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": ENGINE_METRICS_PORT, "protocol": "TCP"}],
-        "readinessProbe": _http_probe("/readyz", "metrics", periodSeconds=2),
-        "livenessProbe": _http_probe("/healthz", "metrics", initialDelaySeconds=30,
-                                     periodSeconds=10, failureThreshold=6)}
+        **_probes("metrics", e.startup_timeout_seconds),
+        "securityContext": _container_security(("IPC_LOCK",) if e.rdma_ipc_lock else ())}
     resources = role.resources if role.resources is not None else e.resources
     if resources:
         container["resources"] = {k: dict(v) for k, v in resources.items()}
-    pod: dict[str, Any] = {"restartPolicy": "Always",
-                           "terminationGracePeriodSeconds": drain_seconds + 10,
-                           "containers": [container]}
-    if role.node_selector:
-        pod["nodeSelector"] = dict(role.node_selector)
-    if role.tolerations:
-        pod["tolerations"] = [dict(t) for t in role.tolerations]
-    if role.affinity:
-        pod["affinity"] = dict(role.affinity)
+    return _pod_fields(spec, group, role.placement, {
+        "restartPolicy": "Always", "terminationGracePeriodSeconds": drain_seconds + 10,
+        "containers": [container]})
+
+
+def _pod_fields(spec: PoolSpec, group: Group, placement: Placement, pod: dict[str, Any]
+                ) -> dict[str, Any]:
+    """What every pool pod has around its container: the security context, the group's
+    placement, spec.pod's scheduling fields, and the volumes."""
+    p = spec.pod
+    pod["securityContext"] = _pod_security()
+    if p.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in p.image_pull_secrets]
+    if p.priority_class_name:
+        pod["priorityClassName"] = p.priority_class_name
+    if p.runtime_class_name:
+        pod["runtimeClassName"] = p.runtime_class_name
+    if placement.node_selector:
+        pod["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        pod["tolerations"] = [dict(t) for t in placement.tolerations]
+    if placement.affinity:
+        pod["affinity"] = dict(placement.affinity)
+    if p.topology_spread_constraints:
+        own = {"matchLabels": {POOL_LABEL: spec.name, COMPONENT_LABEL: group}}
+        pod["topologySpreadConstraints"] = [{"labelSelector": own, **c}
+                                            for c in p.topology_spread_constraints]
     return _with_volumes(spec, pod)
 
 
 def _with_volumes(spec: PoolSpec, pod: dict[str, Any]) -> dict[str, Any]:
-    """spec.engine.volumes on the pod, mounted into its container, and the init containers
-    that may fill them (the weights live there in a real cluster: the router reads the
-    tokenizer from the same path)."""
+    """The pod's writable /tmp, spec.engine.volumes on the pod, mounted into its container,
+    and the init containers that may fill them (the weights live there in a real cluster:
+    the router reads the tokenizer from the same path)."""
     e = spec.engine
-    if e.volumes:
-        pod["volumes"] = [dict(v) for v in e.volumes]
-        pod["containers"][0]["volumeMounts"] = [dict(m) for m in e.volume_mounts]
+    pod["volumes"] = [{"name": TMP_VOLUME, "emptyDir": {}}, *(dict(v) for v in e.volumes)]
+    pod["containers"][0]["volumeMounts"] = [_TMP_MOUNT, *(dict(m) for m in e.volume_mounts)]
     if e.init_containers:
         pod["initContainers"] = [init_container(spec, c) for c in e.init_containers]
     return pod
 
 
+_TMP_MOUNT = {"name": TMP_VOLUME, "mountPath": TMP_PATH}
+
+
 def init_container(spec: PoolSpec, c: InitContainer) -> dict[str, Any]:
+    """An init container as the pod runs it: non-root with a read-only root filesystem like
+    the main container, HOME and TMPDIR on /tmp, then its own env."""
     container: dict[str, Any] = {"name": c.name, "image": c.image or spec.engine.image,
                                  "imagePullPolicy": spec.engine.image_pull_policy,
                                  "command": list(c.command)}
     if c.args:
         container["args"] = list(c.args)
-    if c.env:
-        container["env"] = [{"name": name, "value": value} for name, value in c.env]
-    if c.volume_mounts:
-        container["volumeMounts"] = [dict(m) for m in c.volume_mounts]
+    container["env"] = [*_writable_env(),
+                        *({"name": name, "value": value} for name, value in c.env)]
+    container["volumeMounts"] = [_TMP_MOUNT, *(dict(m) for m in c.volume_mounts)]
+    container["securityContext"] = _container_security()
     return container
 
 
 def _pod_labels(spec: PoolSpec, group: Group) -> dict[str, str]:
-    labels = group_labels(spec, group)
+    """spec.pod.labels, then the operator's own (spec.py refuses keys that would clash)."""
+    labels = {**(spec.pod.labels or {}), **group_labels(spec, group)}
     if group != "router":
         labels[ENGINE_LABEL] = "true"
     return labels
@@ -266,9 +338,10 @@ def _pod_labels(spec: PoolSpec, group: Group) -> dict[str, str]:
 
 def template_hash(spec: PoolSpec, group: Group) -> str:
     """A stable name for what defines the group's pods (image, pull policy, resources, env,
-    args, volumes and init containers, KV cache and limits, threads, role and placement);
-    never the weights."""
+    args, volumes and init containers, KV cache and limits, threads, role, placement, probes,
+    security context and spec.pod's labels, annotations and fields); never the weights."""
     template = {"labels": _pod_labels(spec, group),
+                "annotations": dict(spec.pod.annotations or {}),
                 "spec": _pod_spec(spec, group, _HASH_WEIGHTS, _HASH_DRAIN_SECONDS)}
     canonical = json.dumps(template, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:12]
@@ -288,7 +361,8 @@ def pod(spec: PoolSpec, group: Group, weights: WeightsRef, epoch: int = 0) -> di
     meta = _meta(spec, "", _pod_labels(spec, group))
     del meta["name"]
     meta["generateName"] = f"{spec.name}-{group}-"
-    meta["annotations"] = {TEMPLATE_HASH: template_hash(spec, group),
+    meta["annotations"] = {**(spec.pod.annotations or {}),
+                           TEMPLATE_HASH: template_hash(spec, group),
                            WEIGHTS_VERSION: weights.version, WEIGHTS_URI: weights.uri,
                            **_scrape_annotations(group)}
     if group != "router":

@@ -74,6 +74,9 @@ class InitContainer:
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
 
 
+DEFAULT_STARTUP_TIMEOUT_S = 1800  # loading a multi-GB checkpoint from a network volume
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     image: str = "tandem/engine:0.1.0"
@@ -89,15 +92,39 @@ class EngineSettings:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     threads: int = DEFAULT_THREADS
+    startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT_S  # the startupProbe's budget
+    rdma_ipc_lock: bool = False  # spec.engine.rdma.ipcLock: adds the IPC_LOCK capability
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a group's pods may run: core/v1 nodeSelector, tolerations and affinity, passed
+    to the pods as written."""
+
+    node_selector: Mapping[str, str] | None = None
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    """spec.pod: pod-level fields of every engine and router pod. Extra labels and
+    annotations never replace the operator's own (`RESERVED_LABELS`, `RESERVED_ANNOTATIONS`);
+    a topology spread constraint without a labelSelector spreads the pod's own group."""
+
+    image_pull_secrets: tuple[str, ...] = ()
+    labels: Mapping[str, str] | None = None
+    annotations: Mapping[str, str] | None = None
+    priority_class_name: str | None = None
+    runtime_class_name: str | None = None
+    topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
 class RoleSettings:
     replicas: int = 1
     resources: Mapping[str, Any] | None = None  # replaces engine.resources when set
-    node_selector: Mapping[str, str] | None = None
-    tolerations: tuple[Mapping[str, Any], ...] = ()
-    affinity: Mapping[str, Any] | None = None
+    placement: Placement = Placement()
 
 
 @dataclass(frozen=True)
@@ -114,6 +141,7 @@ class RouterSettings:
     service_type: str = "ClusterIP"
     service_port: int = 8000
     api_key_secret: SecretKey | None = None  # the router's API keys (comma-separated)
+    placement: Placement = Placement()
 
 
 @dataclass(frozen=True)
@@ -169,6 +197,7 @@ class PoolSpec:
     refit: RefitSettings = RefitSettings()
     kv_transfer: KVTransfer = KVTransfer()
     network_policy: NetworkPolicySettings = NetworkPolicySettings()
+    pod: PodSettings = PodSettings()
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PoolSpec:
@@ -204,6 +233,20 @@ API_KEYS_KEY = "api-keys"  # spec.router.apiKeySecret.key when not given
 _PEER_FIELDS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 _SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+# A label or annotation key: an optional DNS-subdomain prefix and a name of at most 63.
+_QUALIFIED_NAME = re.compile(rf"({_DNS_LABEL}(\.{_DNS_LABEL})*/)?"
+                             r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+# What the operator itself sets on its pods (manifests.py): spec.pod may not replace it.
+OPERATOR_PREFIX = "tandem.dev/"
+RESERVED_LABELS = frozenset({"app.kubernetes.io/name", "app.kubernetes.io/instance",
+                             "app.kubernetes.io/managed-by", "app.kubernetes.io/part-of",
+                             "app.kubernetes.io/component"})
+RESERVED_ANNOTATIONS = frozenset({"prometheus.io/scrape", "prometheus.io/port",
+                                  "prometheus.io/path"})
+TMP_VOLUME = "tandem-tmp"  # the emptyDir at /tmp of every pool pod (the root fs is read-only)
+TMP_PATH = "/tmp"
 
 
 # ---- parsing with the CRD's defaults and rules --------------------------------------------------
@@ -378,15 +421,103 @@ def _network_policy(spec: Mapping[str, Any]) -> NetworkPolicySettings:
                       else _NETPOL.metrics_from))
 
 
+def _placement(d: Mapping[str, Any], path: str) -> Placement:
+    return Placement(node_selector=_string_map(d, "nodeSelector", path, 32, label_values=True),
+                     tolerations=_list(d, "tolerations", path, 32),
+                     affinity=_obj(d, "affinity", path) or None)
+
+
 def _role(spec: Mapping[str, Any], key: str) -> RoleSettings:
     d = _obj(spec, key, "spec")
     path = f"spec.{key}"
     return RoleSettings(
         replicas=_req_int(d, "replicas", path, _ROLE.replicas, 0, 64),
         resources=_obj(d, "resources", path) or None,
-        node_selector=_obj(d, "nodeSelector", path) or None,
-        tolerations=_list(d, "tolerations", path, 32),
-        affinity=_obj(d, "affinity", path) or None)
+        placement=_placement(d, path))
+
+
+def _string_map(d: Mapping[str, Any], key: str, path: str, max_items: int,
+                label_values: bool, reserved: frozenset[str] = frozenset(),
+                ) -> Mapping[str, str] | None:
+    """A map of label or annotation keys to strings (label values when `label_values`);
+    `reserved` keys and the operator's `tandem.dev/` prefix are refused."""
+    value = _obj(d, key, path)
+    if len(value) > max_items:
+        raise SpecError(f"{path}.{key} has {len(value)} entries; at most {max_items} are "
+                        "allowed")
+    for k, v in value.items():
+        if not isinstance(k, str) or len(k) > 317 or not _QUALIFIED_NAME.fullmatch(k):
+            raise SpecError(f"{path}.{key}: {k!r} is not a label or annotation key "
+                            "([prefix/]name, the name at most 63 characters)")
+        if reserved and (k in reserved or k.startswith(OPERATOR_PREFIX)):
+            raise SpecError(f"{path}.{key}: {k!r} is the operator's own; pick another key")
+        limit = 63 if label_values else 4096
+        if not isinstance(v, str) or len(v) > limit or (label_values
+                                                        and not _LABEL_VALUE.fullmatch(v)):
+            raise SpecError(f"{path}.{key}[{k!r}] must be a "
+                            f"{'label value' if label_values else 'string'} of at most "
+                            f"{limit} characters")
+    return dict(value) or None
+
+
+def _dns_name(d: Mapping[str, Any], key: str, path: str) -> str | None:
+    """An optional object name (a DNS subdomain: PriorityClass, RuntimeClass, Secret)."""
+    if d.get(key) is None:
+        return None
+    name = _str(d, key, path, None, 253, min_len=1)
+    if not _DNS_SUBDOMAIN.fullmatch(name):
+        raise SpecError(f"{path}.{key} {name!r} is not an object name (lowercase letters, "
+                        "digits, '-' and '.')")
+    return name
+
+
+def _pod_settings(spec: Mapping[str, Any]) -> PodSettings:
+    d = _obj(spec, "pod", "spec")
+    path = "spec.pod"
+    secrets = []
+    for i, ref in enumerate(_list(d, "imagePullSecrets", path, 8)):
+        name = _dns_name(ref, "name", f"{path}.imagePullSecrets[{i}]") if isinstance(
+            ref, Mapping) else None
+        if name is None:
+            raise SpecError(f"{path}.imagePullSecrets[{i}] must be an object with the name "
+                            "of a Secret in the pool's namespace")
+        secrets.append(name)
+    spread = _list(d, "topologySpreadConstraints", path, 8)
+    for i, c in enumerate(spread):
+        where = f"{path}.topologySpreadConstraints[{i}]"
+        if not isinstance(c, Mapping):
+            raise SpecError(f"{where} must be an object")
+        if _int(c, "maxSkew", where, None, 1, 1024) is None:
+            raise SpecError(f"{where}.maxSkew is required")
+        _str(c, "topologyKey", where, None, 317, min_len=1)
+        _str(c, "whenUnsatisfiable", where, None, 32, ("DoNotSchedule", "ScheduleAnyway"))
+    return PodSettings(
+        image_pull_secrets=tuple(secrets),
+        labels=_string_map(d, "labels", path, 32, label_values=True,
+                           reserved=RESERVED_LABELS),
+        annotations=_string_map(d, "annotations", path, 32, label_values=False,
+                                reserved=RESERVED_ANNOTATIONS),
+        priority_class_name=_dns_name(d, "priorityClassName", path),
+        runtime_class_name=_dns_name(d, "runtimeClassName", path),
+        topology_spread_constraints=tuple(dict(c) for c in spread))
+
+
+def _volumes(e: Mapping[str, Any]) -> tuple[Any, ...]:
+    """spec.engine.volumes; the name and the path of the pods' own /tmp stay the operator's."""
+    volumes = _list(e, "volumes", "spec.engine", 16)
+    for i, v in enumerate(volumes):
+        if isinstance(v, Mapping) and v.get("name") == TMP_VOLUME:
+            raise SpecError(f"spec.engine.volumes[{i}].name {TMP_VOLUME!r} is the operator's "
+                            f"(its emptyDir at {TMP_PATH}); pick another name")
+    return volumes
+
+
+def _check_tmp_mounts(mounts: tuple[Mapping[str, Any], ...], path: str) -> None:
+    for i, mount in enumerate(mounts):
+        if str(mount.get("mountPath", "")).rstrip("/") == TMP_PATH:
+            raise SpecError(f"{path}.volumeMounts[{i}].mountPath {TMP_PATH} is the pod's own "
+                            "writable emptyDir (the root filesystem is read-only); mount "
+                            "elsewhere")
 
 
 def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
@@ -408,7 +539,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
 
     e = _obj(spec, "engine", "spec")
     kv = _obj(e, "kvCache", "spec.engine")
-    volumes = _list(e, "volumes", "spec.engine", 16)
+    volumes = _volumes(e)
     engine = EngineSettings(
         image=_str(e, "image", "spec.engine", _ENGINE.image, 512, min_len=1),
         image_pull_policy=_str(e, "imagePullPolicy", "spec.engine", _ENGINE.image_pull_policy,
@@ -427,7 +558,14 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         max_num_seqs=_req_int(e, "maxNumSeqs", "spec.engine", _ENGINE.max_num_seqs, 1, 1024),
         max_num_batched_tokens=_req_int(e, "maxNumBatchedTokens", "spec.engine",
                                         _ENGINE.max_num_batched_tokens, 16, 65536),
-        threads=_req_int(e, "threads", "spec.engine", _ENGINE.threads, 1, 256))
+        threads=_req_int(e, "threads", "spec.engine", _ENGINE.threads, 1, 256),
+        startup_timeout_seconds=_req_int(e, "startupTimeoutSeconds", "spec.engine",
+                                         _ENGINE.startup_timeout_seconds, 10, 86400),
+        rdma_ipc_lock=_bool(_obj(e, "rdma", "spec.engine"), "ipcLock", "spec.engine.rdma",
+                            _ENGINE.rdma_ipc_lock))
+    _check_tmp_mounts(engine.volume_mounts, "spec.engine")
+    for i, c in enumerate(engine.init_containers):
+        _check_tmp_mounts(c.volume_mounts, f"spec.engine.initContainers[{i}]")
 
     r = _obj(spec, "router", "spec")
     svc = _obj(r, "service", "spec.router")
@@ -451,7 +589,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
                               ("ClusterIP", "NodePort", "LoadBalancer")),
             service_port=_req_int(svc, "port", "spec.router.service", _ROUTER.service_port, 1,
                                   65535),
-            api_key_secret=_secret_key(r, "apiKeySecret", "spec.router")),
+            api_key_secret=_secret_key(r, "apiKeySecret", "spec.router"),
+            placement=_placement(r, "spec.router")),
         rollout=Rollout(
             max_surge=_req_int(ro, "maxSurge", "spec.rollout", _ROLLOUT.max_surge, 0, 64),
             max_unavailable=_req_int(ro, "maxUnavailable", "spec.rollout",
@@ -475,7 +614,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
                                 256),
             ucx_net_devices=_str(ucx, "netDevices", "spec.kvTransfer.ucx",
                                  _KVT.ucx_net_devices, 256)),
-        network_policy=_network_policy(spec))
+        network_policy=_network_policy(spec),
+        pod=_pod_settings(spec))
     _check_rules(pool)
     return pool
 

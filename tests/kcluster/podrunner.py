@@ -13,9 +13,10 @@ it lists all pods and, for each,
   does), plus KUBECONFIG pointing at the test cluster, so a router in a pod can watch pods;
 * reports phase (Pending → Running → Succeeded/Failed), containerStatuses and the
   PodScheduled / Initialized / ContainersReady / Ready conditions, the last two from the
-  readiness probe (httpGet, tcpSocket or exec) polled every periodSeconds;
-* restarts exited containers per restartPolicy (and on failed liveness probes) with
-  exponential backoff, and captures each container's output in a log file per pod
+  readiness probe (httpGet, tcpSocket or exec) polled every periodSeconds; a startup probe,
+  as in kubelet, holds readiness and liveness probes back until it first succeeds;
+* restarts exited containers per restartPolicy (and on failed startup or liveness probes)
+  with exponential backoff, and captures each container's output in a log file per pod
   (`runner.logs(name)` for failure messages);
 * on graceful deletion (deletionTimestamp set) sends SIGTERM, waits the grace period,
   SIGKILLs, then deletes the pod with gracePeriodSeconds=0. A pod that vanishes from the
@@ -23,8 +24,10 @@ it lists all pods and, for each,
 
 Every process runs in its own process group, dies with the thread that started it
 (PR_SET_PDEATHSIG, `serve.die_with_parent`) and is killed by `stop()`. Not supported:
-init containers, startup probes, volumes, resource limits, images (the command must exist
-on this machine).
+init containers, volumes, resource limits, images (the command must exist
+on this machine). securityContext is ignored (processes run as this user); HOME and TMPDIR
+from the spec that point into a volume mount (the pods' /tmp emptyDir) keep this machine's
+values, as the volume does not exist here.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from tandem_engine.cli.serve import die_with_parent
 from .cluster import TOKEN
 
 NODE_NAME = "tandem-test-node"
+_FILESYSTEM_VARS = ("HOME", "TMPDIR")
 HOST_IP = "127.0.0.1"
 
 Json = dict[str, Any]
@@ -159,6 +163,8 @@ class _Container:
     restart_after_kill: bool = False
     readiness: _Probe | None = None
     liveness: _Probe | None = None
+    startup: _Probe | None = None
+    started: bool = False  # the startup probe (if any) succeeded since the last start
 
     @property
     def name(self) -> str:
@@ -316,6 +322,8 @@ class PodRunner:
                 container.readiness = _Probe(c["readinessProbe"])
             if "livenessProbe" in c:
                 container.liveness = _Probe(c["livenessProbe"])
+            if "startupProbe" in c:
+                container.startup = _Probe(c["startupProbe"])
             containers.append(container)
         pod = _Pod(_uid(obj), ns, name, ip, pod_dir, containers, spec=spec)
         with self._lock:
@@ -379,8 +387,8 @@ class PodRunner:
                 return
         c.starts += 1
         c.started_at, c.started_mono = now_rfc3339(), time.monotonic()
-        c.ready = False
-        for probe in (c.readiness, c.liveness):
+        c.ready, c.started = False, c.startup is None
+        for probe in (c.readiness, c.liveness, c.startup):
             if probe is not None:
                 probe.successes = probe.failures = 0
                 probe.pending = None
@@ -472,6 +480,17 @@ class PodRunner:
     # ---- probes -------------------------------------------------------------------------------
 
     def _probe(self, pod: _Pod, c: _Container, now: float) -> None:
+        if not c.started and c.startup is not None:
+            result = self._run_probe(pod, c, c.startup, now)
+            if result:
+                c.started = True
+                for probe in (c.readiness, c.liveness):
+                    if probe is not None:
+                        probe.next_at = now + float(probe.spec.get("initialDelaySeconds", 0))
+            elif result is False and c.startup.failures >= int(
+                    c.startup.spec.get("failureThreshold", 3)):
+                self._kill_unhealthy(pod, c, "startup", c.startup.failures)
+            return
         if c.readiness is None:
             c.ready = True
         else:
@@ -486,14 +505,21 @@ class PodRunner:
         if c.liveness is not None:
             result = self._run_probe(pod, c, c.liveness, now)
             threshold = int(c.liveness.spec.get("failureThreshold", 3))
-            if result is False and c.liveness.failures >= threshold and c.kill_at is None:
-                grace = float(pod.spec.get("terminationGracePeriodSeconds", 30))
-                c.restart_after_kill = pod.spec.get("restartPolicy", "Always") != "Never"
-                self._signal(c, signal.SIGTERM)
-                c.kill_at = time.monotonic() + grace
-                with c.log.open("ab") as out:
-                    out.write(f"===== liveness probe failed {c.liveness.failures} times: "
-                              "killing the container\n".encode())
+            if result is False and c.liveness.failures >= threshold:
+                self._kill_unhealthy(pod, c, "liveness", c.liveness.failures)
+
+    def _kill_unhealthy(self, pod: _Pod, c: _Container, which: str, failures: int) -> None:
+        """A failed startup or liveness probe: stop the container gracefully, then restart
+        it per restartPolicy."""
+        if c.kill_at is not None:
+            return
+        grace = float(pod.spec.get("terminationGracePeriodSeconds", 30))
+        c.restart_after_kill = pod.spec.get("restartPolicy", "Always") != "Never"
+        self._signal(c, signal.SIGTERM)
+        c.kill_at = time.monotonic() + grace
+        with c.log.open("ab") as out:
+            out.write(f"===== {which} probe failed {failures} times: "
+                      "killing the container\n".encode())
 
     def _run_probe(self, pod: _Pod, c: _Container, probe: _Probe, now: float) -> bool | None:
         """Collects a finished probe's result (None while none is due or still running)."""
@@ -544,6 +570,13 @@ class PodRunner:
             else:
                 value = expand(var.get("value", ""), declared)
             declared[var["name"]] = value
+        # A path inside the pod's volumes (HOME=/tmp on its emptyDir) means nothing to a local
+        # process: keep this machine's, so caches (the native kernel's build) are shared.
+        mounts = [m["mountPath"].rstrip("/") + "/" for m in container.get("volumeMounts") or []]
+        for name in _FILESYSTEM_VARS:
+            if name in declared and any(
+                    (declared[name].rstrip("/") + "/").startswith(m) for m in mounts):
+                declared.pop(name)
         base.update(declared)
         return base
 
@@ -659,7 +692,7 @@ class PodRunner:
             reason, message = c.waiting
             state = {"waiting": {"reason": reason, **({"message": message} if message else {})}}
         status: Json = {"name": c.name, "image": c.spec.get("image", ""), "imageID": "",
-                        "ready": c.ready, "started": c.running,
+                        "ready": c.ready, "started": c.running and c.started,
                         "restartCount": c.restart_count, "state": state}
         if c.running and c.process is not None:
             status["containerID"] = f"local://{c.process.pid}"

@@ -46,7 +46,7 @@ from tandem_engine.lifecycle import (
     Signal,
     transition_for,
 )
-from tandem_engine.model.checkpoint import load_checkpoint
+from tandem_engine.model.checkpoint import LoadProgressCallback, load_checkpoint
 from tandem_engine.model.runner import ModelRunner, num_kv_blocks, resolve_dtype
 from tandem_engine.model.sampler import Sampler
 from tandem_engine.sampling_params import SamplingParams
@@ -98,9 +98,12 @@ class LLMEngine:
         self._publish()
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, engine_config: EngineConfig) -> LLMEngine:
+    def from_checkpoint(cls, path: str | Path, engine_config: EngineConfig,
+                        progress: LoadProgressCallback | None = None) -> LLMEngine:
+        """Load the checkpoint at `path`; `progress` is told how far the load is
+        (see `load_checkpoint`)."""
         dtype = None if engine_config.dtype == "auto" else engine_config.dtype
-        model_config, tensors = load_checkpoint(path, dtype)
+        model_config, tensors = load_checkpoint(path, dtype, progress=progress)
         engine = cls(model_config, engine_config, tensors, Tokenizer.from_path(path))
         engine.set_weights(WeightIdentity(Path(path).resolve().as_uri(), "initial", 0))
         return engine

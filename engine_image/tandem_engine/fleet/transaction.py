@@ -210,7 +210,7 @@ def next_act(engine: EngineObs, goal: WeightsRef | None, inflight: InFlight,
     has). Decided from what the engine reports, so repeating it after a crash is safe."""
     state, on_goal = engine.state, goal is None or engine.version == goal.version
     if state is None or state in TRANSIENT_STATES:
-        return Act.WAIT  # unreachable, or a transition (PAUSING, SUSPENDING, ...) under way
+        return Act.WAIT  # unreachable, loading, or a transition (PAUSING, ...) under way
     if state is EngineState.RUNNING:
         if on_goal:
             if not engine.draining:

@@ -11,7 +11,8 @@ needs, so a bad checkpoint is rejected before any parameter is touched.
 Loading then checks that every weight is finite (a NaN or Inf weight never goes live; the
 cost is measured in benchmarks/weights_check.py) before it returns anything.
 Every failure is a `CheckpointError` that names the file, the tensor and what
-was expected.
+was expected. A caller that shows how far a load is (the engine process, while a
+multi-GB checkpoint loads) passes a `progress` callback; the loader itself logs nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,7 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors dtype codes a checkpoint may store weights in; they are converted on load.
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_PROBLEMS_SHOWN = 10
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
@@ -47,6 +50,45 @@ class TensorHeader:
     file: Path
     shape: tuple[int, ...]
     dtype: str  # safetensors code: F32, BF16, ...
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """How far a checkpoint load is: bytes of tensor data (as stored) and files read.
+
+    The first report (nothing done yet) comes once the checkpoint is validated, so the
+    totals are known before any tensor data is read."""
+
+    bytes_done: int
+    bytes_total: int
+    files_done: int
+    files_total: int
+
+
+LoadProgressCallback = Callable[[LoadProgress], None]
+
+
+class _ProgressCounter:
+    """Counts tensors and files as they are read and reports after each of them."""
+
+    def __init__(self, report: LoadProgressCallback | None, bytes_total: int,
+                 files_total: int) -> None:
+        self._report, self._bytes_total, self._files_total = report, bytes_total, files_total
+        self._bytes_done = self._files_done = 0
+        self._send()
+
+    def tensor_read(self, nbytes: int) -> None:
+        self._bytes_done += nbytes
+        self._send()
+
+    def file_read(self) -> None:
+        self._files_done += 1
+        self._send()
+
+    def _send(self) -> None:
+        if self._report is not None:
+            self._report(LoadProgress(self._bytes_done, self._bytes_total,
+                                      self._files_done, self._files_total))
 
 
 @dataclass(frozen=True)
@@ -68,40 +110,57 @@ def validate_checkpoint(path: str | Path, reference: ModelConfig | None = None) 
 
 def load_checkpoint(
     path: str | Path, dtype: str | None = None, *, reference: ModelConfig | None = None,
-    check_finite: bool = True,
+    check_finite: bool = True, progress: LoadProgressCallback | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Validate, then load every tensor the config needs, converted to `dtype`
     (float32, bfloat16 or float16; default: the checkpoint's dtype from config.json,
     float32 for a GGUF file, whose quantized tensors are dequantized), and check that every
     value is finite (`check_finite=False` only for the benchmark that measures its cost).
 
-    With tied embeddings no `lm_head.weight` is returned, even if the file holds one."""
-    config, tensors = _load(path, dtype, reference)
+    With tied embeddings no `lm_head.weight` is returned, even if the file holds one.
+    `progress`, when given, is called with a `LoadProgress` once the checkpoint is
+    validated, after every tensor and after every file (the finiteness check follows the
+    last report)."""
+    config, tensors = _load(path, dtype, reference, progress)
     if check_finite:
         _check_finite(path, tensors)
     return config, tensors
 
 
-def _load(path: str | Path, dtype: str | None, reference: ModelConfig | None
+def _load(path: str | Path, dtype: str | None, reference: ModelConfig | None,
+          progress: LoadProgressCallback | None,
           ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     wanted = normalize_dtype(dtype, "load_checkpoint", "dtype") if dtype else None
     if is_gguf_path(path):
         gguf = _inspect_gguf(Path(path), reference)
-        return gguf.config, gguf.load_tensors(_TORCH_DTYPES[wanted or gguf.config.dtype])
+        counter = _ProgressCounter(progress, gguf.data_bytes, 1)
+        tensors = gguf.load_tensors(_TORCH_DTYPES[wanted or gguf.config.dtype],
+                                    on_tensor=counter.tensor_read)
+        counter.file_read()
+        return gguf.config, tensors
     manifest = _inspect(Path(path), reference)
     target = _TORCH_DTYPES[wanted or manifest.config.dtype]
-    by_file: dict[Path, list[str]] = {}
+    by_file: dict[Path, list[TensorHeader]] = {}
     for header in manifest.tensors.values():
-        by_file.setdefault(header.file, []).append(header.name)
+        by_file.setdefault(header.file, []).append(header)
+    counter = _ProgressCounter(progress, sum(map(_data_bytes, manifest.tensors.values())),
+                               len(by_file))
     out: dict[str, torch.Tensor] = {}
-    for file, names in by_file.items():
+    for file, headers in by_file.items():
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in names:
-                    out[name] = f.get_tensor(name).to(target)
+                for header in headers:
+                    out[header.name] = f.get_tensor(header.name).to(target)
+                    counter.tensor_read(_data_bytes(header))
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise CheckpointError(f"{file}: cannot read tensor data ({exc})") from exc
+        counter.file_read()
     return manifest.config, out
+
+
+def _data_bytes(header: TensorHeader) -> int:
+    """Bytes of the tensor's data as stored (the dtype is one of FLOAT_DTYPES, validated)."""
+    return math.prod(header.shape) * _DTYPE_BYTES[header.dtype]
 
 
 def _check_finite(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:

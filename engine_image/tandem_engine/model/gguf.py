@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,15 @@ class GGUFCheckpoint:
     hf_config: dict[str, Any]  # what config.json of the same model says
     tensors: dict[str, GGUFTensor]
 
-    def load_tensors(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Dequantize every tensor into `dtype`, with llama.cpp's Q/K row order undone."""
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of tensor data (quantized, as stored) that `load_tensors` reads."""
+        return sum(int(t.data.nbytes) for t in self.tensors.values())
+
+    def load_tensors(self, dtype: torch.dtype, on_tensor: Callable[[int], None] | None = None
+                     ) -> dict[str, torch.Tensor]:
+        """Dequantize every tensor into `dtype`, with llama.cpp's Q/K row order undone.
+        `on_tensor` is told the stored bytes of each tensor once it is done."""
         c = self.config
         out: dict[str, torch.Tensor] = {}
         for name, tensor in self.tensors.items():
@@ -103,6 +111,8 @@ class GGUFCheckpoint:
             elif ".self_attn.k_proj." in name:
                 weight = unpermute_rotary_rows(weight, c.num_kv_heads)
             out[name] = weight.to(dtype).contiguous()
+            if on_tensor is not None:
+                on_tensor(int(tensor.data.nbytes))
         return out
 
 

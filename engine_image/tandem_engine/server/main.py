@@ -1,5 +1,9 @@
 """`tandem-engine`: one engine process — the model, a ZMQ socket for routers, the admin API.
 
+The admin HTTP API (and `--metrics-port`) answers from the start: while the checkpoint
+loads, /healthz is 200, /readyz 503 and /v1/state says LOADING with the load's progress
+(server/loading.py); the ZMQ socket binds once the engine exists. A failed load exits 2.
+
 The ZMQ socket authenticates routers with CURVE when the environment holds the pool's
 keys (`tandem_engine.zmq_auth`); refits read checkpoints only inside `--weights-root`;
 `--metrics-port` serves metrics and probes read-only, apart from the admin API.
@@ -35,14 +39,25 @@ from tandem_engine.config import (
     MAX_KV_QUARANTINE_TTL_S,
 )
 from tandem_engine.lifecycle import EngineRole
+from tandem_engine.server.loading import (
+    TEST_LOAD_DELAY_ENV,
+    LoadingEngine,
+    ModelLoad,
+    test_load_delay,
+)
 from tandem_engine.server.weights_roots import WeightsRoots
+from tandem_engine.weights import WeightIdentity
 from tandem_engine.zmq_auth import CurveServer, engine_curve, unauthenticated_warning
 
 log = logging.getLogger("tandem_engine.server.main")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem-engine", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="tandem-engine", description=__doc__.split("\n")[0],
+        epilog=f"Test knob, for tests only: ${TEST_LOAD_DELAY_ENV}=SECONDS makes the model "
+               "load wait that long once the checkpoint is validated, before any tensor "
+               "data is read, to simulate a slow load (e.g. a multi-GB checkpoint).")
     p.add_argument("--model", required=True,
                    help="checkpoint: a HuggingFace-format folder or a GGUF file")
     p.add_argument("--served-model-name", default=None,
@@ -109,22 +124,83 @@ def _read_token(path: Path | None) -> str | None:
     return token
 
 
+class _HttpServers:
+    """The admin (and metrics) HTTP servers: up from the start with the loading apps
+    (server/loading.py), switched to the full apps once the engine exists."""
+
+    def __init__(self, ports: dict[str, int], host: str, loading_apps: dict) -> None:
+        import uvicorn
+
+        from tandem_engine.server.loading import SwappableApp
+
+        self.apps = {name: SwappableApp(loading_apps[name]) for name in ports}
+        self.servers = [uvicorn.Server(uvicorn.Config(self.apps[name], host=host, port=port,
+                                                      log_level="warning", lifespan="off"))
+                        for name, port in ports.items()]
+        # Each server runs on its own thread and loop: off the main thread uvicorn leaves
+        # SIGTERM/SIGINT alone, and a slow admin call never delays socket I/O.
+        self.threads = [threading.Thread(target=lambda s=server: asyncio.run(s.serve()),
+                                         name=f"{name}-http", daemon=True)
+                        for name, server in zip(ports, self.servers, strict=True)]
+        for thread in self.threads:
+            thread.start()
+
+    def switch(self, full_apps: dict) -> None:
+        for name, app in full_apps.items():
+            self.apps[name].app = app
+
+    def should_exit(self) -> None:
+        for server in self.servers:
+            server.should_exit = True
+
+    async def stop(self) -> None:
+        self.should_exit()
+        for thread in self.threads:
+            await asyncio.to_thread(thread.join, 5)
+
+
 async def _run(args: argparse.Namespace, curve: CurveServer | None,
-               roots: WeightsRoots) -> int:
+               roots: WeightsRoots, load_delay_s: float) -> int:
+    from tandem_engine.server.loading import build_loading_app
+
+    token = _read_token(args.admin_token_file)
+    if curve is None:
+        log.warning("%s", unauthenticated_warning(args.port))
+    loading = LoadingEngine(
+        args.engine_id or f"{socket.gethostname()}:{args.port}", args.role,
+        args.served_model_name or Path(args.model).name,
+        WeightIdentity(Path(args.model).resolve().as_uri(), args.weight_version,
+                       args.weight_epoch))
+    # Probes, state and load progress are served before the model loads; the ZMQ socket
+    # binds only once the engine exists (routers connect when it is there).
+    load = ModelLoad(args.model, test_delay_s=load_delay_s)
+    ports = {"admin": args.admin_port}
+    if args.metrics_port is not None:
+        ports["metrics"] = args.metrics_port
+    http = _HttpServers(ports, args.host, {
+        name: build_loading_app(loading, load, admin=name == "admin") for name in ports})
+    log.info("engine %s loading %s: admin http://%s:%d%s", loading.engine_id, args.model,
+             args.host, args.admin_port, "" if args.metrics_port is None
+             else f", metrics http://{args.host}:{args.metrics_port}")
+    try:
+        return await _load_and_serve(args, curve, roots, token, loading, load, http)
+    finally:  # a failed load ends the process: its probes must not outlive it
+        await http.stop()
+
+
+async def _load_and_serve(args: argparse.Namespace, curve: CurveServer | None,
+                          roots: WeightsRoots, token: str | None, loading: LoadingEngine,
+                          load: ModelLoad, http: _HttpServers) -> int:
+    """Load the model, switch the HTTP servers to the full apps, serve until stopped."""
     import torch
-    import uvicorn
 
     from tandem_engine.config import EngineConfig
     from tandem_engine.engine.llm_engine import LLMEngine
     from tandem_engine.server.admin import build_admin_app, build_metrics_app, engine_registry
     from tandem_engine.server.control import EngineControl
     from tandem_engine.server.worker import EngineWorker
-    from tandem_engine.weights import WeightIdentity
 
     torch.set_num_threads(args.threads)
-    token = _read_token(args.admin_token_file)
-    if curve is None:
-        log.warning("%s", unauthenticated_warning(args.port))
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_blocks=args.num_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -132,11 +208,11 @@ async def _run(args: argparse.Namespace, curve: CurveServer | None,
         max_model_len=args.max_model_len, dtype=args.dtype, kernels=args.kernels,
         seed=args.seed, kv_pin_ttl_s=args.kv_pin_ttl,
         kv_quarantine_ttl_s=args.kv_quarantine_ttl)
-    log.info("loading %s", args.model)
-    engine = await asyncio.to_thread(LLMEngine.from_checkpoint, args.model, config)
-    engine.set_weights(WeightIdentity(Path(args.model).resolve().as_uri(),
-                                      args.weight_version, args.weight_epoch))
-    engine_id = args.engine_id or f"{socket.gethostname()}:{args.port}"
+    engine = await asyncio.to_thread(LLMEngine.from_checkpoint, args.model, config,
+                                     load.report)
+    engine.set_weights(loading.weights)
+    log.info("loaded %s in %.1f s", args.model, load.as_dict()["seconds"])
+    engine_id = loading.engine_id
     transfer = None
     if args.role != "mixed":  # prefill and decode engines hand KV over with NIXL
         from tandem_engine.transfer import NixlBackend
@@ -144,8 +220,7 @@ async def _run(args: argparse.Namespace, curve: CurveServer | None,
         # The agent is named after the engine: a restarted engine (same id, new process)
         # replaces its stale self in every decode engine's peer table.
         transfer = NixlBackend(engine_id)
-    worker = EngineWorker(engine, engine_id=engine_id,
-                          model_name=args.served_model_name or Path(args.model).name,
+    worker = EngineWorker(engine, engine_id=engine_id, model_name=loading.model_name,
                           role=args.role, heartbeat_interval=args.heartbeat_interval,
                           transfer=transfer, pull_timeout=args.pull_timeout,
                           router_timeout=args.router_timeout)
@@ -153,18 +228,9 @@ async def _run(args: argparse.Namespace, curve: CurveServer | None,
     shutdown = asyncio.Event()
     control = EngineControl(worker, roots)
     registry = engine_registry(worker)
-    apps = {"admin": (build_admin_app(control, token, registry), args.admin_port)}
+    full = {"admin": build_admin_app(control, token, registry)}
     if args.metrics_port is not None:
-        apps["metrics"] = (build_metrics_app(control, registry), args.metrics_port)
-    servers = [uvicorn.Server(uvicorn.Config(app, host=args.host, port=port,
-                                             log_level="warning", lifespan="off"))
-               for app, port in apps.values()]
-    # Each HTTP server runs on its own thread and loop: off the main thread uvicorn
-    # leaves SIGTERM/SIGINT alone, and a slow admin call never delays socket I/O.
-    threads = [threading.Thread(target=lambda s=server: asyncio.run(s.serve()),
-                                name=f"{name}-http", daemon=True)
-               for name, server in zip(apps, servers, strict=True)]
-
+        full["metrics"] = build_metrics_app(control, registry)
     loop = asyncio.get_running_loop()
     stopping = False
     background: set[asyncio.Task] = set()
@@ -179,8 +245,7 @@ async def _run(args: argparse.Namespace, curve: CurveServer | None,
 
         async def drain_then_stop() -> None:
             await asyncio.to_thread(worker.drain, args.shutdown_grace)
-            for server in servers:
-                server.should_exit = True
+            http.should_exit()
             shutdown.set()
 
         task = loop.create_task(drain_then_stop())
@@ -192,17 +257,16 @@ async def _run(args: argparse.Namespace, curve: CurveServer | None,
 
     serving = asyncio.create_task(worker.serve(f"tcp://{args.host}:{args.port}", shutdown,
                                                curve))
-    for thread in threads:
-        thread.start()
+    # Switch to the full apps once the stepping thread runs: /healthz never sees a
+    # worker that has not started yet.
+    while not worker.alive and not serving.done():
+        await asyncio.sleep(0.01)
+    http.switch(full)
     log.info("engine %s ready: zmq tcp://%s:%d (%s), admin http://%s:%d%s", engine_id,
              args.host, args.port, "CURVE" if curve else "unauthenticated", args.host,
              args.admin_port, "" if args.metrics_port is None
              else f", metrics http://{args.host}:{args.metrics_port}")
     await serving
-    for server in servers:
-        server.should_exit = True
-    for thread in threads:
-        await asyncio.to_thread(thread.join, 5)
     log.info("engine %s stopped", engine_id)
     return 0
 
@@ -218,7 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.metrics_port in (args.port, args.admin_port):
             raise ValueError(f"--metrics-port {args.metrics_port}: give a port apart from "
                              "--port and --admin-port")
-        return asyncio.run(_run(args, curve, roots))
+        load_delay_s = test_load_delay()
+        return asyncio.run(_run(args, curve, roots, load_delay_s))
     except Exception as exc:  # report a startup failure in one line, not a traceback
         from tandem_engine.errors import TandemError
 

@@ -1,0 +1,188 @@
+"""The engine process before its engine exists: probes, state and progress while it loads.
+
+Kubernetes probes a pod from the moment it starts, and a multi-GB checkpoint takes
+minutes to load. So the admin (and metrics) HTTP servers start first, serving the apps
+built here: `/healthz` 200, `/readyz` 503, `GET /v1/state` in state LOADING with the
+load's progress, `/metrics` with the bytes loaded; every mutating admin call gets 503
+(nothing to signal yet). Once the engine is built, `SwappableApp` switches each server
+to the full app (server/admin.py) without restarting it. A failed load ends the process
+(non-zero exit), so `/healthz` never stays 200 for an engine that will not come.
+
+`ModelLoad` is the load's progress: written by the loading thread through the loader's
+callback, read by the HTTP threads, and logged at most every few seconds and per file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from tandem_engine.lifecycle import EngineState
+from tandem_engine.weights import WeightIdentity
+
+if TYPE_CHECKING:
+    from tandem_engine.model.checkpoint import LoadProgress
+
+log = logging.getLogger("tandem_engine.server.loading")
+
+# A test knob, nothing else: seconds the load waits once the checkpoint is validated
+# (its totals known) and before any tensor data is read, to simulate a slow load.
+TEST_LOAD_DELAY_ENV = "TANDEM_TEST_LOAD_DELAY_S"
+MAX_TEST_LOAD_DELAY_S = 3600.0
+LOG_EVERY_S = 5.0
+
+
+def test_load_delay() -> float:
+    """`$TANDEM_TEST_LOAD_DELAY_S` in seconds (0 when unset); ValueError when malformed."""
+    raw = os.environ.get(TEST_LOAD_DELAY_ENV, "").strip()
+    if not raw:
+        return 0.0
+    try:
+        delay = float(raw)
+    except ValueError:
+        delay = -1.0
+    if not 0.0 <= delay <= MAX_TEST_LOAD_DELAY_S:
+        raise ValueError(f"${TEST_LOAD_DELAY_ENV}={raw!r}: give seconds from 0 to "
+                         f"{MAX_TEST_LOAD_DELAY_S:.0f} (a test knob; unset it in production)")
+    return delay
+
+
+class ModelLoad:
+    """Progress of the checkpoint load at startup. `report` is the loader's callback."""
+
+    def __init__(self, source: str, test_delay_s: float = 0.0) -> None:
+        self.source = source
+        self.test_delay_s = test_delay_s
+        self.started = time.monotonic()
+        self._progress: LoadProgress | None = None
+        self._lock = threading.Lock()
+        self._last_log, self._files_logged = 0.0, -1  # a line per file, else every few s
+
+    def report(self, progress: LoadProgress) -> None:
+        with self._lock:
+            first, self._progress = self._progress is None, progress
+        now = time.monotonic()
+        if progress.files_done != self._files_logged or now - self._last_log >= LOG_EVERY_S:
+            self._files_logged, self._last_log = progress.files_done, now
+            log.info("loading %s: %s after %.1f s", self.source, describe(progress),
+                     now - self.started)
+        if first and self.test_delay_s > 0:
+            log.warning("test knob %s: waiting %.1f s before reading tensor data",
+                        TEST_LOAD_DELAY_ENV, self.test_delay_s)
+            time.sleep(self.test_delay_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The `loading` object of `GET /v1/state` (totals 0 until the checkpoint is
+        validated)."""
+        with self._lock:
+            p = self._progress
+        done = (p.bytes_done, p.bytes_total, p.files_done, p.files_total) if p else (0,) * 4
+        return {"bytes_done": done[0], "bytes_total": done[1], "files_done": done[2],
+                "files_total": done[3],
+                "seconds": round(time.monotonic() - self.started, 1)}
+
+
+def describe(p: LoadProgress) -> str:
+    share = f" ({100 * p.bytes_done / p.bytes_total:.0f}%)" if p.bytes_total else ""
+    return (f"{_size(p.bytes_done)} of {_size(p.bytes_total)}{share}, "
+            f"{p.files_done} of {p.files_total} files")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+@dataclass(frozen=True)
+class LoadingEngine:
+    """What the process already knows about the engine it is loading."""
+
+    engine_id: str
+    role: str
+    model_name: str
+    weights: WeightIdentity
+
+    def status(self, load: ModelLoad) -> dict[str, Any]:
+        """`GET /v1/state` while loading: the keys every reader of the full status relies
+        on (state, weights, counts, draining), plus `loading`."""
+        w = self.weights
+        return {"engine_id": self.engine_id, "role": self.role, "model": self.model_name,
+                "state": str(EngineState.LOADING), "weight_version": w.version,
+                "weight_epoch": w.epoch, "weight_uri": w.uri, "num_running": 0,
+                "num_waiting": 0, "kv_usage": 0.0, "draining": False, "unhealthy": None,
+                "loading": load.as_dict()}
+
+
+class SwappableApp:
+    """An ASGI app whose target is replaced once the engine is loaded (a running uvicorn
+    server keeps its socket; each request goes to the app current when it arrives)."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)
+
+
+def build_loading_app(engine: LoadingEngine, load: ModelLoad, *, admin: bool) -> FastAPI:
+    """The probes and metrics while loading; with `admin`, also `GET /v1/state` and a 503
+    for every mutating call (all of them are POSTs)."""
+    app = FastAPI(title="tandem-engine (loading)", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_LoadCollector(engine.engine_id, load))
+
+    @app.get("/healthz")
+    def healthz() -> JSONResponse:
+        return JSONResponse({"status": "loading", "loading": load.as_dict()})
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        return JSONResponse({"ready": False, "state": str(EngineState.LOADING)},
+                            status_code=503)
+
+    @app.get("/metrics")
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(registry).decode(),
+                                 media_type="text/plain; version=0.0.4")
+
+    if not admin:
+        return app
+
+    @app.get("/v1/state")
+    def state() -> dict[str, Any]:
+        return engine.status(load)
+
+    @app.post("/{path:path}")
+    def not_yet(path: str) -> JSONResponse:
+        loading = load.as_dict()
+        done = f"{_size(loading['bytes_done'])} of {_size(loading['bytes_total'])}"
+        message = (f"engine {engine.engine_id} is still loading its model ({done} after "
+                   f"{loading['seconds']:.0f} s): POST /{path} is possible once GET /readyz "
+                   "answers 200; GET /v1/state shows the progress")
+        return JSONResponse({"error": {"message": message, "code": 503}}, status_code=503,
+                            headers={"Retry-After": "5"})
+
+    return app
+
+
+class _LoadCollector:
+    def __init__(self, engine_id: str, load: ModelLoad) -> None:
+        self.engine_id, self.load = engine_id, load
+
+    def collect(self):
+        loading = self.load.as_dict()
+        for name, doc, key in (
+                ("tandem_model_load_done_bytes", "Checkpoint bytes loaded so far", "bytes_done"),
+                ("tandem_model_load_size_bytes", "Checkpoint bytes to load", "bytes_total")):
+            g = GaugeMetricFamily(name, doc, labels=["engine_id"])
+            g.add_metric([self.engine_id], loading[key])
+            yield g
