@@ -55,3 +55,27 @@ def test_paged_attention_equals_dense_attention(backend: str, dtype: torch.dtype
         got = out[row:row + len(q)].float()
         assert torch.allclose(got, expected, atol=tol), (got - expected).abs().max()
         row += len(q)
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_block_the_next_load() -> None:
+    """torch's build lock survives a build killed midway; the next engine must not wait
+    on it forever (it did: engines never became ready)."""
+    import fcntl
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tandem_engine.model import native
+
+    paged_decode_kernel()  # built (or loaded) once, so the folder exists
+    build_dir = next(Path(m.__file__).parent for m in [native._module])
+    with open(build_dir / "tandem-build.flock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # nobody builds while the stale lock is made
+        (build_dir / "lock").write_text("")
+        fcntl.flock(guard, fcntl.LOCK_UN)
+    done = subprocess.run(
+        [sys.executable, "-c", "from tandem_engine.model.native import paged_decode_kernel;"
+                               "paged_decode_kernel(); print('loaded')"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr
+    assert not (build_dir / "lock").exists()

@@ -9,12 +9,14 @@ it under ~/.cache/torch_extensions) needs a C++ compiler and ninja.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import sys
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -49,12 +51,12 @@ def paged_decode_kernel() -> ModuleType:
             source = _SOURCE.read_text()
             # Named by content: every checkout of the same source shares one build.
             name = "tandem_paged_decode_" + hashlib.sha256(source.encode()).hexdigest()[:12]
-            _clear_stale_lock(Path(_get_build_directory(name, verbose=False)))
             log.info("loading the native decode-attention kernel (the first build on a "
                      "machine takes about 30 s)")
-            _module = load_inline(name=name, cpp_sources=[source],
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                                  extra_ldflags=["-fopenmp"], verbose=False)
+            with _builder_lock(Path(_get_build_directory(name, verbose=False))):
+                _module = load_inline(name=name, cpp_sources=[source],
+                                      extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                                      extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as exc:  # a compiler or ninja problem: report it, keep the cause
             _error = (f"building the native decode-attention kernel from {_SOURCE} failed "
                       f"({type(exc).__name__}: {exc}); install a C++ compiler and ninja, or "
@@ -63,13 +65,22 @@ def paged_decode_kernel() -> ModuleType:
         return _module
 
 
-def _clear_stale_lock(build_dir: Path, max_age_s: float = 600.0) -> None:
-    """A build killed midway leaves torch's lock file behind, and every later load would
-    wait on it forever; a lock older than any real build is removed."""
-    lock = build_dir / "lock"
-    try:
-        if time.time() - lock.stat().st_mtime > max_age_s:
-            log.warning("removing a stale kernel build lock %s", lock)
-            os.unlink(lock)
-    except FileNotFoundError:
-        pass
+@contextlib.contextmanager
+def _builder_lock(build_dir: Path) -> Iterator[None]:
+    """One process at a time builds or loads the kernel of a build folder, under an
+    `flock` that the kernel releases when its holder dies. torch's own lock file
+    (`build_dir/lock`) is not released by a build killed midway, and every later load
+    would wait on it forever; under our lock no live builder can hold it, so one found
+    there is stale and is removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "tandem-build.flock", "a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # a live builder: wait for its build
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing a kernel build lock left by a build that died: %s",
+                            stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
