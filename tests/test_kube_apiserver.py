@@ -517,7 +517,9 @@ def test_crd_is_served_with_printer_columns(cluster: TestCluster) -> None:
     name = pool["metadata"]["name"]
     cluster.kubectl("patch", "ipool", name, "--subresource=status", "--type=merge", "-p",
                          json.dumps({"status": {
-                             "conditions": [{"type": "Ready", "status": "True"}],
+                             "conditions": [{"type": "Ready", "status": "True",
+                                             "reason": "Serving", "message": "ok",
+                                             "lastTransitionTime": "2026-12-01T00:00:00Z"}],
                              "prefill": {"ready": 1}, "decode": {"ready": 1},
                              "weights": {"current": "v1", "target": "v1"},
                              "refit": {"phase": "Succeeded"}}}))
