@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 LONG = {"max_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
 ROUTER_TIMEOUT = 1.0
+MAX_ROUTERS = 64  # small, so a flood overfills the table on any machine's speed
 ROUTERS = 'tandem_routers{engine_id="e0"}'
 ABORTED = 'tandem_requests_finished_total{engine_id="e0",reason="abort"}'
 
@@ -29,7 +30,8 @@ ABORTED = 'tandem_requests_finished_total{engine_id="e0",reason="abort"}'
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     proc = EngineProcess(tiny_llama, tmp_path_factory.mktemp("engine"), "--heartbeat-interval",
-                         "0.25", "--router-timeout", str(ROUTER_TIMEOUT))
+                         "0.25", "--router-timeout", str(ROUTER_TIMEOUT),
+                         "--max-routers", str(MAX_ROUTERS))
     yield proc
     proc.close()
 
@@ -75,7 +77,7 @@ def test_a_flood_of_hellos_is_bounded_then_forgotten(engine: EngineProcess) -> N
     ctx = zmq.Context()
     ctx.max_sockets = 1000
     hello = p.encode(p.Hello(p.PROTOCOL_VERSION, "fake"))
-    for batch in range(45):  # 9,000 routers that say HELLO, get WELCOME and vanish
+    for batch in range(3):  # 600 routers that say HELLO, get WELCOME and vanish
         socks = []
         for i in range(200):
             sock = ctx.socket(zmq.DEALER)
@@ -86,9 +88,9 @@ def test_a_flood_of_hellos_is_bounded_then_forgotten(engine: EngineProcess) -> N
         for sock in socks:
             assert sock.poll(10_000), "no WELCOME"
             sock.close(linger=0)
-        assert metric(engine, ROUTERS) <= 1024
+        assert metric(engine, ROUTERS) <= MAX_ROUTERS
     ctx.term()
-    assert "forgotten: more than 1024 routers" in engine.log.read_text()
+    assert f"forgotten: more than {MAX_ROUTERS} routers" in engine.log.read_text()
     deadline = time.monotonic() + ROUTER_TIMEOUT + 10
     while metric(engine, ROUTERS) > 0:
         assert time.monotonic() < deadline, "the fake routers are never forgotten"

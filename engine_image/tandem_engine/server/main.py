@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-timeout", type=float, default=10.0,
                    help="forget a router silent this long (no PING, HELLO, SUBMIT or "
                         "ABORT) and abort its requests (s)")
+    p.add_argument("--max-routers", type=int, default=1024,
+                   help="routers remembered at once; a new one beyond this evicts the "
+                        "least recently heard (default 1024)")
     p.add_argument("--pull-timeout", type=float, default=10.0,
                    help="decode: deadline of one KV pull from a prefill engine (s)")
     p.add_argument("--kv-pin-ttl", type=float, default=float(DEFAULT_KV_PIN_TTL_S),
@@ -223,7 +226,8 @@ async def _load_and_serve(args: argparse.Namespace, curve: CurveServer | None,
     worker = EngineWorker(engine, engine_id=engine_id, model_name=loading.model_name,
                           role=args.role, heartbeat_interval=args.heartbeat_interval,
                           transfer=transfer, pull_timeout=args.pull_timeout,
-                          router_timeout=args.router_timeout)
+                          router_timeout=args.router_timeout,
+                          max_routers=args.max_routers)
 
     shutdown = asyncio.Event()
     control = EngineControl(worker, roots)

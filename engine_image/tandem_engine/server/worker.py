@@ -136,7 +136,7 @@ class EngineWorker:
             raise ValueError(f"router timeout {router_timeout} s must exceed the heartbeat "
                              f"interval {heartbeat_interval} s (e.g. --router-timeout 10)")
         if max_routers < 1:
-            raise ValueError(f"max_routers {max_routers} must be >= 1")
+            raise ValueError(f"max routers {max_routers} must be >= 1 (e.g. --max-routers 1024)")
         self.engine = engine
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex
