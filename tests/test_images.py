@@ -1,19 +1,27 @@
-"""The container images, checked statically (no registry here: the images cannot be built).
+"""The container images, built by `make images` and checked from the inside.
 
-operator/Dockerfile must install the project with the `operator` extra and never torch, run as
-the chart's uid with `tandem-operator` as its entrypoint; engine_image/Dockerfile must install
-the pinned CPU torch before the `engine` extra and leave the command to the operator. The names
-the Dockerfiles are built under (their documented `docker build -t`) must be the ones the chart
-and the CRD default to, and every path they copy must reach the build context.
+A session fixture runs `make -s images` (cached: seconds), so this file alone builds what it
+tests. No container can be started on the test machines (the runtime cannot set rlimits or
+use cgroups), so a command runs in an image the way the test kubelet runs pods: the image's
+root filesystem from `podman image mount`, bound read-only in a private mount namespace with a
+fresh /tmp (a pod's emptyDir) and /proc, then `chroot` as the image's user with the image's
+environment. Both images must work as the chart runs them: uid 65532, read-only root.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import re
+import functools
+import json
+import platform
 import shlex
+import shutil
+import subprocess
+import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -24,175 +32,263 @@ ROOT = Path(__file__).resolve().parent.parent
 OPERATOR_DOCKERFILE = ROOT / "operator" / "Dockerfile"
 ENGINE_DOCKERFILE = ROOT / "engine_image" / "Dockerfile"
 CHART = ROOT / "charts" / "tandem"
-CRD = ROOT / "crds" / "inferencepools.tandem.dev.yaml"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 UID = "65532"
+APP_VERSION = str(yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"])
+TORCH_PIN = next(line.split("=", 1)[1] for line in ENGINE_DOCKERFILE.read_text().splitlines()
+                 if line.startswith("ARG TORCH_VERSION="))
+COMPILERS = ("gcc", "g++", "cc", "c++", "cpp", "clang", "*-gcc", "*-gcc-*", "*-g++", "*-g++-*")
 
 
 @dataclass(frozen=True)
-class Instruction:
-    keyword: str  # upper case: FROM, RUN, COPY, ...
-    text: str  # the rest, continuation lines joined, ARG defaults substituted
+class Image:
+    name: str
+    config: dict[str, Any]  # podman image inspect: Config (User, Env, Labels, ...)
+    size: int
+    rootfs: Path  # the mounted root filesystem; read it, never write it
+
+    def run(self, *argv: str, env: dict[str, str] | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """`argv` in the image as its user, root filesystem read-only, /tmp a fresh tmpfs."""
+        environment = dict(e.split("=", 1) for e in self.config.get("Env") or [])
+        environment.update(env or {})
+        workdir = self.config.get("WorkingDir") or "/"
+        script = ('set -e; r="$1"; shift; mount --bind "$r" "$r"; '
+                  'mount -o remount,bind,ro "$r"; '
+                  'mount -t tmpfs -o mode=1777 tmpfs "$r/tmp"; mount -t proc proc "$r/proc"; '
+                  'exec chroot --userspec="$USERSPEC" "$r" "$@"')
+        command = ["unshare", "--mount", "--pid", "--fork", "sh", "-c", script, "sh",
+                   str(self.rootfs), "/usr/bin/env", "-i", "-C", workdir,
+                   *(f"{k}={v}" for k, v in environment.items()), *argv]
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+                                   "USERSPEC": self.config["User"]}, check=False)
+
+    def python(self, code: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return self.run("python3", "-c", textwrap.dedent(code), **kwargs)
 
 
-def parse(path: Path) -> list[Instruction]:
-    """Dockerfile instructions; comment lines (also inside continuations) dropped."""
-    out: list[Instruction] = []
-    args: dict[str, str] = {}
-    pending = ""
-    for line in path.read_text().splitlines():
-        if line.lstrip().startswith("#") or not line.strip():
-            continue
-        pending += line.rstrip()
-        if pending.endswith("\\"):
-            pending = pending[:-1] + " "
-            continue
-        keyword, _, rest = pending.strip().partition(" ")
-        pending = ""
-        rest = re.sub(r"\$\{(\w+)\}|\$(\w+)",
-                      lambda m: args.get(m.group(1) or m.group(2), m.group(0)), rest.strip())
-        if keyword.upper() == "ARG" and "=" in rest:
-            name, _, default = rest.partition("=")
-            args[name] = default
-        out.append(Instruction(keyword.upper(), rest))
-    assert not pending, f"{path} ends inside a continuation line"
-    return out
+def image_name(component: str) -> str:
+    """What `make images` builds with the default REGISTRY (localhost)."""
+    return f"localhost/tandem/{component}:{APP_VERSION}"
 
 
-def final_stage(instructions: list[Instruction]) -> list[Instruction]:
-    starts = [i for i, ins in enumerate(instructions) if ins.keyword == "FROM"]
-    return instructions[starts[-1]:]
+@dataclass(frozen=True)
+class BuiltImages:
+    engine: str
+    operator: str
 
 
-def pip_installs(instructions: list[Instruction]) -> list[list[str]]:
-    """The arguments of every `pip install` in a RUN, in order."""
-    found = []
-    for ins in instructions:
-        if ins.keyword != "RUN":
-            continue
-        for command in re.split(r"&&|;", ins.text):
-            words = shlex.split(command)
-            for i, word in enumerate(words[:-1]):
-                if Path(word).name in ("pip", "pip3") and words[i + 1] == "install":
-                    found.append(words[i + 2:])
-                    break
-    return found
+@functools.cache
+def built_images() -> BuiltImages:
+    """`make -s images` once per test session (cached builds take seconds); their names.
+    Skips where podman is missing (`make test` installs it through `make image-tools`)."""
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed (`make image-tools` installs it; `make test` does)")
+    done = subprocess.run(["make", "-s", "images"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200, check=False)
+    assert done.returncode == 0, f"make images failed:\n{done.stdout}\n{done.stderr}"
+    return BuiltImages(engine=image_name("engine"), operator=image_name("operator"))
 
 
-def installed_project_extras(installs: list[list[str]]) -> list[str]:
-    """Extras of the project itself (`.[x,y]`) over every pip install."""
-    extras = []
-    for words in installs:
-        for word in words:
-            if match := re.fullmatch(r"\.\[([\w,-]+)\]", word):
-                extras += match.group(1).split(",")
-    return extras
+@pytest.fixture(scope="session")
+def built() -> Iterator[dict[str, Image]]:
+    names = built_images()
+    images = {}
+    for component in ("engine", "operator"):
+        name = getattr(names, component)
+        [inspect] = json.loads(subprocess.run(
+            ["podman", "image", "inspect", name], capture_output=True, text=True, check=True,
+            timeout=60).stdout)
+        rootfs = subprocess.run(["podman", "image", "mount", name], capture_output=True,
+                                text=True, check=True, timeout=60).stdout.strip()
+        images[component] = Image(name, inspect["Config"], inspect["Size"], Path(rootfs))
+    yield images
+    for image in images.values():
+        subprocess.run(["podman", "image", "unmount", image.name], capture_output=True,
+                       timeout=60, check=False)
 
 
-def build_tag(path: Path) -> str:
-    """The `-t` of the `docker build -f <this file>` line the header documents."""
-    rel = path.relative_to(ROOT).as_posix()
-    for line in path.read_text().splitlines():
-        if "docker build" not in line:
-            continue
-        words = shlex.split(line.lstrip("# ").rstrip("\\"))
-        if words[:2] == ["docker", "build"] and rel in words and "-t" in words:
-            return words[words.index("-t") + 1]
-    raise AssertionError(f"{rel} documents no `docker build -f {rel} -t NAME .` line")
+@pytest.fixture(scope="session")
+def engine(built: dict[str, Image]) -> Image:
+    return built["engine"]
 
 
-def label(instructions: list[Instruction], key: str) -> str:
-    for ins in final_stage(instructions):
-        if ins.keyword == "LABEL":
-            for pair in shlex.split(ins.text):
-                name, _, value = pair.partition("=")
-                if name == key:
-                    return value
-    raise AssertionError(f"no LABEL {key}")
+@pytest.fixture(scope="session")
+def operator(built: dict[str, Image]) -> Image:
+    return built["operator"]
 
 
-def chart_app_version() -> str:
-    return str(yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"])
+def site_packages(image: Image) -> Path:
+    [path] = image.rootfs.glob("opt/tandem/lib/python3*/site-packages")
+    return path
+
+
+def ok(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 0, f"rc {done.returncode}\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+# --- both images ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("component", ["engine", "operator"])
+def test_image_runs_as_the_charts_non_root_uid(built: dict[str, Image], component: str):
+    image = built[component]
+    assert image.config["User"] == f"{UID}:{UID}"
+    assert ok(image.run("id", "-u")).strip() == UID
+    security = yaml.safe_load((CHART / "values.yaml").read_text())["podSecurityContext"]
+    assert (str(security["runAsUser"]), str(security["runAsGroup"])) == (UID, UID)
+
+
+@pytest.mark.parametrize("component", ["engine", "operator"])
+def test_image_version_is_the_charts_app_version(built: dict[str, Image], component: str):
+    labels = built[component].config["Labels"]
+    assert labels["org.opencontainers.image.version"] == APP_VERSION
+    assert PYPROJECT["project"]["version"] == APP_VERSION  # one version for all three
+    assert labels["org.opencontainers.image.title"] == f"tandem-{component}"
+
+
+@pytest.mark.parametrize("component", ["engine", "operator"])
+def test_root_filesystem_is_really_read_only_in_the_check(built: dict[str, Image],
+                                                         component: str):
+    """The helper's read-only root is what makes the other checks mean a pod's conditions."""
+    done = built[component].run("sh", "-c", "touch /opt/x; echo $?; touch /tmp/x && echo tmp")
+    assert ok(done).split() == ["1", "tmp"], done.stderr
 
 
 # --- the operator image --------------------------------------------------------------------------
 
 
-def test_operator_image_installs_the_operator_extra_only():
-    installs = pip_installs(parse(OPERATOR_DOCKERFILE))
-    assert installed_project_extras(installs) == ["operator"]
+def test_operator_runs_its_command(operator: Image):
+    assert operator.config["Entrypoint"] == ["tandem-operator"]
+    assert "--all-namespaces" in ok(operator.run("tandem-operator", "--help"))
 
 
-def test_operator_image_never_installs_torch():
-    instructions = parse(OPERATOR_DOCKERFILE)
-    for words in pip_installs(instructions):
-        assert not any(re.match(r"(torch|nixl)", w) for w in words), words
-    for ins in instructions:
-        assert "torch" not in ins.text.lower(), f"{ins.keyword} {ins.text}"
-    # ...nor through the extra it installs.
-    extra = PYPROJECT["project"]["optional-dependencies"]["operator"]
-    names = {re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower() for req in extra}
-    assert not names & {"torch", "nixl-cu12", "numpy", "transformers"}, names
-
-
-def test_operator_image_runs_tandem_operator_as_the_chart_uid():
-    final = final_stage(parse(OPERATOR_DOCKERFILE))
-    [entrypoint] = [ins for ins in final if ins.keyword == "ENTRYPOINT"]
-    assert yaml.safe_load(entrypoint.text) == ["tandem-operator"]  # exec form
-    assert "tandem-operator" in PYPROJECT["project"]["scripts"]
-    users = [ins.text for ins in final if ins.keyword == "USER"]
-    assert users[-1] == f"{UID}:{UID}"
-    security = yaml.safe_load((CHART / "values.yaml").read_text())["podSecurityContext"]
-    assert (str(security["runAsUser"]), str(security["runAsGroup"])) == (UID, UID)
+def test_operator_image_has_no_torch(operator: Image):
+    done = operator.python("import torch")
+    assert done.returncode != 0 and "No module named 'torch'" in done.stderr, done.stderr
+    packages = {p.name.lower() for p in site_packages(operator).iterdir()}
+    assert not {name for name in packages if fnmatch.fnmatch(name, "torch*")
+                or fnmatch.fnmatch(name, "nixl*") or fnmatch.fnmatch(name, "numpy*")}
+    assert "kopf" in packages
 
 
 # --- the engine image ----------------------------------------------------------------------------
 
 
-def test_engine_image_installs_cpu_torch_before_the_engine_extra():
-    installs = pip_installs(parse(ENGINE_DOCKERFILE))
-    torch_at = next(i for i, words in enumerate(installs) if any(
-        w.startswith("torch==") for w in words))
-    engine_at = next(i for i, words in enumerate(installs) if ".[engine]" in words)
-    assert torch_at < engine_at
-    torch = installs[torch_at]
-    assert "torch==2.13.0" in torch
-    assert torch[torch.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
-    assert "torch==2.13.0" in (ROOT / "Makefile").read_text()  # the same pin as `make venv`
-    assert installed_project_extras(installs) == ["engine"]
+def test_engine_runs_engine_and_router(engine: Image):
+    assert not engine.config.get("Entrypoint")  # the operator sets each pod's command
+    assert "--model" in ok(engine.run("tandem-engine", "--help"))
+    assert "--discover-pool" in ok(engine.run("tandem-router", "--help"))
+    assert "models" in ok(engine.run("tandem", "--help"))
 
 
-def test_engine_image_leaves_the_command_to_the_operator():
-    instructions = parse(ENGINE_DOCKERFILE)
-    assert not [ins for ins in instructions if ins.keyword in ("ENTRYPOINT", "CMD")]
-    scripts = PYPROJECT["project"]["scripts"]
-    manifests = (ROOT / "operator" / "tandem_operator" / "manifests.py").read_text()
-    for command in ("tandem-engine", "tandem-router"):
-        assert command in scripts
-        assert f'["{command}"]' in manifests  # the pod command the operator sets
-    assert [ins.text for ins in final_stage(instructions) if ins.keyword == "USER"][-1] == (
-        f"{UID}:{UID}")
+def test_engine_image_has_no_compiler(engine: Image):
+    for folder in ("usr/bin", "usr/local/bin", "bin", "opt/tandem/bin"):
+        found = [p.name for pattern in COMPILERS for p in (engine.rootfs / folder).glob(pattern)]
+        assert not found, f"/{folder}: {found}"
+    assert not list(engine.rootfs.glob("usr/lib/gcc/*/*/cc1*"))
+    done = engine.run("sh", "-c", "for c in gcc g++ cc c++; do command -v $c; done; true")
+    assert ok(done).strip() == ""
 
 
-# --- names, versions and the build context -------------------------------------------------------
+def test_engine_image_has_the_pinned_cpu_torch(engine: Image):
+    pin = f"torch=={TORCH_PIN}"
+    assert pin in (ROOT / "Makefile").read_text()  # the same pin as `make venv`
+    packages = {p.name.lower() for p in site_packages(engine).iterdir()}
+    assert f"torch-{TORCH_PIN}+cpu.dist-info" in packages, sorted(packages)
+    assert not [name for name in packages if name.startswith("nvidia")]  # no CUDA libraries
 
 
-def test_image_names_match_the_chart_and_the_crd():
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
-    operator = f"{values['image']['repository']}:{chart_app_version()}"
-    assert build_tag(OPERATOR_DOCKERFILE) == operator
-    crd = yaml.safe_load(CRD.read_text())
-    [version] = crd["spec"]["versions"]
-    engine = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["engine"]
-    assert build_tag(ENGINE_DOCKERFILE) == engine["properties"]["image"]["default"]
+# Decode attention over a paged cache, the prebuilt kernel against plain torch; prints where
+# the kernel came from and whether anything was compiled under TMPDIR/HOME (/tmp).
+KERNEL_CHECK = """
+    import json, math, os
+    import torch
+    from tandem_engine.model import native
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block, blocks = 4, 2, 16, 4, 8
+    q = torch.randn(2, heads, dim)
+    k_cache = torch.randn(blocks, block, kv_heads, dim)
+    v_cache = torch.randn(blocks, block, kv_heads, dim)
+    tables = torch.tensor([[3, 1, 6], [0, 5, 2]], dtype=torch.long)
+    lens = torch.tensor([9, 5], dtype=torch.long)
+    scale = 1 / math.sqrt(dim)
+    out = native.paged_decode_kernel().paged_decode_attention(
+        q, k_cache, v_cache, tables, lens, scale)
+    error = 0.0
+    for b in range(2):
+        n = int(lens[b])
+        k = k_cache[tables[b]].reshape(-1, kv_heads, dim)[:n]
+        v = v_cache[tables[b]].reshape(-1, kv_heads, dim)[:n]
+        k, v = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) * scale, dim=-1)
+        ref = torch.einsum("hn,nhd->hd", weights, v)
+        error = max(error, float((out[b] - ref).abs().max()))
+    origin = native.kernel_origin()
+    print(json.dumps({"kind": origin.kind, "path": str(origin.path), "error": error,
+                      "capability": torch.backends.cpu.get_cpu_capability(),
+                      "tmp": sorted(os.listdir("/tmp"))}))
+"""
+# The prebuilt library a CPU must get, by torch's dispatch capability: AVX2 code only where
+# the CPU has it (else SIGILL), the SSE4.2 baseline elsewhere.
+X86_MARCH = {"AVX512": "x86-64-v3", "AVX2": "x86-64-v3", "DEFAULT": "x86-64-v2"}
 
 
-@pytest.mark.parametrize("dockerfile", [OPERATOR_DOCKERFILE, ENGINE_DOCKERFILE],
-                         ids=["operator", "engine"])
-def test_image_version_is_the_project_version(dockerfile: Path):
-    version = label(parse(dockerfile), "org.opencontainers.image.version")
-    assert version == PYPROJECT["project"]["version"] == chart_app_version()
-    assert build_tag(dockerfile).endswith(f":{version}")
+def test_engine_image_prebuilds_every_portable_march(engine: Image):
+    env = dict(e.split("=", 1) for e in engine.config["Env"])
+    libraries = sorted(p.name for p in (engine.rootfs / env["TANDEM_NATIVE_PREBUILT"].lstrip("/"))
+                       .iterdir())
+    marches = [name.split(".", 1)[1].removesuffix(".so") for name in libraries]
+    expected = {"x86_64": ["x86-64-v2", "x86-64-v3"], "aarch64": ["armv8-a"]}
+    assert marches == expected[platform.machine()], libraries
+
+
+@pytest.mark.parametrize("capability", [None, "default"], ids=["this-cpu", "no-avx"])
+def test_engine_loads_the_prebuilt_kernel(engine: Image, capability: str | None):
+    env = dict(e.split("=", 1) for e in engine.config["Env"])
+    result = json.loads(ok(engine.python(
+        KERNEL_CHECK, env={"ATEN_CPU_CAPABILITY": capability} if capability else None,
+    )).splitlines()[-1])
+    assert result["kind"] == "prebuilt"
+    path = Path(result["path"])
+    assert path.parent == Path(env["TANDEM_NATIVE_PREBUILT"])
+    if platform.machine() == "x86_64":
+        assert path.name.endswith(f".{X86_MARCH[result['capability']]}.so"), result
+    if capability == "default":
+        assert result["capability"] == "DEFAULT"
+    assert result["error"] < 1e-4
+    assert result["tmp"] == []  # nothing built, nothing cached: no torch_extensions
+
+
+def test_engine_jit_is_opt_in_and_needs_a_compiler(engine: Image):
+    """TANDEM_NATIVE_JIT=1 skips the prebuilt library; this image has no compiler, so the
+    JIT build fails with the error that says what to do, as the engine reports it."""
+    done = engine.python("""
+        from tandem_engine.model import native
+        try:
+            native.paged_decode_kernel()
+        except native.NativeKernelUnavailable as exc:
+            print("unavailable:", exc)
+        """, env={"TANDEM_NATIVE_JIT": "1"})
+    out = ok(done)
+    assert "unavailable: building the native decode-attention kernel" in out
+    assert "kernels='torch'" in out
+
+
+# --- the Dockerfiles' build context --------------------------------------------------------------
+
+
+def copied_sources(dockerfile: Path) -> list[str]:
+    """Sources of the COPY lines that read the build context (not --from a stage)."""
+    sources = []
+    for line in dockerfile.read_text().splitlines():
+        words = shlex.split(line) if line.startswith("COPY ") else []
+        if words and not words[1].startswith("--from"):
+            sources += words[1:-1]
+    return sources
 
 
 def dockerignore() -> list[str]:
@@ -212,16 +308,12 @@ def ignored(path: str, patterns: list[str]) -> bool:
                          ids=["operator", "engine"])
 def test_copied_paths_reach_the_build_context(dockerfile: Path):
     patterns = dockerignore()
-    copies = [ins for ins in parse(dockerfile) if ins.keyword == "COPY"
-              and not ins.text.startswith("--from")]
-    assert copies
-    for ins in copies:
-        *sources, _destination = shlex.split(ins.text)
-        for source in sources:
-            assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
-            assert not ignored(source.rstrip("/"), patterns), f"COPY {source}: .dockerignore'd"
+    sources = copied_sources(dockerfile)
+    for source in sources:
+        assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+        assert not ignored(source.rstrip("/"), patterns), f"COPY {source}: .dockerignore'd"
     # Every package root pyproject.toml names is copied (setuptools looks in each).
-    copied = {s.rstrip("/") for ins in copies for s in shlex.split(ins.text)[:-1]}
+    copied = {s.rstrip("/") for s in sources}
     assert set(PYPROJECT["tool"]["setuptools"]["packages"]["find"]["where"]) <= copied
     assert {"pyproject.toml", PYPROJECT["project"]["readme"]} <= copied
 

@@ -7,6 +7,7 @@ import base64
 import copy
 import subprocess
 import sys
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +308,19 @@ def test_refits_may_read_the_weights_mounts_and_the_listed_roots_only() -> None:
     with pytest.raises(SpecError, match=r"spec.engine.weightsRoots\[0\] = 'rel' must be an "
                                         "absolute path"):
         parse(engine={"weightsRoots": ["rel"]})
+
+
+def test_engine_image_defaults_to_the_operators(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool without spec.engine.image runs the chart's engine image (TANDEM_ENGINE_IMAGE),
+    else the locally built one of the operator's own version; its own image wins."""
+    monkeypatch.setenv("TANDEM_ENGINE_IMAGE", "ghcr.io/me/tandem/engine:1.2.3")
+    s = parse()
+    assert s.engine.image == "ghcr.io/me/tandem/engine:1.2.3"
+    assert {container(m.pod(s, g, s.weights))["image"] for g in ("prefill", "decode", "router")
+            } == {"ghcr.io/me/tandem/engine:1.2.3"}
+    assert parse(engine={"image": "other/engine:9"}).engine.image == "other/engine:9"
+    monkeypatch.delenv("TANDEM_ENGINE_IMAGE")
+    assert parse().engine.image == f"localhost/tandem/engine:{package_version('tandem')}"
 
 
 def test_init_containers_run_in_engine_and_router_pods() -> None:

@@ -7,14 +7,19 @@ means the same thing), re-checks the cross-field rules the CRD states in CEL (th
 must never act on a spec the schema would refuse), and returns frozen dataclasses.
 
 Each default is stated once here, as the dataclass field's default; the engine's own ones
-come from `tandem_engine.config` and the refit's from `tandem_engine.refit_policy`.
+come from `tandem_engine.config` and the refit's from `tandem_engine.refit_policy`. The one
+exception is spec.engine.image, which the CRD leaves unset: `default_engine_image()`, the
+chart's engine image (TANDEM_ENGINE_IMAGE), so that pools follow the operator's release.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from typing import Any, Literal
 
 from tandem_engine.config import (
@@ -75,11 +80,24 @@ class InitContainer:
 
 
 DEFAULT_STARTUP_TIMEOUT_S = 1800  # loading a multi-GB checkpoint from a network volume
+ENGINE_IMAGE_ENV = "TANDEM_ENGINE_IMAGE"  # the chart sets it from registry and engineImage
+LOCAL_ENGINE_IMAGE = "localhost/tandem/engine"  # what `make images` builds, by default
+
+
+def default_engine_image() -> str:
+    """spec.engine.image when a pool gives none: $TANDEM_ENGINE_IMAGE (the chart's
+    `registry`/`engineImage`), else the locally built image of this operator's version."""
+    if image := os.environ.get(ENGINE_IMAGE_ENV, "").strip():
+        return image
+    try:
+        return f"{LOCAL_ENGINE_IMAGE}:{package_version('tandem')}"
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return LOCAL_ENGINE_IMAGE
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    image: str = "tandem/engine:0.1.0"
+    image: str = field(default_factory=default_engine_image)
     image_pull_policy: str = "IfNotPresent"
     resources: Mapping[str, Any] | None = None
     env: tuple[Mapping[str, Any], ...] = ()
@@ -541,7 +559,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
     kv = _obj(e, "kvCache", "spec.engine")
     volumes = _volumes(e)
     engine = EngineSettings(
-        image=_str(e, "image", "spec.engine", _ENGINE.image, 512, min_len=1),
+        image=_str(e, "image", "spec.engine", default_engine_image(), 512, min_len=1),
         image_pull_policy=_str(e, "imagePullPolicy", "spec.engine", _ENGINE.image_pull_policy,
                                32, ("Always", "IfNotPresent", "Never")),
         resources=_obj(e, "resources", "spec.engine") or None,

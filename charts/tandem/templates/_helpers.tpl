@@ -112,3 +112,15 @@ grants (it does).
   resources: [customresourcedefinitions]
   verbs: [get, list, watch]
 {{- end }}
+
+{{/*
+The two images, <registry>/<repository>:<tag or appVersion>: the operator's, and the engines'
+that the operator gives pools without spec.engine.image. `make images` builds the same names.
+*/}}
+{{- define "tandem.operatorImage" -}}
+{{ .Values.registry }}/{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "tandem.engineImage" -}}
+{{ .Values.registry }}/{{ .Values.engineImage.repository }}:{{ .Values.engineImage.tag | default .Chart.AppVersion }}
+{{- end }}

@@ -1,0 +1,141 @@
+"""End to end from the built images, as a platform team meets Tandem on a cluster.
+
+Everything here runs from `make images`' output, not from this machine's venv: the test
+kubelet (image mode) mounts each pod's image from local podman storage and runs its
+command chrooted into it, as the image's user, in its own mount and pid namespaces.
+
+1. `helm install` the chart: the operator pod runs from the operator image;
+2. `kubectl apply` a pool of 1 prefill + 1 decode engine + 1 router with the engine image
+   the chart names (the operator's default); an init container of each pod writes the
+   demo checkpoints (v1, and v2 for the refit) into the pod's emptyDir with `tandem
+   demo-model`, as the quickstart does with a real model;
+3. OpenAI completions through the router pod equal the offline engine on the same
+   checkpoint written on this machine (the KV cache moved prefill → decode over NIXL);
+4. a weights-version `kubectl patch` refits both engines in place (no pod restarts), and
+   completions then equal the offline engine on v2;
+5. `helm uninstall` after the pool is deleted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+from kcluster.cluster import TestCluster
+from kcluster.fixtures import test_cluster  # noqa: F401
+from kcluster.podrunner import PodRunner
+from tandem_engine import LLM, SamplingParams
+from tandem_engine.cli.demo_model import write_demo_model
+from test_images import built_images
+from test_operator_cluster import wait_for
+from test_operator_e2e import condition, get, helm, live_pods, run_deployment
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["Hello there", "Once upon a time in a land far away"]
+SEEDS = {"v1": 0, "v2": 1}
+
+
+@pytest.fixture
+def kubelet(test_cluster: TestCluster) -> Iterator[PodRunner]:  # noqa: F811
+    runner = PodRunner(test_cluster, images=True).start()
+    try:
+        yield runner
+    finally:
+        runner.stop()
+
+
+def pool_manifest() -> str:
+    """The quickstart's pool, with the demo checkpoints instead of a download."""
+    doc = yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())
+    spec = doc["spec"]
+    spec["model"] = {"name": "demo", "weights": {"uri": "file:///models/v1", "version": "v1"}}
+    spec["engine"].pop("image", None)  # the chart's engine image, through the operator
+    spec["engine"]["resources"] = {"requests": {"cpu": "100m", "memory": "512Mi"}}
+    spec["engine"]["kvCache"] = {"numBlocks": 128}
+    spec["engine"]["initContainers"] = [{
+        "name": "demo-model",
+        "command": ["sh", "-c", " && ".join(
+            f"tandem demo-model --seed {seed} /models/{version}"
+            for version, seed in SEEDS.items())],
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}]}]
+    spec["refit"] = {"drainTimeoutSeconds": 30}
+    return yaml.safe_dump(doc)
+
+
+def offline(tmp: Path, version: str) -> list[list[int]]:
+    model = write_demo_model(tmp / version, seed=SEEDS[version])
+    outs = LLM(model).generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0,
+                                                       ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def served(client: openai.OpenAI) -> list[list[int]]:
+    return [client.completions.create(
+        model="demo", prompt=prompt, max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True}
+    ).choices[0].model_extra["token_ids"] for prompt in PROMPTS]
+
+
+def dump(cluster: TestCluster, kubelet: PodRunner) -> None:
+    for p in get(cluster, "pods")["items"]:
+        name = p["metadata"]["name"]
+        print(f"---- {name} ----\n{json.dumps(p.get('status', {}), indent=1)[-2000:]}\n"
+              f"{kubelet.logs(name)[-3000:]}")
+
+
+def test_helm_install_a_pool_completions_and_a_refit_all_from_images(
+        test_cluster: TestCluster, kubelet: PodRunner, tmp_path: Path) -> None:  # noqa: F811
+    images = built_images()
+    cluster = test_cluster
+    helm(cluster, "install", "tandem", str(ROOT / "charts" / "tandem"),
+         "--set", "replicaCount=1")
+    operator_pod = run_deployment(cluster, "tandem-operator")
+    try:
+        wait_for("the operator pod (its image) to be ready", lambda: any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in get(cluster, "pod", operator_pod).get("status", {}).get(
+                "conditions", [])), timeout=90)
+        assert get(cluster, "pod", operator_pod)["spec"]["containers"][0]["image"] == \
+            images.operator
+
+        cluster.kubectl("apply", "-f", "-", input=pool_manifest())
+        wait_for("the pool to be Ready", lambda: condition(
+            get(cluster, "ipool", "demo"), "Ready") == "True", timeout=300)
+    except AssertionError:
+        dump(cluster, kubelet)
+        raise
+    pods = {c: live_pods(cluster, c) for c in ("prefill", "decode", "router")}
+    assert {c: len(p) for c, p in pods.items()} == {"prefill": 1, "decode": 1, "router": 1}
+    for group in pods.values():
+        assert group[0]["spec"]["containers"][0]["image"] == images.engine
+
+    router_ip = kubelet.pod_ip(pods["router"][0]["metadata"]["name"])
+    client = openai.OpenAI(base_url=f"http://{router_ip}:8000/v1", api_key="x",
+                           max_retries=0, timeout=60)
+    assert served(client) == offline(tmp_path, "v1")
+
+    cluster.kubectl("patch", "ipool", "demo", "--type", "merge", "-p", json.dumps(
+        {"spec": {"model": {"weights": {"uri": "file:///models/v2", "version": "v2"}}}}))
+    try:
+        wait_for("the refit to v2", lambda: (
+            (p := get(cluster, "ipool", "demo"))["status"].get("weights", {}).get("current")
+            == "v2" and condition(p, "Refitting") != "True"), timeout=180)
+    except AssertionError:
+        dump(cluster, kubelet)
+        raise
+    assert served(client) == offline(tmp_path, "v2")
+    after = {c: live_pods(cluster, c) for c in ("prefill", "decode")}
+    for c, group in after.items():  # in place: the same pods, never restarted
+        assert [p["metadata"]["name"] for p in group] == \
+            [p["metadata"]["name"] for p in pods[c]]
+        assert group[0]["status"]["containerStatuses"][0]["restartCount"] == 0
+
+    cluster.kubectl("delete", "ipool", "demo", "--wait=false")
+    wait_for("every pod of the pool to be gone", lambda: not get(
+        cluster, "pods", "-l", "tandem.dev/pool=demo")["items"], timeout=90)
+    helm(cluster, "uninstall", "tandem")
