@@ -182,8 +182,8 @@ def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds
 
 def _writable_env() -> list[dict[str, Any]]:
     """HOME and TMPDIR on the pod's /tmp emptyDir: the root filesystem is read-only, and the
-    engine caches there (the native kernel's build under ~/.cache/torch_extensions, models
-    pulled to ~/.cache/tandem)."""
+    engine caches there (models pulled to ~/.cache/tandem; the native kernel's build under
+    ~/.cache/torch_extensions, where an image without the prebuilt kernel JIT-compiles it)."""
     return [{"name": "HOME", "value": TMP_PATH}, {"name": "TMPDIR", "value": TMP_PATH}]
 
 
