@@ -104,3 +104,20 @@ test: lint images
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR)
+
+# --- GPU machines (offline) -------------------------------------------------------------------
+#   make gpu-wheels PYVER=3.12 CUDA=13  -> on a machine with network: gpu-wheels/, the wheels a
+#                                          GPU machine's Python lacks (no torch), and Tandem's
+#   make gpu-check                      -> on the GPU machine: install them, run
+#                                          benchmarks/gpu_check.py, print one table
+#                                          (GPU_CHECK_ARGS=--cpu-dry-run: the CPU rehearsal)
+PYVER ?= 3.12
+CUDA ?= 13
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-wheels gpu-check
+
+gpu-wheels: $(BIN)/python
+	scripts/gpu-check.sh wheels $(PYVER) $(CUDA)
+
+gpu-check:
+	scripts/gpu-check.sh $(GPU_CHECK_ARGS)

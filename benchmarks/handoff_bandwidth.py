@@ -67,13 +67,14 @@ def _prefill_main(conn: Any, geometry: dict, poll_s: float, threads: int) -> Non
 class _Engine:
     """One engine process and a router-side DEALER socket to it."""
 
-    def __init__(self, model: Path, role: str, log: Path, threads: int) -> None:
+    def __init__(self, model: Path, role: str, log: Path, threads: int,
+                 extra: tuple[str, ...] | list[str] = ()) -> None:
         self.port, self.admin = free_port(), free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tandem_engine.server.main", "--model", str(model),
              "--role", role, "--engine-id", f"bench-{role}", "--port", str(self.port),
              "--admin-port", str(self.admin), "--threads", str(threads),
-             "--num-blocks", "1024", "--max-num-batched-tokens", "2048"],
+             "--num-blocks", "1024", "--max-num-batched-tokens", "2048", *extra],
             stdout=log.open("wb"), stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         deadline = time.monotonic() + 180
         while True:

@@ -29,7 +29,7 @@ from tandem_engine.config import (
 )
 from tandem_engine.fleet.transaction import Phase
 from tandem_engine.refit_policy import DEFAULT_DRAIN_TIMEOUT_S, InFlight, OnFailure, RefitStrategy
-from tandem_operator.spec import DEFAULT_STARTUP_TIMEOUT_S, ENGINE_IMAGE_ENV
+from tandem_operator.spec import DEFAULT_STARTUP_TIMEOUT_S, ENGINE_IMAGE_ENV, EngineDevice
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_PATH = ROOT / "crds" / "inferencepools.tandem.dev.yaml"
@@ -327,6 +327,7 @@ DOCUMENTED_DEFAULTS = {
         "maxNumSeqs": 64,
         "maxNumBatchedTokens": 512,
         "threads": 1,
+        "device": "Auto",
         "startupTimeoutSeconds": 1800,
         "rdma": {"ipcLock": False},  # no capability unless asked for
     },
@@ -389,6 +390,7 @@ OWNED_DEFAULTS = [
     ("spec.engine.maxNumSeqs", DEFAULT_MAX_NUM_SEQS),
     ("spec.engine.maxNumBatchedTokens", DEFAULT_MAX_NUM_BATCHED_TOKENS),
     ("spec.engine.threads", DEFAULT_THREADS),
+    ("spec.engine.device", EngineDevice.AUTO.value),
     ("spec.engine.startupTimeoutSeconds", DEFAULT_STARTUP_TIMEOUT_S),
     ("spec.kvTransfer.pinTTLSeconds", DEFAULT_KV_PIN_TTL_S),
     ("spec.refit.drainTimeoutSeconds", DEFAULT_DRAIN_TIMEOUT_S),
@@ -397,6 +399,7 @@ OWNED_DEFAULTS = [
     ("spec.refit.onFailure", OnFailure.ROLLBACK.value),
 ]
 OWNED_ENUMS = [
+    ("spec.engine.device", EngineDevice),
     ("spec.refit.strategy", RefitStrategy),
     ("spec.refit.inflight", InFlight),
     ("spec.refit.onFailure", OnFailure),

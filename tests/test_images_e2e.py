@@ -14,14 +14,23 @@ command chrooted into it, as the image's user, in its own mount and pid namespac
 4. a weights-version `kubectl patch` refits both engines in place (no pod restarts), and
    completions then equal the offline engine on v2;
 5. `helm uninstall` after the pool is deleted.
+
+Meanwhile a second pool, `slow`, whose engine takes 120 s to load (the engine's test knob
+TANDEM_TEST_LOAD_DELAY_S), shows that a long load is not killed: its pod runs, answering
+/healthz, LOADING and not Ready, for two minutes under the default startup probe, then
+turns Ready without a restart. (Under the old liveness probe, 30 s delay + 6 × 10 s, it
+died at ~90 s.) It loads while the demo pool is exercised, so the wait costs little.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import yaml
@@ -38,6 +47,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Hello there", "Once upon a time in a land far away"]
 SEEDS = {"v1": 0, "v2": 1}
+SLOW_LOAD_S = 120
 
 
 @pytest.fixture
@@ -49,9 +59,11 @@ def kubelet(test_cluster: TestCluster) -> Iterator[PodRunner]:  # noqa: F811
         runner.stop()
 
 
-def pool_manifest() -> str:
-    """The quickstart's pool, with the demo checkpoints instead of a download."""
+def pool_manifest(name: str = "demo", load_delay_s: int = 0) -> str:
+    """The quickstart's pool, with the demo checkpoints instead of a download (`slow`: one
+    mixed engine whose load takes `load_delay_s`, and its router)."""
     doc = yaml.safe_load((ROOT / "examples" / "inferencepool.yaml").read_text())
+    doc["metadata"]["name"] = name
     spec = doc["spec"]
     spec["model"] = {"name": "demo", "weights": {"uri": "file:///models/v1", "version": "v1"}}
     spec["engine"].pop("image", None)  # the chart's engine image, through the operator
@@ -64,7 +76,29 @@ def pool_manifest() -> str:
             for version, seed in SEEDS.items())],
         "volumeMounts": [{"name": "models", "mountPath": "/models"}]}]
     spec["refit"] = {"drainTimeoutSeconds": 30}
+    if load_delay_s:
+        spec["engine"]["env"] = [{"name": "TANDEM_TEST_LOAD_DELAY_S",
+                                  "value": str(load_delay_s)}]
+        spec["prefill"]["replicas"] = 0
     return yaml.safe_dump(doc)
+
+
+def engine_pod(cluster: TestCluster, pool: str) -> dict | None:
+    items = get(cluster, "pods", "-l",
+                f"tandem.dev/pool={pool},app.kubernetes.io/component=decode")["items"]
+    return items[0] if items else None
+
+
+def pod_ready(pod: dict) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True"
+               for c in pod.get("status", {}).get("conditions", []))
+
+
+def get_ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def offline(tmp: Path, version: str) -> list[list[int]]:
@@ -103,6 +137,20 @@ def test_helm_install_a_pool_completions_and_a_refit_all_from_images(
         assert get(cluster, "pod", operator_pod)["spec"]["containers"][0]["image"] == \
             images.operator
 
+        cluster.kubectl("apply", "-f", "-", input=pool_manifest("slow", SLOW_LOAD_S))
+        slow_applied = time.monotonic()
+        slow = wait_for("the slow pool's engine pod to run", lambda: (
+            p if (p := engine_pod(cluster, "slow")) and kubelet.pod_ip(p["metadata"]["name"])
+            and p.get("status", {}).get("phase") == "Running" else None), timeout=90)
+        slow_name = slow["metadata"]["name"]
+        slow_ip = kubelet.pod_ip(slow_name)
+        wait_for("the slow engine to answer /healthz while it loads", lambda: get_ok(
+            f"http://{slow_ip}:8080/healthz"), timeout=60)
+        token = base64.b64decode(get(cluster, "secret", "slow-admin-token")["data"]["token"])
+        state = httpx.get(f"http://{slow_ip}:8080/v1/state", timeout=5,
+                          headers={"Authorization": f"Bearer {token.decode()}"}).json()
+        assert state["state"] == "LOADING", state
+
         cluster.kubectl("apply", "-f", "-", input=pool_manifest())
         wait_for("the pool to be Ready", lambda: condition(
             get(cluster, "ipool", "demo"), "Ready") == "True", timeout=300)
@@ -135,7 +183,27 @@ def test_helm_install_a_pool_completions_and_a_refit_all_from_images(
             [p["metadata"]["name"] for p in pods[c]]
         assert group[0]["status"]["containerStatuses"][0]["restartCount"] == 0
 
-    cluster.kubectl("delete", "ipool", "demo", "--wait=false")
-    wait_for("every pod of the pool to be gone", lambda: not get(
-        cluster, "pods", "-l", "tandem.dev/pool=demo")["items"], timeout=90)
+    # The slow pool: still loading (if the demo was quick), never restarted, then Ready.
+    loaded_at = slow_applied + SLOW_LOAD_S
+    if time.monotonic() < loaded_at - 15:
+        pod = engine_pod(cluster, "slow")
+        assert pod["metadata"]["name"] == slow_name and not pod_ready(pod)
+        assert condition(get(cluster, "ipool", "slow"), "Ready") != "True"
+    try:
+        slow_pool = wait_for("the slow pool to be Ready once loaded", lambda: (
+            p if condition(p := get(cluster, "ipool", "slow"), "Ready") == "True" else None),
+            timeout=max(loaded_at - time.monotonic(), 0) + 90)
+    except AssertionError:
+        dump(cluster, kubelet)
+        raise
+    assert time.monotonic() - slow_applied >= SLOW_LOAD_S
+    pod = engine_pod(cluster, "slow")
+    assert pod["metadata"]["name"] == slow_name, "the slow engine's pod was replaced"
+    assert [c["restartCount"] for c in pod["status"]["containerStatuses"]] == [0]
+    assert slow_pool["status"]["decode"]["ready"] == 1
+
+    for name in ("demo", "slow"):
+        cluster.kubectl("delete", "ipool", name, "--wait=false")
+    wait_for("every pod of the pools to be gone", lambda: not get(
+        cluster, "pods", "-l", "tandem.dev/pool")["items"], timeout=90)
     helm(cluster, "uninstall", "tandem")

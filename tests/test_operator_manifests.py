@@ -183,7 +183,7 @@ def test_engine_pod_for_each_role() -> None:
             "--engine-id", "$(POD_NAME)", "--weight-version", "v1", "--weight-epoch", "3",
             "--max-num-seqs", "8",
             "--max-num-batched-tokens", "256", "--block-size", "16", "--threads", "2",
-            "--kv-pin-ttl", "30",
+            "--device", "cpu", "--kv-pin-ttl", "30",
             "--kv-cache-memory-bytes", str(512 * 1024 * 1024), "--shutdown-grace", "50",
             "--seed", "1"]
         assert c["ports"] == [{"name": "zmq", "containerPort": 5555, "protocol": "TCP"},

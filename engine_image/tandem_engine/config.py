@@ -8,6 +8,7 @@ checkpoint before touching any parameter. This module does not import torch.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                   "fp16": "float16"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-KERNEL_CHOICES = ("auto", "native", "torch")
+KERNEL_CHOICES = ("auto", "native", "torch", "flex")
+# `tandem demo-model --size`: 1b is ~1.0B parameters, for GPU throughput checks.
+DEMO_MODEL_SIZES = ("tiny", "small", "1b")
 
 # The engine's defaults, stated once: `EngineConfig`, the `tandem-engine` and `tandem` flags
 # and the operator's spec parser import them. The CRD repeats them as schema defaults
@@ -40,6 +43,12 @@ DEFAULT_KV_QUARANTINE_TTL_S = 60  # decode: how long blocks of an unknown-state 
 MAX_KV_QUARANTINE_TTL_S = 3600
 DEFAULT_KERNELS = "auto"
 DEFAULT_THREADS = 1  # torch threads per engine process
+# Where the engine runs: auto = cuda when torch sees a GPU, else cpu; or cpu, cuda, cuda:N.
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
+DEFAULT_DEVICE = "auto"
+# On CUDA, with neither num_blocks nor kv_cache_memory_bytes given, the KV pool takes what
+# is left of this share of the device's memory after the weights and a profiling step.
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
@@ -235,6 +244,40 @@ def context_room(prompt_tokens: int, max_model_len: int) -> int:
     return max_model_len - prompt_tokens
 
 
+def parse_device(value: str, source: str = "engine option device") -> tuple[str, int | None]:
+    """`auto`, `cpu`, `cuda` or `cuda:N` as (type, index); the index is None unless given.
+    Only the syntax: whether a GPU is visible is the model runner's question."""
+    kind, colon, index = str(value).strip().lower().partition(":")
+    if not colon and kind in ("auto", "cpu", "cuda"):
+        return kind, None
+    if kind == "cuda" and index.isdigit():
+        return kind, int(index)
+    raise ValueError(f"{source} {value!r} is not a device: use one of "
+                     f"{', '.join(DEVICE_CHOICES)} (e.g. --device cuda:0 for the first GPU, "
+                     "or --device cpu)")
+
+
+def device_arg(value: str) -> str:
+    """The `--device` flag's argparse type: the value, once `parse_device` accepts it."""
+    try:
+        parse_device(value, "--device")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def fraction_arg(value: str) -> float:
+    """The `--gpu-memory-utilization` flag's argparse type: a number in (0, 1]."""
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = math.nan
+    if not 0 < fraction <= 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a fraction in (0, 1]; e.g. 0.9 "
+                                         "lets the engine use 90% of the GPU's memory")
+    return fraction
+
+
 def normalize_dtype(value: Any, source: str, key: str = "dtype") -> str:
     name = str(value).removeprefix("torch.")
     name = _DTYPE_ALIASES.get(name, name)
@@ -291,12 +334,17 @@ class EngineConfig:
 
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None  # exact count; overrides kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    # The KV pool's byte budget; None = the device's default: DEFAULT_KV_CACHE_MEMORY_BYTES
+    # on CPU, gpu_memory_utilization of the device on CUDA.
+    kv_cache_memory_bytes: int | None = None
+    # CUDA only, when neither num_blocks nor kv_cache_memory_bytes is given: the share of the
+    # device's memory the engine may use (weights + activations + KV pool), as vLLM's.
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     dtype: str = "auto"  # auto = the checkpoint's dtype
-    device: str = "cpu"
+    device: str = DEFAULT_DEVICE  # auto | cpu | cuda | cuda:N
     seed: int = 0
     enable_prefix_caching: bool = True
     # How long a prefill engine keeps a handed-off prompt's KV pinned when the decode
@@ -307,8 +355,13 @@ class EngineConfig:
     kv_quarantine_ttl_s: float = float(DEFAULT_KV_QUARANTINE_TTL_S)
     # CPU kernels: "native" = the compiled decode-attention kernel and oneDNN-packed
     # projections; "torch" = plain torch ops (gather + SDPA, default matmul);
-    # "auto" = native on CPU when the kernel builds (a warning says when not), else torch.
+    # "auto" = native on CPU when the kernel builds (a warning says when not), else torch;
+    # on CUDA flex when the block size is a multiple of 16, else torch. "flex" = torch's
+    # flex_attention reading the paged KV in place (compiled; CUDA, and CPU for tests).
     kernels: str = DEFAULT_KERNELS
+    # CUDA with the flex backend: decode steps replayed from CUDA graphs captured at a fixed
+    # set of batch sizes (padded). Ignored on CPU.
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         def check(ok: bool, name: str, value: Any, limit: str) -> None:
@@ -319,8 +372,11 @@ class EngineConfig:
               "must be between 1 and 1024 tokens")
         check(self.num_blocks is None or self.num_blocks > 0, "num_blocks", self.num_blocks,
               "must be a positive block count")
-        check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
-              self.kv_cache_memory_bytes, "must be positive")
+        check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+              "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be positive")
+        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+              self.gpu_memory_utilization, "must be a fraction in (0, 1], e.g. 0.9")
+        parse_device(self.device)
         check(0 < self.kv_quarantine_ttl_s <= MAX_KV_QUARANTINE_TTL_S, "kv_quarantine_ttl_s",
               self.kv_quarantine_ttl_s, f"must be in (0, {MAX_KV_QUARANTINE_TTL_S}] seconds")
         check(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be at least 1")

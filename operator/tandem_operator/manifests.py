@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -19,9 +20,11 @@ from tandem_engine.weights import WeightsRef
 
 from tandem_operator.spec import (
     API_VERSION,
+    GPU_RESOURCE,
     KIND,
     TMP_PATH,
     TMP_VOLUME,
+    EngineDevice,
     Group,
     InitContainer,
     Placement,
@@ -152,6 +155,30 @@ def weights_roots(spec: PoolSpec, weights: WeightsRef) -> list[str]:
     return list(dict.fromkeys(roots))
 
 
+def engine_resources(spec: PoolSpec, group: Group) -> Mapping[str, Any] | None:
+    """The group's engine container resources: the role's, else spec.engine's."""
+    role = spec.role(group)
+    return role.resources if role.resources is not None else spec.engine.resources
+
+
+def engine_device(device: EngineDevice, resources: Mapping[str, Any] | None) -> str:
+    """An engine's `--device`: CPU and CUDA as written; Auto is cuda when the container
+    requests or limits nvidia.com/gpu (> 0), so an engine on a GPU pod that sees no GPU
+    fails at start instead of running on the CPU; else cpu."""
+    if device is EngineDevice.AUTO:
+        asked = [(resources or {}).get(part) or {} for part in ("requests", "limits")]
+        return "cuda" if any(_positive(a.get(GPU_RESOURCE)) for a in asked) else "cpu"
+    return "cuda" if device is EngineDevice.CUDA else "cpu"
+
+
+def _positive(quantity: Any) -> bool:
+    """A GPU count (an integer quantity: 1, "2") above zero."""
+    try:
+        return int(str(quantity).strip()) > 0
+    except ValueError:
+        return False
+
+
 def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: int,
                 epoch: int | None = None) -> list[str]:
     """The engine's command line; `epoch` None leaves --weight-epoch out (the template
@@ -169,6 +196,7 @@ def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds
             "--max-num-batched-tokens", str(e.max_num_batched_tokens),
             "--block-size", str(e.kv_cache.block_size),
             "--threads", str(e.threads),
+            "--device", engine_device(e.device, engine_resources(spec, group)),
             "--kv-pin-ttl", str(spec.kv_transfer.pin_ttl_seconds)]
     if e.kv_cache.num_blocks is not None:
         args += ["--num-blocks", str(e.kv_cache.num_blocks)]
@@ -265,7 +293,7 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: 
                   {"name": "metrics", "containerPort": ENGINE_METRICS_PORT, "protocol": "TCP"}],
         **_probes("metrics", e.startup_timeout_seconds),
         "securityContext": _container_security(("IPC_LOCK",) if e.rdma_ipc_lock else ())}
-    resources = role.resources if role.resources is not None else e.resources
+    resources = engine_resources(spec, group)
     if resources:
         container["resources"] = {k: dict(v) for k, v in resources.items()}
     return _pod_fields(spec, group, role.placement, {

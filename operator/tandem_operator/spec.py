@@ -14,6 +14,7 @@ chart's engine image (TANDEM_ENGINE_IMAGE), so that pools follow the operator's 
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 from collections.abc import Mapping
@@ -95,6 +96,21 @@ def default_engine_image() -> str:
         return LOCAL_ENGINE_IMAGE
 
 
+class EngineDevice(str, enum.Enum):
+    """spec.engine.device: where engines run the model (`manifests.engine_device` turns it
+    into each engine's `--device`)."""
+
+    AUTO = "Auto"  # cuda when the engine's resources ask for nvidia.com/gpu, else cpu
+    CPU = "CPU"
+    CUDA = "CUDA"  # the engine fails at start when no GPU is visible
+
+    def __str__(self) -> str:
+        return self.value
+
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     image: str = field(default_factory=default_engine_image)
@@ -110,6 +126,7 @@ class EngineSettings:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     threads: int = DEFAULT_THREADS
+    device: EngineDevice = EngineDevice.AUTO
     startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT_S  # the startupProbe's budget
     rdma_ipc_lock: bool = False  # spec.engine.rdma.ipcLock: adds the IPC_LOCK capability
 
@@ -577,6 +594,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         max_num_batched_tokens=_req_int(e, "maxNumBatchedTokens", "spec.engine",
                                         _ENGINE.max_num_batched_tokens, 16, 65536),
         threads=_req_int(e, "threads", "spec.engine", _ENGINE.threads, 1, 256),
+        device=EngineDevice(_str(e, "device", "spec.engine", _ENGINE.device.value, 8,
+                                 choices(EngineDevice))),
         startup_timeout_seconds=_req_int(e, "startupTimeoutSeconds", "spec.engine",
                                          _ENGINE.startup_timeout_seconds, 10, 86400),
         rdma_ipc_lock=_bool(_obj(e, "rdma", "spec.engine"), "ipcLock", "spec.engine.rdma",

@@ -35,11 +35,11 @@ from tokenizers import (
     trainers,
 )
 
-from tandem_engine.config import ModelConfig
+from tandem_engine.config import DEMO_MODEL_SIZES, ModelConfig
 from tandem_engine.tokenizer import QWEN2_SPLIT
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
-SIZES = ("tiny", "small")
+SIZES = DEMO_MODEL_SIZES
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -77,6 +77,7 @@ class _Shape:
 _SHAPES = {
     "tiny": _Shape(64, 2, 4, 2, 192, 1024, qwen3_head_dim=32, llama3_original_context=256),
     "small": _Shape(768, 16, 12, 4, 2048, 2048, qwen3_head_dim=64, llama3_original_context=512),
+    "1b": _Shape(2048, 16, 32, 8, 8192, 4096, qwen3_head_dim=128, llama3_original_context=1024),
 }
 
 

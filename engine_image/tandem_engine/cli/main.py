@@ -21,11 +21,16 @@ from tandem_engine.cli.models import (
     served_name,
 )
 from tandem_engine.config import (
+    DEFAULT_DEVICE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_KERNELS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_THREADS,
+    DEMO_MODEL_SIZES,
     KERNEL_CHOICES,
+    device_arg,
+    fraction_arg,
 )
 from tandem_engine.errors import TandemError
 from tandem_engine.refit_policy import (
@@ -56,7 +61,8 @@ def _generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
     llm = LLM(model=str(model), max_num_seqs=args.max_num_seqs, dtype=args.dtype,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
@@ -73,6 +79,14 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"generated {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tok/s)",
           file=sys.stderr)
     return 0
+
+
+def serve_engine_args(args: argparse.Namespace) -> list[str]:
+    """The `tandem-engine` flags `tandem serve` gives every engine it starts."""
+    return ["--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--kernels", args.kernels, "--device", args.device,
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -92,12 +106,9 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         model = resolve_model(args.model)
         name = args.served_model_name or served_name(args.model)
-    engine_args = ["--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
-                   "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                   "--kernels", args.kernels]
     stack = LocalStack(model.resolve(), engines=args.engines, prefill=args.prefill,
                        decode=args.decode, host=args.host, port=args.port,
-                       served_model_name=name, engine_args=engine_args,
+                       served_model_name=name, engine_args=serve_engine_args(args),
                        weights_roots=args.weights_root,
                        api_keys=resolve_api_keys(args.api_key))
     return run(stack)
@@ -137,7 +148,7 @@ def _add_demo_model(sub) -> None:
     demo.add_argument("dir", help="folder to write the checkpoint into")
     demo.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    demo.add_argument("--size", choices=DEMO_MODEL_SIZES, default="tiny")
     demo.set_defaults(func=_demo_model)
 
 
@@ -157,6 +168,7 @@ def _add_generate(sub) -> None:
     gen.add_argument("--max-num-batched-tokens", type=int,
                      default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     gen.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    _add_device_flags(gen)
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
     gen.set_defaults(func=_generate)
 
@@ -184,6 +196,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--max-num-batched-tokens", type=int,
                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     serve.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS)
+    _add_device_flags(serve, "every engine's ")
     serve.add_argument("--weights-root", type=Path, action="append", default=[],
                        metavar="DIR", help="a folder `tandem refit` may load checkpoints "
                        "from, besides the one holding --model (repeatable)")
@@ -192,6 +205,18 @@ def _add_serve(sub) -> None:
                        "for several. $TANDEM_API_KEY (comma-separated) adds more. Passed to "
                        "the router in its environment, never on its command line")
     serve.set_defaults(func=_serve)
+
+
+def _add_device_flags(parser: argparse.ArgumentParser, whose: str = "") -> None:
+    """--device and --gpu-memory-utilization, as `tandem-engine` takes them."""
+    parser.add_argument("--device", type=device_arg, default=DEFAULT_DEVICE,
+                        help=f"{whose}device: auto, cpu, cuda or cuda:N (auto = cuda when "
+                        "torch sees a GPU, else cpu; cuda with no GPU visible fails at start)")
+    parser.add_argument("--gpu-memory-utilization", type=fraction_arg, metavar="F",
+                        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                        help="on CUDA: the share (0 < F <= 1) of the GPU's memory the engine "
+                        "fills; the KV cache gets what the weights and activations leave "
+                        "(default %(default)s)")
 
 
 def _add_models(sub) -> None:

@@ -22,8 +22,10 @@ Prompt = str | Sequence[int]
 class LLM:
     def __init__(self, model: str | Path, **engine_options: object) -> None:
         """`engine_options` are the fields of `EngineConfig` (block_size, num_blocks,
-        kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens, max_model_len, dtype,
-        device, seed)."""
+        kv_cache_memory_bytes, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
+        max_model_len, dtype, device, seed, ...). `device`: auto (the default: cuda when
+        torch sees a GPU, else cpu), cpu, cuda or cuda:N; asking for cuda where no GPU is
+        visible raises ValueError."""
         known = set(EngineConfig.__dataclass_fields__)
         unknown = sorted(set(engine_options) - known)
         if unknown:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -47,24 +48,32 @@ from tandem_engine.lifecycle import (
     transition_for,
 )
 from tandem_engine.model.checkpoint import LoadProgressCallback, load_checkpoint
-from tandem_engine.model.runner import ModelRunner, num_kv_blocks, resolve_dtype
+from tandem_engine.model.device import profile_step_blocks, profile_step_memory, resolve_device
+from tandem_engine.model.runner import (
+    ModelRunner,
+    kv_sized_by_memory_fraction,
+    num_kv_blocks,
+    resolve_dtype,
+)
 from tandem_engine.model.sampler import Sampler
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.tokenizer import Tokenizer
 from tandem_engine.weights import WeightIdentity
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
                  tensors: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
         engine_config.validate()
+        # From here on the config names a concrete device (auto resolved, a GPU checked).
+        engine_config = dataclasses.replace(
+            engine_config, device=str(resolve_device(engine_config.device)))
         self.model_config = model_config
         self.config = engine_config
         self.tokenizer = tokenizer
         dtype = resolve_dtype(model_config, engine_config)
-        num_blocks = num_kv_blocks(model_config, engine_config, dtype)
-        self.kv = KVCacheManager(num_blocks, engine_config.block_size,
-                                 engine_config.enable_prefix_caching)
 
         context = model_config.max_position_embeddings
         if engine_config.max_model_len is not None and engine_config.max_model_len > context:
@@ -72,14 +81,31 @@ class LLMEngine:
                 f"engine option max_model_len={engine_config.max_model_len} exceeds the "
                 f"model's context of {context} tokens (max_position_embeddings): lower it")
         self.model_context = engine_config.max_model_len or context
+        runner: ModelRunner | None = None
+        if kv_sized_by_memory_fraction(engine_config):
+            # Load the weights beside a scratch pool, profile the largest step, then size
+            # the pool from what gpu_memory_utilization leaves (refused unless a request
+            # of model_context tokens fits).
+            runner = ModelRunner(model_config, engine_config, tensors,
+                                 profile_step_blocks(engine_config), self.model_context)
+            num_blocks = num_kv_blocks(model_config, engine_config, dtype,
+                                       profile_step_memory(runner, engine_config),
+                                       self.model_context)
+            runner.resize_kv(num_blocks)
+            log.info("KV cache sized by gpu_memory_utilization=%s: %d blocks (%.2f GiB)",
+                     engine_config.gpu_memory_utilization, num_blocks, runner.kv_bytes / 2**30)
+        else:
+            num_blocks = num_kv_blocks(model_config, engine_config, dtype)
+        self.kv = KVCacheManager(num_blocks, engine_config.block_size,
+                                 engine_config.enable_prefix_caching)
         # A request may never need more KV than the whole pool holds.
         self.max_model_len = min(self.model_context, self.kv.capacity_tokens)
 
-        self.runner = ModelRunner(model_config, engine_config, tensors, num_blocks,
-                                  self.max_model_len)
+        self.runner = runner or ModelRunner(model_config, engine_config, tensors, num_blocks,
+                                            self.max_model_len)
         self.scheduler = Scheduler(self.kv, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens)
-        self.sampler = Sampler(engine_config.seed)
+        self.sampler = Sampler(engine_config.seed, device=self.runner.device)
         self.outputs = OutputProcessor(
             tokenizer, frozenset(tokenizer.eos_token_ids or model_config.eos_token_ids),
             self.max_model_len)
@@ -114,6 +140,11 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         """The latest snapshot (lock-free: published at the end of every step and change)."""
         return self._stats
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model runs (fixed for the engine's life)."""
+        return self.runner.device
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -490,13 +521,16 @@ class LLMEngine:
                                    f"not {target}")
 
     def refit(self, source: str | Path, version: str | None = None,
-              epoch: int | None = None, uri: str | None = None) -> int:
+              epoch: int | None = None, uri: str | None = None,
+              low_memory: bool = False) -> int:
         """Swap in the weights of checkpoint `source`, a folder or a GGUF file (PAUSED,
         SUSPENDED or RESUMED only). Everything is validated before any parameter changes;
         on error the old weights keep serving. Returns the new weight epoch: `epoch` when
         given (a fleet's orchestrator numbers its refits pool-wide, so every engine on the
         same refit has the same epoch), else the current one + 1. `uri` is how the fleet names
-        the checkpoint (default: its file:// URI)."""
+        the checkpoint (default: its file:// URI). `low_memory` streams the new weights into
+        the serving ones tensor by tensor (device peak: 1x the weights plus one tensor,
+        instead of old + new; `runner.last_refit_peak_bytes` says what it was)."""
         with self._lock:
             if self._state not in REFIT_STATES:
                 raise EngineStateError(
@@ -504,7 +538,7 @@ class LLMEngine:
                     f"{', '.join(sorted(str(s) for s in REFIT_STATES))}: pause first")
             dtype = str(self.runner.dtype).removeprefix("torch.")
             config, tensors = load_checkpoint(source, dtype, reference=self.model_config)
-            self.runner.load_weights(tensors)
+            self.runner.load_weights(tensors, low_memory=low_memory)
             self.model_config = config
             new_epoch = self.weight_epoch + 1 if epoch is None else epoch
             self._weights = WeightIdentity(uri or Path(source).resolve().as_uri(),

@@ -7,7 +7,8 @@ indices = block_id * block_size + offset). On CPU we gather whole blocks (contig
 runs of memory, far faster than gathering slot by slot) and call
 `scaled_dot_product_attention`: decodes as one padded batch, each prefill chunk on
 its own with a causal mask offset by the context already cached. With the native
-backend (`native.py`), decodes instead read their keys and values in place.
+backend (`native.py`), decodes instead read their keys and values in place; with the
+flex backend (`flex_attention.py`, for CUDA) every query reads its blocks in place.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+
+from tandem_engine.model.flex_attention import FlexStep, flex_paged_attention
 
 
 @dataclass
@@ -58,6 +61,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     buffers: GatherBuffers
     native: ModuleType | None = None  # the compiled decode kernel, when that backend is on
+    flex: FlexStep | None = None  # the step's block masks, when the flex backend is on
 
 
 def build_metadata(
@@ -128,6 +132,8 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> tor
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim], attending over the paged caches."""
+    if meta.flex is not None:
+        return flex_paged_attention(q, k_cache, v_cache, meta.flex, scale)
     out = torch.empty_like(q)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // kv_heads

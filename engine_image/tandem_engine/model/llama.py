@@ -167,9 +167,13 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(
-            linear.weight.detach(), self.BATCH_HINT)
+        self.load_weight(linear.weight.detach())
         self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def load_weight(self, weight: torch.Tensor) -> None:
+        """Pack `weight` ([out, in]) in place of the current one."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
+        self.packed_shape = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -188,6 +192,50 @@ def pack_linears(model: CausalLM) -> None:
             for name, child in list(owner.named_children()):
                 if isinstance(child, nn.Linear):
                     setattr(owner, name, PackedLinear(child))
+
+
+def stream_weights(model: CausalLM, tensors: dict[str, torch.Tensor],
+                   dtype: torch.dtype) -> int:
+    """Overwrite the model's weights in place, one tensor at a time, from `tensors`
+    (validated against the model's config; emptied as it goes). Device memory never holds
+    more than the model plus the one tensor being converted; parameter addresses stay the
+    same (captured CUDA graphs stay valid). Returns the most bytes staged on the device
+    for one tensor (0 when every tensor already has the model's dtype).
+
+    Every name and shape is checked before the first copy; a copy that fails midway
+    (out of memory) leaves a mix of weights: refit again."""
+    params = dict(model.named_parameters())
+    packed = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+    targets: dict[str, torch.Tensor | PackedLinear] = {}
+    for name, tensor in tensors.items():
+        owner, _, leaf = name.rpartition(".")
+        target: torch.Tensor | PackedLinear | None = params.get(name)
+        if target is None and owner in packed:
+            target = packed[owner] if leaf == "weight" else packed[owner].bias
+        if target is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no parameter in the model")
+        shape = (tuple(target.packed_shape) if isinstance(target, PackedLinear)
+                 else tuple(target.shape))
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"checkpoint tensor {name!r} is {tuple(tensor.shape)}, the "
+                             f"model's is {shape}")
+        targets[name] = target
+    missing = sorted(set(params) - set(targets))
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} of the model's tensors, "
+                         f"e.g. {missing[0]!r}")
+    staged = 0
+    with torch.no_grad():
+        for name, target in targets.items():
+            tensor = tensors.pop(name)
+            if isinstance(target, PackedLinear):
+                target.load_weight(tensor.to(dtype))
+            else:
+                if tensor.dtype != dtype:
+                    # Converted on the device: one tensor of the checkpoint's dtype there.
+                    staged = max(staged, tensor.numel() * tensor.element_size())
+                target.copy_(tensor)
+    return staged
 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor],

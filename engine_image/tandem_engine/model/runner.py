@@ -13,10 +13,18 @@ from types import ModuleType
 
 import torch
 
-from tandem_engine.config import EngineConfig, ModelConfig, normalize_dtype
+from tandem_engine.config import (
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    EngineConfig,
+    ModelConfig,
+    normalize_dtype,
+)
 from tandem_engine.core.request import Request
 from tandem_engine.core.scheduler import SchedulerOutput
 from tandem_engine.model.attention import AttentionMetadata, GatherBuffers, build_metadata
+from tandem_engine.model.cuda_graphs import DecodeGraphs, DecodeInputs, bucket_for, capture_sizes
+from tandem_engine.model.device import MemoryProfile
+from tandem_engine.model.flex_attention import FlexPagedAttention, kernel_options
 from tandem_engine.model.host_memory import keep_freed_memory
 from tandem_engine.model.llama import (
     CausalLM,
@@ -24,6 +32,7 @@ from tandem_engine.model.llama import (
     build_model,
     pack_linears,
     packing_supported,
+    stream_weights,
 )
 from tandem_engine.model.native import NativeKernelUnavailable, paged_decode_kernel
 
@@ -38,25 +47,73 @@ def resolve_dtype(model_config: ModelConfig, engine_config: EngineConfig) -> str
     return normalize_dtype(engine_config.dtype, "engine option", "dtype")
 
 
-def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig, dtype: str) -> int:
-    """Blocks in the pool: the explicit count, or as many as the memory budget holds."""
+def kv_sized_by_memory_fraction(engine_config: EngineConfig) -> bool:
+    """Whether the pool takes what `gpu_memory_utilization` leaves (CUDA, no explicit size):
+    then `num_kv_blocks` needs a `MemoryProfile` of the loaded model."""
+    return (torch.device(engine_config.device).type == "cuda"
+            and engine_config.num_blocks is None and engine_config.kv_cache_memory_bytes is None)
+
+
+def num_kv_blocks(model_config: ModelConfig, engine_config: EngineConfig, dtype: str,
+                  profile: MemoryProfile | None = None, max_model_len: int = 0) -> int:
+    """Blocks in the pool: the explicit count; else as many as kv_cache_memory_bytes holds
+    (DEFAULT_KV_CACHE_MEMORY_BYTES when unset, on CPU); else, sized by memory fraction,
+    as many as `kv_blocks_in_memory_fraction` finds room for."""
     if engine_config.num_blocks is not None:
         return engine_config.num_blocks
     per_block = engine_config.block_size * model_config.kv_bytes_per_token(
         DTYPES[dtype].itemsize)
-    blocks = engine_config.kv_cache_memory_bytes // per_block
+    if engine_config.kv_cache_memory_bytes is None and profile is not None:
+        return kv_blocks_in_memory_fraction(
+            profile, engine_config.gpu_memory_utilization, per_block,
+            blocks_needed=-(-max_model_len // engine_config.block_size),
+            max_model_len=max_model_len)
+    budget = engine_config.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+    blocks = budget // per_block
     if blocks < 1:
         raise ValueError(
-            f"engine option kv_cache_memory_bytes={engine_config.kv_cache_memory_bytes} holds "
+            f"engine option kv_cache_memory_bytes={budget} holds "
             f"no KV block; one block needs {per_block} bytes: raise the budget or set num_blocks"
         )
     return blocks
 
 
+def kv_blocks_in_memory_fraction(profile: MemoryProfile, utilization: float, per_block: int,
+                                 blocks_needed: int, max_model_len: int) -> int:
+    """KV blocks that fit in `utilization` × the device's memory beside the weights, the
+    largest step's activations and what is used outside torch (vLLM's
+    --gpu-memory-utilization). Raises ValueError, naming the numbers and the fixes, when
+    fewer than `blocks_needed` (one request of `max_model_len` tokens) fit."""
+    budget = (int(utilization * profile.total) - profile.weights - profile.activation_peak
+              - profile.outside_torch)
+    blocks = max(0, budget) // per_block
+    if blocks < blocks_needed:
+        gib = 1 << 30
+        raise ValueError(
+            f"the KV cache does not fit: gpu_memory_utilization={utilization} of the device's "
+            f"{profile.total / gib:.2f} GiB leaves {budget / gib:.2f} GiB after the weights "
+            f"({profile.weights / gib:.2f} GiB), the largest step's activations "
+            f"({profile.activation_peak / gib:.2f} GiB) and memory outside torch "
+            f"({profile.outside_torch / gib:.2f} GiB): {blocks} KV blocks of {per_block} "
+            f"bytes, but one request of max_model_len={max_model_len} tokens needs "
+            f"{blocks_needed}. Raise --gpu-memory-utilization, lower --max-model-len (or "
+            "--max-num-batched-tokens), or give --num-blocks or --kv-cache-memory-bytes")
+    return blocks
+
+
+def uses_flex(choice: str, device: torch.device, block_size: int) -> bool:
+    """Whether attention runs on torch's flex_attention: `flex`, and `auto` on CUDA when
+    the block size suits its kernel (a multiple of 16; else the torch gather path)."""
+    if choice == "flex":
+        kernel_options(block_size, device)  # a clear error for a block size it cannot run
+        return True
+    return choice == "auto" and device.type == "cuda" and block_size % 16 == 0
+
+
 def _decode_backend(choice: str, device: torch.device) -> ModuleType | None:
     """The native decode kernel when chosen (or when `auto` on CPU and it builds).
     With it, float32 projections also use oneDNN's prepacked matmul."""
-    if choice == "torch" or (choice == "auto" and device.type != "cpu"):
+    if choice in ("torch", "flex") or (choice == "auto" and device.type != "cpu"):
         return None
     if device.type != "cpu":
         raise ValueError(f"engine option kernels='native' runs on CPU only, not "
@@ -70,18 +127,31 @@ def _decode_backend(choice: str, device: torch.device) -> ModuleType | None:
         return None
 
 
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's weights, packed projections included."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if isinstance(packed, torch.Tensor):
+            total += packed.numel() * packed.element_size()
+            if getattr(module, "bias", None) is not None:
+                total += module.bias.numel() * module.bias.element_size()
+    return total
+
+
 @dataclass
 class PreparedStep:
     """A step's inputs, laid out decodes first, ready for the forward pass."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    meta: AttentionMetadata | None  # None for a step replayed by a CUDA graph
     sample_rows: torch.Tensor  # [N] rows whose logits are sampled
     requests: list[Request]  # the request of each sample row
     # Requests that want prompt logprobs: (request, first prompt position predicted,
     # the rows whose logits predict it and the positions after it).
     prompt_rows: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
+    graph: DecodeInputs | None = None  # a decode-only step that a CUDA graph runs
 
 
 @dataclass
@@ -108,29 +178,67 @@ class ModelRunner:
         self.kv_shape = (model_config.num_layers, 2, num_blocks, self.block_size,
                          model_config.num_kv_heads, model_config.head_dim)
         self.kv_cache: torch.Tensor | None = None
+        # Decode steps replayed from CUDA graphs: CUDA with the flex backend, unless the
+        # engine option `cuda_graphs` is off (its shapes and addresses must be static).
+        self.graphs: DecodeGraphs | None = None
+        self.last_refit_peak_bytes: int | None = None  # see load_weights
         self._host_kv: torch.Tensor | None = None
         self.allocate_kv()
         self.gather_buffers = GatherBuffers()
         self.native = _decode_backend(engine_config.kernels, self.device)
         self.kernels = "torch" if self.native is None else "native"
+        self._flex: FlexPagedAttention | None = None  # built for the pool's size on first use
+        if uses_flex(engine_config.kernels, self.device, self.block_size):
+            self.kernels = "flex"
+            if self.device.type == "cuda" and engine_config.cuda_graphs:
+                self.graphs = DecodeGraphs(capture_sizes(engine_config.max_num_seqs),
+                                           self.device)
+        self._max_model_len, self._max_num_seqs = max_model_len, engine_config.max_num_seqs
         self.model: CausalLM
         self.load_weights(tensors)
 
     # ---- weights and KV memory (the engine's lifecycle calls these) ------------------------
 
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: dict[str, torch.Tensor], low_memory: bool = False) -> None:
         """Swap in new, already validated weights. Takes ownership of `tensors` (emptied).
 
-        The new model is built beside the old one and swapped in one assignment, so a
-        failure leaves the old weights serving. Peak memory: old + new model until the
-        swap (packing converts the new projections one at a time); then one model."""
-        state = {k: v.to(self.dtype) for k, v in tensors.items()}
-        tensors.clear()
-        model = build_model(self.config, state, self.device)
-        state.clear()
-        if self.native is not None and packing_supported(self.dtype, self.device):
-            pack_linears(model)
-        self.model = model
+        By default the new model is built beside the old one and swapped in one
+        assignment, so a failure leaves the old weights serving. Peak memory: old + new
+        model until the swap (packing converts the new projections one at a time).
+        `low_memory` (a refit only) streams the tensors into the serving model one at a
+        time instead: peak 1x the weights plus one tensor, but a failure midway leaves
+        mixed weights. `last_refit_peak_bytes` is the peak of weight memory during the last
+        load (the start's or a refit's): measured by the CUDA allocator on CUDA (weights
+        plus any temporaries), counted on CPU."""
+        old = getattr(self, "model", None)
+        if old is None:
+            low_memory = False
+        old_bytes = 0 if old is None else _weight_bytes(old)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            baseline = torch.cuda.memory_allocated(self.device) - old_bytes
+        if low_memory:
+            staged = stream_weights(old, tensors, self.dtype)
+            peak = old_bytes + staged
+        else:
+            state = {k: v.to(self.dtype) for k, v in tensors.items()}
+            tensors.clear()
+            model = build_model(self.config, state, self.device)
+            state.clear()
+            if self.native is not None and packing_supported(self.dtype, self.device):
+                pack_linears(model)
+            peak = old_bytes + _weight_bytes(model)
+            self.model = model
+            del old
+            if self.graphs is not None:
+                self.graphs.clear()  # they replay over the old parameters' addresses
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - baseline
+            torch.cuda.empty_cache()
+        self.last_refit_peak_bytes = peak
 
     @property
     def kv_bytes(self) -> int:
@@ -140,29 +248,64 @@ class ModelRunner:
         return n * self.dtype.itemsize
 
     def allocate_kv(self) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()  # a new pool: graphs captured over the old one are stale
         self.kv_cache = torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device)
 
+    def resize_kv(self, num_blocks: int) -> None:
+        """Replace the KV pool (contents lost) by one of `num_blocks` blocks: the sizing by
+        memory fraction swaps the profiling step's scratch pool for the sized one."""
+        self.free_kv()
+        self.kv_shape = (*self.kv_shape[:2], num_blocks, *self.kv_shape[3:])
+        self.allocate_kv()
+
     def free_kv(self) -> int:
-        """Release the KV pool's storage (contents lost); return the bytes released."""
+        """Release the KV pool's storage (contents lost); return the bytes released. On
+        CUDA the memory goes back to the driver, for other processes to use."""
         released = self.kv_bytes if self.kv_cache is not None else 0
         self.kv_cache = None
         self.gather_buffers = GatherBuffers()
+        if self.graphs is not None:
+            self.graphs.clear()  # they replay over the old pool's address
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         return released
 
     def offload_kv(self) -> int:
-        """Copy the KV pool to host memory and release its storage."""
-        assert self.kv_cache is not None
-        host = torch.empty(self.kv_shape, dtype=self.dtype, device="cpu",
-                           pin_memory=self.device.type == "cuda")
-        host.copy_(self.kv_cache)
+        """Copy the KV pool to host memory (pinned on CUDA: a DMA copy at full link speed)
+        and release its device storage; return the bytes released."""
+        if self.kv_cache is None:
+            raise RuntimeError("offload_kv: the KV pool is already released")
+        cuda = self.device.type == "cuda"
+        host = torch.empty(self.kv_shape, dtype=self.dtype, device="cpu", pin_memory=cuda)
+        host.copy_(self.kv_cache, non_blocking=cuda)
+        if cuda:  # the copy must have landed before the device storage is freed
+            torch.cuda.synchronize(self.device)
         self._host_kv = host
         return self.free_kv()
 
     def restore_kv(self) -> None:
-        """Bring an offloaded KV pool back, contents intact."""
-        assert self._host_kv is not None, "restore_kv without offload_kv"
-        self.kv_cache = self._host_kv.to(self.device, copy=self.device.type != "cpu")
+        """Bring an offloaded KV pool back, contents intact (on CPU the host copy itself
+        becomes the pool)."""
+        if self._host_kv is None:
+            raise RuntimeError("restore_kv without offload_kv")
+        if self.device.type == "cuda":
+            pool = torch.empty(self.kv_shape, dtype=self.dtype, device=self.device)
+            pool.copy_(self._host_kv, non_blocking=True)
+            torch.cuda.synchronize(self.device)
+            self.kv_cache = pool
+        else:
+            self.kv_cache = self._host_kv.to(self.device)
         self._host_kv = None
+
+    def _flex_backend(self) -> FlexPagedAttention:
+        """The flex attention backend, sized for the pool as it is now (a resize of the
+        pool makes a new one)."""
+        if self._flex is None or self._flex.num_blocks != self.kv_shape[2]:
+            self._flex = FlexPagedAttention(self.kv_shape[2], self.block_size,
+                                            self._max_model_len, self._max_num_seqs,
+                                            self.device)
+        return self._flex
 
     def prepare(self, scheduled: SchedulerOutput) -> PreparedStep:
         bs = self.block_size
@@ -193,13 +336,26 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sample_requests.append(chunk.request)
+        dev = self.device
+        if (self.graphs is not None and not prefills and not prompt_rows
+                and bucket_for(len(decodes), self.graphs.sizes) is not None):
+            return PreparedStep(
+                input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+                positions=torch.tensor(positions, dtype=torch.long, device=dev), meta=None,
+                sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+                requests=sample_requests, graph=DecodeInputs(
+                    input_ids, positions, slots, [c.block_table for c in decodes],
+                    [c.start + 1 for c in decodes]))
         meta = build_metadata(
             decode_tables=[c.block_table for c in decodes],
             decode_ctx_lens=[c.start + 1 for c in decodes],
             prefill_specs=[(c.start, c.num_tokens, c.block_table) for c in prefills],
             slot_mapping=slots, block_size=bs, device=self.device, buffers=self.gather_buffers,
             native=self.native)
-        dev = self.device
+        if self.kernels == "flex":
+            meta.flex = self._flex_backend().prepare(
+                [c.block_table for c in decodes], [c.start + 1 for c in decodes],
+                [(c.start, c.num_tokens, c.block_table) for c in prefills])
         return PreparedStep(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
@@ -212,6 +368,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: PreparedStep) -> StepBatch:
         assert self.kv_cache is not None, "forward while the KV pool is released"
+        if step.graph is not None:
+            assert self.graphs is not None
+            logits = self.graphs.run(step.graph, self.model, self.rope, self.kv_cache,
+                                     self._flex_backend())
+            assert logits is not None, "prepare() chose a graph that holds the step"
+            return StepBatch(logits.index_select(0, step.sample_rows), step.requests)
+        assert step.meta is not None
         cos, sin = self.rope.lookup(step.positions)
         hidden = self.model(step.input_ids, cos, sin, self.kv_cache, step.meta)
         logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows))

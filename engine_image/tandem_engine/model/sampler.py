@@ -9,6 +9,15 @@ report them. A request with a seed draws from its own generator, so its tokens d
 depend on what else is in the batch; every transform is per row, so neither do its
 logits. A batch where no row asks for a penalty or min-p takes the same path as before
 they existed: one attribute check per row.
+
+Everything runs on the logits' device (a GPU's logits never cross to the host whole):
+tokens are drawn with the exponential race `argmax(probs / Exp(1))`, which is exactly
+what `torch.multinomial` does for one sample (same random numbers, same token) but
+without its validity checks, each a host synchronisation. What crosses is one small
+tensor per step: [N, 3] (token, finite, draw score) or, when a row asks for logprobs,
+[N, 5 + 2k] (then logprob, rank, k top ids, k top logprobs), copied once and unpacked on
+the host. Host-built inputs (banned ids, penalty values, output tokens) go the other way
+without waiting (`non_blocking`).
 """
 
 from __future__ import annotations
@@ -86,32 +95,50 @@ def top_k_top_p_filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
-def non_finite_rows(logits: torch.Tensor) -> dict[int, str]:
-    """Rows ([N, V]) holding a NaN or an infinity: no distribution to sample from."""
-    finite = torch.isfinite(logits).all(dim=-1)
-    if bool(finite.all()):
-        return {}
-    return {row: "the model produced non-finite logits (NaN or inf) for this request: "
-                 "its weights or its input overflow; the request cannot be sampled"
-            for row in (~finite).nonzero().flatten().tolist()}
+NON_FINITE = ("the model produced non-finite logits (NaN or inf) for this request: "
+              "its weights or its input overflow; the request cannot be sampled")
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, copied without waiting for the device."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def draw_row(logits: torch.Tensor, params: SamplingParams,
+             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token from one row of logits ([V], float32) under sampling `params`, on the
+    logits' device: (token id, its race score), both 0-d. The score is > 0 exactly when
+    the filtered distribution was valid: softmax spreads a NaN to every entry, and no
+    mass left scores 0. An invalid draw still yields an id; the caller refuses it."""
+    scaled = logits / params.temperature
+    if params.min_p > 0.0:
+        scaled = min_p_filter(scaled, params.min_p)
+    probs = top_k_top_p_filter(scaled, params.top_k, params.top_p).softmax(-1)
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    score, token = (probs / race).max(dim=-1)
+    return token, score
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams,
                generator: torch.Generator | None) -> int:
-    """Draw one token from one row of logits ([V], float32) under `params`."""
+    """Draw one token from one row of logits ([V], float32) under `params` (host int)."""
     if params.greedy:
         return int(torch.argmax(logits))
-    scaled = logits / params.temperature
-    if params.min_p > 0.0:
-        scaled = min_p_filter(scaled, params.min_p)
-    filtered = top_k_top_p_filter(scaled, params.top_k, params.top_p)
-    probs = filtered.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    token, score = draw_row(logits, params, generator)
+    if not bool(score > 0):
+        raise ValueError(_INVALID)
+    return int(token)
+
+
+_INVALID = ("the filtered distribution holds no probability (NaN, or every token masked): "
+            "its sampling parameters leave nothing to draw")
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int, device: torch.device | str = "cpu") -> None:
+        # Generators live on the device the logits do (CUDA draws need CUDA generators).
+        self.device = torch.device(device)
+        self.generator = torch.Generator(self.device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
         # A penalized request's prompt as a [V] mask, built once per prompt list (the
         # request's own, kept for its life): request id -> (that list, mask).
@@ -122,21 +149,21 @@ class Sampler:
             return self.generator
         gen = self._request_generators.get(request_id)
         if gen is None:
-            gen = self._request_generators[request_id] = torch.Generator().manual_seed(params.seed)
+            gen = self._request_generators[request_id] = torch.Generator(
+                self.device).manual_seed(params.seed)
         return gen
 
     def skip_draws(self, request_id: str, params: SamplingParams, draws: int,
                    vocab_size: int) -> None:
         """Advance a seeded request's generator past `draws` tokens sampled elsewhere (the
         first token of a handed-over request), so its later tokens are the ones a single
-        engine would draw. One multinomial draw over V probabilities consumes the same
-        random numbers whatever the probabilities are, so uniform ones stand in."""
+        engine would draw. A draw consumes V exponentials whatever the probabilities."""
         if params.greedy or params.seed is None:
             return
         gen = self.generator_for(request_id, params)
-        uniform = torch.full((vocab_size,), 1.0 / vocab_size)
+        scratch = torch.empty(vocab_size, device=self.device)
         for _ in range(draws):
-            torch.multinomial(uniform, 1, generator=gen)
+            scratch.exponential_(1, generator=gen)
 
     @staticmethod
     def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int
@@ -144,28 +171,26 @@ class Sampler:
         """Teacher-forced logprobs: row i's logprob of `targets[i]` (with its rank) and
         the `top` most likely tokens, from the raw logits as the OpenAI API reports."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        target = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
-        chosen_t = logprobs.gather(1, target)
-        ranks = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
-        chosen = chosen_t.squeeze(1).tolist()
-        entries = [{t: Logprob(lp, rank)} for t, lp, rank in zip(targets, chosen, ranks,
-                                                                  strict=True)]
-        if top:
-            values, indices = torch.topk(logprobs, top, dim=-1)
-            for entry, ids, lps in zip(entries, indices.tolist(), values.tolist(), strict=True):
-                for rank, (tid, value) in enumerate(zip(ids, lps, strict=True), start=1):
-                    entry.setdefault(tid, Logprob(value, rank))
+        target = to_device(targets, torch.long, logprobs.device).unsqueeze(1)
+        host = _logprob_columns(logprobs, target, top).cpu().tolist()
+        entries = []
+        for t, row in zip(targets, host, strict=True):
+            entry = {t: Logprob(row[0], int(row[1]))}
+            for rank in range(1, top + 1):
+                entry.setdefault(int(row[1 + rank]), Logprob(row[1 + top + rank], rank))
+            entries.append(entry)
         return entries
 
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
         self._prompt_masks.pop(request_id, None)
 
-    def _prompt_mask(self, request_id: str, prompt: list[int], vocab: int) -> torch.Tensor:
+    def _prompt_mask(self, request_id: str, prompt: list[int], vocab: int,
+                     device: torch.device) -> torch.Tensor:
         cached = self._prompt_masks.get(request_id)
         if cached is None or cached[0] is not prompt or cached[1].shape[0] != vocab:
-            mask = torch.zeros(vocab, dtype=torch.bool)
-            mask[torch.tensor(prompt, dtype=torch.long)] = True
+            mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+            mask[to_device(prompt, torch.long, device)] = True
             cached = self._prompt_masks[request_id] = (prompt, mask)
         return cached[1]
 
@@ -173,27 +198,30 @@ class Sampler:
                  params: list[SamplingParams], histories: Sequence[TokenHistory]
                  ) -> torch.Tensor:
         """`logits` with the penalties of `rows` applied; other rows are left untouched."""
-        vocab = logits.shape[-1]
+        vocab, dev = logits.shape[-1], logits.device
         prompt_mask = torch.stack([
-            self._prompt_mask(request_ids[r], histories[r].prompt_token_ids, vocab)
+            self._prompt_mask(request_ids[r], histories[r].prompt_token_ids, vocab, dev)
             for r in rows])
-        output_counts = torch.zeros(len(rows), vocab, dtype=logits.dtype)
+        # Every row's output tokens in one host→device copy, counted on the device.
+        count_rows: list[int] = []
+        count_ids: list[int] = []
         for i, r in enumerate(rows):
             history = histories[r]
             output = history.token_ids[len(history.prompt_token_ids):]
-            if output:
-                output_counts[i] = torch.bincount(
-                    torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab]
-
-        def per_row(name: str) -> torch.Tensor:
-            return torch.tensor([float(getattr(params[r], name)) for r in rows],
-                                dtype=logits.dtype)
-
-        logits = logits.clone()
-        logits[rows] = apply_penalties(
-            logits[rows], prompt_mask, output_counts, per_row("repetition_penalty"),
-            per_row("presence_penalty"), per_row("frequency_penalty"))
-        return logits
+            count_rows.extend([i] * len(output))
+            count_ids.extend(output)
+        output_counts = torch.zeros(len(rows), vocab, dtype=logits.dtype, device=dev)
+        if count_ids:
+            where = to_device([count_rows, count_ids], torch.long, dev)
+            output_counts.index_put_((where[0], where[1]),
+                                     torch.ones((), dtype=logits.dtype, device=dev)
+                                     .expand(len(count_ids)), accumulate=True)
+        names = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+        values = to_device([[float(getattr(params[r], n)) for r in rows] for n in names],
+                           logits.dtype, dev)
+        index = to_device(rows, torch.long, dev)
+        return logits.index_copy(0, index, apply_penalties(
+            logits.index_select(0, index), prompt_mask, output_counts, *values))
 
     def checkpoint(self, request_ids: list[str], params: list[SamplingParams]
                    ) -> list[tuple[torch.Generator, torch.Tensor]]:
@@ -215,44 +243,86 @@ class Sampler:
         """logits: [N, V] float32, one row per request. `banned` token ids per row are
         masked before sampling (stop tokens inside min_tokens). `histories` (one per row)
         are read only for rows with a penalty, which need them."""
-        raw = logits.cpu()
-        errors = non_finite_rows(raw)
-        logits = raw
+        packed = self.sample_on_device(logits, request_ids, params, banned, histories)
+        return unpack(packed.cpu().tolist(), params)  # the step's one device→host copy
+
+    def sample_on_device(self, logits: torch.Tensor, request_ids: list[str],
+                         params: list[SamplingParams], banned: list[tuple[int, ...]],
+                         histories: Sequence[TokenHistory] | None = None) -> torch.Tensor:
+        """`sample`'s work, all on the logits' device, packed as one float64 tensor:
+        [N, 3] (token, finite, score) or with logprobs [N, 5 + 2k] (see the module
+        docstring). `finite` is 0 for non-finite logits (the model's fault); `score` is
+        the draw's race score, not > 0 for a sampled row whose filtered distribution was
+        empty (its parameters' fault), 1 for greedy rows."""
+        raw = logits
+        dev, vocab = raw.device, raw.shape[-1]
+        finite = torch.isfinite(raw).all(dim=-1)
         if any(banned):
-            logits = raw.clone()
-            for row, ids in enumerate(banned):
-                if ids:
-                    logits[row, list(ids)] = float("-inf")
-        penalized = [i for i, p in enumerate(params) if p.penalized and i not in errors]
+            rows = [row for row, ids in enumerate(banned) for _ in ids]
+            cols = [c for ids in banned for c in ids]
+            if not all(0 <= c < vocab for c in cols):  # the device would assert, not raise
+                raise IndexError(f"banned token ids {sorted(set(cols))} fall outside the "
+                                 f"vocabulary [0, {vocab})")
+            where = to_device([rows, cols], torch.long, dev)
+            logits = raw.index_put((where[0], where[1]),  # a fill on the device, no copy
+                                   torch.full((), float("-inf"), dtype=raw.dtype, device=dev))
+        penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
             if histories is None:
                 raise ValueError("sampling with penalties needs each request's tokens "
                                  "(histories)")
             logits = self.penalize(logits, penalized, request_ids, params, histories)
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy and i not in errors]
-        tokens = [0] * len(params)
-        if greedy_rows:
-            picked = torch.argmax(logits[greedy_rows], dim=-1).tolist()
-            for row, tok in zip(greedy_rows, picked, strict=True):
-                tokens[row] = tok
-        for row, p in enumerate(params):
-            if not p.greedy and row not in errors:
-                tokens[row] = sample_row(logits[row], p, self.generator_for(request_ids[row], p))
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        draws = [draw_row(logits[row], params[row],
+                          self.generator_for(request_ids[row], params[row]))
+                 for row in sampled]
+        if draws and len(sampled) == len(params):  # no greedy row
+            tokens = torch.stack([t for t, _ in draws])
+            scores = torch.stack([s for _, s in draws])
+        else:
+            tokens = logits.argmax(dim=-1)  # greedy rows' tokens; sampled rows overwrite
+            scores = torch.ones(len(params), dtype=logits.dtype, device=dev)
+            if draws:
+                index = to_device(sampled, torch.long, dev)
+                tokens = tokens.index_copy(0, index, torch.stack([t for t, _ in draws]))
+                scores = scores.index_copy(0, index, torch.stack([s for _, s in draws]))
+        columns = [torch.stack([tokens.double(), finite.double(), scores.double()], dim=1)]
+        if any(p.logprobs is not None for p in params):
+            k = max(p.logprobs or 0 for p in params)
+            columns.append(_logprob_columns(torch.log_softmax(raw, dim=-1),
+                                            tokens.unsqueeze(1), k))
+        return torch.cat(columns, dim=1)
 
-        want = [p.logprobs for p in params]
-        if all(n is None for n in want):
-            return SampleResult(tokens, None, None, None, None, errors)
-        logprobs = torch.log_softmax(raw, dim=-1)
-        chosen_t = logprobs.gather(1, torch.tensor(tokens).unsqueeze(1))
-        ranks = ((logprobs > chosen_t).sum(dim=1) + 1).tolist()
-        chosen = chosen_t.squeeze(1).tolist()
-        k = max(n or 0 for n in want)
-        top_ids: list[list[int]] = [[] for _ in params]
-        top_lps: list[list[float]] = [[] for _ in params]
-        if k:
-            values, indices = torch.topk(logprobs, k, dim=-1)
-            values, indices = values.tolist(), indices.tolist()
-            for row, n in enumerate(want):
-                if n:
-                    top_ids[row], top_lps[row] = indices[row][:n], values[row][:n]
-        return SampleResult(tokens, chosen, ranks, top_ids, top_lps, errors)
+
+def _logprob_columns(logprobs: torch.Tensor, chosen: torch.Tensor, top: int
+                     ) -> torch.Tensor:
+    """[N, 2 + 2*top] float64: the chosen token's logprob and rank (1 = most likely),
+    then the `top` most likely ids and their logprobs (float64 holds both exactly)."""
+    chosen_lp = logprobs.gather(1, chosen)
+    ranks = (logprobs > chosen_lp).sum(dim=1, keepdim=True) + 1
+    columns = [chosen_lp.double(), ranks.double()]
+    if top:
+        values, indices = torch.topk(logprobs, top, dim=-1)
+        columns += [indices.double(), values.double()]
+    return torch.cat(columns, dim=1)
+
+
+def unpack(host: list[list[float]], params: list[SamplingParams]) -> SampleResult:
+    """`Sampler.sample_on_device`'s rows (as host lists) as a `SampleResult`. Raises when a
+    sampled row's distribution was empty (step_guard then finds that row alone)."""
+    errors = {row: NON_FINITE for row, r in enumerate(host) if r[1] == 0}
+    empty = [row for row, r in enumerate(host) if r[1] != 0 and not r[2] > 0]
+    if empty:
+        raise ValueError(f"rows {empty}: {_INVALID}")
+    tokens = [int(r[0]) for r in host]
+    if all(p.logprobs is None for p in params):
+        return SampleResult(tokens, None, None, None, None, errors)
+    k = (len(host[0]) - 5) // 2
+    top_ids: list[list[int]] = [[] for _ in params]
+    top_lps: list[list[float]] = [[] for _ in params]
+    for row, p in enumerate(params):
+        if p.logprobs:
+            top_ids[row] = [int(t) for t in host[row][5:5 + p.logprobs]]
+            top_lps[row] = host[row][5 + k:5 + k + p.logprobs]
+    return SampleResult(tokens, [r[3] for r in host], [int(r[4]) for r in host],
+                        top_ids, top_lps, errors)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Header, HTTPException, Request
@@ -25,6 +26,7 @@ from pydantic import BaseModel, Field
 
 from tandem_engine.errors import CheckpointError, RequestRejected
 from tandem_engine.lifecycle import EngineStateError, KVMode
+from tandem_engine.model.device import DeviceReport
 from tandem_engine.server.control import EngineControl, ShuttingDown
 from tandem_engine.server.handoff import HandoffStats
 from tandem_engine.server.worker import EngineWorker
@@ -41,6 +43,9 @@ class RefitBody(BaseModel):
     uri: str = Field(min_length=1, max_length=4096)
     version: str | None = Field(default=None, max_length=253)
     epoch: int | None = Field(default=None, ge=0, le=2**62)
+    # Stream the new weights into the serving ones tensor by tensor: device peak 1x the
+    # weights plus one tensor instead of old + new (/v1/state: last_refit_peak_bytes).
+    low_memory: bool = False
 
 
 class CanaryBody(BaseModel):
@@ -53,11 +58,11 @@ class CanaryBody(BaseModel):
     timeout: float = Field(default=30.0, gt=0, le=600)
 
 
-def engine_registry(worker: EngineWorker) -> CollectorRegistry:
+def engine_registry(control: EngineControl) -> CollectorRegistry:
     """The engine's Prometheus registry. One per process: a scrape drains the step and
     pull samples recorded since the last one, so the admin and metrics ports share it."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_EngineCollector(worker))
+    registry.register(_EngineCollector(control.worker, control.device_probe))
     return registry
 
 
@@ -83,7 +88,7 @@ def build_admin_app(control: EngineControl, admin_token: str | None = None,
     _add_lifecycle_routes(app, control, authorize)
     _add_serving_routes(app, control, authorize)
     _add_read_routes(app, control)
-    _add_probe_routes(app, control, registry or engine_registry(control.worker))
+    _add_probe_routes(app, control, registry or engine_registry(control))
     return app
 
 
@@ -130,7 +135,7 @@ def _add_lifecycle_routes(app: FastAPI, control: EngineControl, authorize) -> No
     def refit(body: RefitBody, authorization: str | None = Header(None)) -> dict[str, Any]:
         authorize(authorization)
         try:
-            control.refit(body.uri, body.version, body.epoch)
+            control.refit(body.uri, body.version, body.epoch, body.low_memory)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
         except CheckpointError as exc:
@@ -250,8 +255,9 @@ class _FoldedHistogram:
 class _EngineCollector:
     """Reads the engine's numbers at scrape time (no bookkeeping in the step path)."""
 
-    def __init__(self, worker: EngineWorker) -> None:
+    def __init__(self, worker: EngineWorker, device_probe: Callable[[], DeviceReport]) -> None:
         self.worker = worker
+        self.device_probe = device_probe
         self._steps = _FoldedHistogram("tandem_step_seconds", "Engine step time",
                                        STEP_BUCKETS)
         self._pulls = _FoldedHistogram(
@@ -323,3 +329,24 @@ class _EngineCollector:
                       values=s.num_pull_fallbacks)
         seconds, h.seconds = h.seconds, []
         yield self._pulls.fold(seconds, labels, v)
+        yield from self._device_families(labels, v)
+
+    def _device_families(self, labels: list[str], v: list[str]):
+        """The device's memory, labelled with its type: device-wide on CUDA (and what this
+        process's torch holds), the process RSS and host total on the CPU."""
+        d = self.device_probe()
+        info = GaugeMetricFamily("tandem_device_info", "The engine's device (value 1)",
+                                 labels=[*labels, "type", "index", "name"])
+        info.add_metric([*v, d.type, "" if d.index is None else str(d.index), d.name], 1)
+        yield info
+        memory = GaugeMetricFamily(
+            "tandem_device_memory_bytes", "Device memory by kind: total, used (CUDA: "
+            "device-wide; CPU: this process's RSS), torch_allocated, torch_reserved, "
+            "torch_peak (CUDA only)", labels=[*labels, "type", "kind"])
+        for kind, value in (("total", d.memory_total_bytes), ("used", d.memory_used_bytes),
+                            ("torch_allocated", d.torch_allocated_bytes),
+                            ("torch_reserved", d.torch_reserved_bytes),
+                            ("torch_peak", d.torch_peak_bytes)):
+            if value is not None:
+                memory.add_metric([*v, d.type, kind], value)
+        yield memory

@@ -10,10 +10,13 @@ know which of the engine, the worker or the handoff owns a transition.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tandem_engine.lifecycle import EngineState, KVMode
+from tandem_engine.model.device import DeviceReport, report_device
 from tandem_engine.server.handoff import HandoffStats
 from tandem_engine.server.weights_roots import WeightsRoots
 from tandem_engine.server.worker import Canary, EngineWorker
@@ -25,13 +28,16 @@ class ShuttingDown(Exception):
 
 
 class EngineControl:
-    def __init__(self, worker: EngineWorker, weights_roots: WeightsRoots | None = None
-                 ) -> None:
+    def __init__(self, worker: EngineWorker, weights_roots: WeightsRoots | None = None,
+                 device_probe: Callable[[], DeviceReport] | None = None) -> None:
         """`weights_roots`: where refits may read checkpoints (None: anywhere, for
-        in-process use; the engine process always passes its `--weights-root`)."""
+        in-process use; the engine process always passes its `--weights-root`).
+        `device_probe`: what /v1/state and /metrics report of the device (default: the
+        engine's device, read when asked)."""
         self.worker = worker
         self.engine = worker.engine
         self.weights_roots = weights_roots
+        self.device_probe = device_probe or partial(report_device, worker.engine.device)
 
     # ---- the state machine --------------------------------------------------------------
 
@@ -62,16 +68,18 @@ class EngineControl:
             self.worker.welcome_routers()
         self.worker.announce_state()
 
-    def refit(self, uri: str, version: str | None, epoch: int | None) -> int:
+    def refit(self, uri: str, version: str | None, epoch: int | None,
+              low_memory: bool = False) -> int:
         """Load the checkpoint `uri` names (PAUSED, SUSPENDED or RESUMED). Raises
         WeightsURIError (a ValueError) for a URI naming no local checkpoint,
         RefitPathRefused (a ValueError) for a path outside the weights roots or no
         checkpoint there, CheckpointError for one that does not fit the running model (the
-        old weights keep serving), EngineStateError in any other state."""
+        old weights keep serving), EngineStateError in any other state. `low_memory`
+        streams the weights in tensor by tensor (peak 1x the weights plus one tensor)."""
         path = Path(checkpoint_path(uri, "refit uri"))
         if self.weights_roots is not None:
             path = self.weights_roots.admit(path)
-        epoch = self.engine.refit(path, version or uri, epoch, uri=uri)
+        epoch = self.engine.refit(path, version or uri, epoch, uri=uri, low_memory=low_memory)
         self.worker.announce_state()
         return epoch
 
@@ -118,4 +126,6 @@ class EngineControl:
                 "unhealthy": w.unhealthy,
                 "pinned_blocks": stats.num_pinned_blocks,
                 "quarantined_blocks": stats.num_quarantined_blocks,
-                "kv_pulls": {**handoff, "recomputed": stats.num_pull_fallbacks}}
+                "kv_pulls": {**handoff, "recomputed": stats.num_pull_fallbacks},
+                "device": self.device_probe().as_dict(),
+                "last_refit_peak_bytes": self.engine.runner.last_refit_peak_bytes}

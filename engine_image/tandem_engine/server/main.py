@@ -28,6 +28,8 @@ from pathlib import Path
 
 from tandem_engine.config import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_DEVICE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_KERNELS,
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     DEFAULT_KV_PIN_TTL_S,
@@ -37,6 +39,10 @@ from tandem_engine.config import (
     DEFAULT_THREADS,
     KERNEL_CHOICES,
     MAX_KV_QUARANTINE_TTL_S,
+    EngineConfig,
+    device_arg,
+    fraction_arg,
+    parse_device,
 )
 from tandem_engine.lifecycle import EngineRole
 from tandem_engine.server.loading import (
@@ -94,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="DIR", help="a folder refits may load checkpoints from "
                    "(repeatable; symlinks are resolved first); default: the folder "
                    "holding --model")
+    p.add_argument("--device", type=device_arg, default=DEFAULT_DEVICE,
+                   help="auto, cpu, cuda or cuda:N; auto = cuda when torch sees a GPU, else "
+                        "cpu. Asking for cuda where no GPU is visible fails at start")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     p.add_argument("--max-num-batched-tokens", type=int,
@@ -101,10 +110,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="tokens per KV block")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=DEFAULT_KV_CACHE_MEMORY_BYTES)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="the KV pool's byte budget (default: "
+                        f"{DEFAULT_KV_CACHE_MEMORY_BYTES} on CPU; on CUDA the pool takes what "
+                        "--gpu-memory-utilization leaves); --num-blocks overrides it")
+    p.add_argument("--gpu-memory-utilization", type=fraction_arg,
+                   default=DEFAULT_GPU_MEMORY_UTILIZATION, metavar="F",
+                   help="CUDA, with neither --num-blocks nor --kv-cache-memory-bytes: the "
+                        "share (0 < F <= 1) of the GPU's memory the engine fills; the KV pool "
+                        "gets what the weights and the largest step's activations leave "
+                        "(default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS)
+    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
+                   help="attention/projection kernels: auto (native on CPU, flex on CUDA), "
+                        "native (CPU), torch (portable gather path), flex (torch "
+                        "flex_attention over the paged KV) (default %(default)s)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: replay decode steps from CUDA graphs at fixed batch sizes "
+                        "(default on; ignored on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weight-version", default="initial",
                    help="the version name of the weights at --model (the pool's weights.version)")
@@ -112,6 +136,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the pool-wide number of the weights at --model (routers prefer the "
                         "highest); refits set it from then on")
     return p
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine options, checked before the model loads: a bad value, or a GPU asked for
+    where none is visible, fails at start (exit 2)."""
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        num_blocks=args.num_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+        max_model_len=args.max_model_len, dtype=args.dtype, kernels=args.kernels,
+        device=args.device, cuda_graphs=args.cuda_graphs, seed=args.seed,
+        kv_pin_ttl_s=args.kv_pin_ttl,
+        kv_quarantine_ttl_s=args.kv_quarantine_ttl)
+    config.validate()
+    if parse_device(config.device)[0] == "cuda":  # torch is imported only when a GPU is asked
+        from tandem_engine.model.device import resolve_device
+
+        resolve_device(config.device)
+    return config
 
 
 def _read_token(path: Path | None) -> str | None:
@@ -162,7 +205,7 @@ class _HttpServers:
             await asyncio.to_thread(thread.join, 5)
 
 
-async def _run(args: argparse.Namespace, curve: CurveServer | None,
+async def _run(args: argparse.Namespace, config: EngineConfig, curve: CurveServer | None,
                roots: WeightsRoots, load_delay_s: float) -> int:
     from tandem_engine.server.loading import build_loading_app
 
@@ -186,31 +229,24 @@ async def _run(args: argparse.Namespace, curve: CurveServer | None,
              args.host, args.admin_port, "" if args.metrics_port is None
              else f", metrics http://{args.host}:{args.metrics_port}")
     try:
-        return await _load_and_serve(args, curve, roots, token, loading, load, http)
+        return await _load_and_serve(args, config, curve, roots, token, loading, load, http)
     finally:  # a failed load ends the process: its probes must not outlive it
         await http.stop()
 
 
-async def _load_and_serve(args: argparse.Namespace, curve: CurveServer | None,
+async def _load_and_serve(args: argparse.Namespace, config: EngineConfig,
+                          curve: CurveServer | None,
                           roots: WeightsRoots, token: str | None, loading: LoadingEngine,
                           load: ModelLoad, http: _HttpServers) -> int:
     """Load the model, switch the HTTP servers to the full apps, serve until stopped."""
     import torch
 
-    from tandem_engine.config import EngineConfig
     from tandem_engine.engine.llm_engine import LLMEngine
     from tandem_engine.server.admin import build_admin_app, build_metrics_app, engine_registry
     from tandem_engine.server.control import EngineControl
     from tandem_engine.server.worker import EngineWorker
 
     torch.set_num_threads(args.threads)
-    config = EngineConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_blocks=args.num_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len, dtype=args.dtype, kernels=args.kernels,
-        seed=args.seed, kv_pin_ttl_s=args.kv_pin_ttl,
-        kv_quarantine_ttl_s=args.kv_quarantine_ttl)
     engine = await asyncio.to_thread(LLMEngine.from_checkpoint, args.model, config,
                                      load.report)
     engine.set_weights(loading.weights)
@@ -231,7 +267,7 @@ async def _load_and_serve(args: argparse.Namespace, curve: CurveServer | None,
 
     shutdown = asyncio.Event()
     control = EngineControl(worker, roots)
-    registry = engine_registry(worker)
+    registry = engine_registry(control)
     full = {"admin": build_admin_app(control, token, registry)}
     if args.metrics_port is not None:
         full["metrics"] = build_metrics_app(control, registry)
@@ -287,7 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"--metrics-port {args.metrics_port}: give a port apart from "
                              "--port and --admin-port")
         load_delay_s = test_load_delay()
-        return asyncio.run(_run(args, curve, roots, load_delay_s))
+        config = engine_config(args)
+        return asyncio.run(_run(args, config, curve, roots, load_delay_s))
     except Exception as exc:  # report a startup failure in one line, not a traceback
         from tandem_engine.errors import TandemError
 

@@ -32,6 +32,8 @@ _ITEMSIZE = {
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
 }
+# Where a KV pool may live: host memory (NIXL "DRAM") or a GPU's (NIXL "VRAM").
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 class TransferError(TandemError):
@@ -52,7 +54,9 @@ class TransferTimeout(TransferError):
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """Shape of one engine's KV pool `[num_layers, 2, num_blocks, block_size, heads, dim]`.
+    """Shape of one engine's KV pool `[num_layers, 2, num_blocks, block_size, heads, dim]`,
+    and the kind of memory it lives in (`device_type`: "cpu" or "cuda"; which GPU is the
+    transfer agent's business, not a compatibility question).
 
     Two engines can exchange blocks when every field but `num_blocks` matches.
     """
@@ -63,6 +67,7 @@ class KVGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+    device_type: str = "cpu"  # torch device type of the pool: "cpu" or "cuda"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim"):
@@ -73,6 +78,9 @@ class KVGeometry:
             raise ValueError(
                 f"KVGeometry.dtype={self.dtype!r} is not a KV dtype; use one of {sorted(_ITEMSIZE)}"
             )
+        if self.device_type not in DEVICE_TYPES:
+            raise ValueError(f"KVGeometry.device_type={self.device_type!r} is not a KV pool "
+                             f"device; use one of {list(DEVICE_TYPES)}")
 
     @classmethod
     def of_tensor(cls, kv_cache: torch.Tensor) -> KVGeometry:
@@ -84,7 +92,7 @@ class KVGeometry:
             )
         layers, _, blocks, block_size, heads, dim = (int(s) for s in kv_cache.shape)
         dtype = str(kv_cache.dtype).removeprefix("torch.")
-        return cls(layers, blocks, block_size, heads, dim, dtype)
+        return cls(layers, blocks, block_size, heads, dim, dtype, kv_cache.device.type)
 
     @property
     def itemsize(self) -> int:
@@ -116,7 +124,8 @@ class KVGeometry:
 
     def describe(self) -> str:
         return (f"{self.num_layers} layers x {self.num_blocks} blocks of {self.block_size} "
-                f"tokens x {self.num_kv_heads} kv heads x head_dim {self.head_dim}, {self.dtype}")
+                f"tokens x {self.num_kv_heads} kv heads x head_dim {self.head_dim}, {self.dtype} "
+                f"on {self.device_type}")
 
     def incompatibility(self, peer: KVGeometry) -> str | None:
         """Why blocks cannot move between this pool and `peer`'s, or None when they can.
@@ -130,7 +139,8 @@ class KVGeometry:
         if not diffs:
             return None
         return ("; ".join(diffs) + ". Both engines must serve the same model with the same KV "
-                "settings (block size, KV dtype) to hand off KV blocks")
+                "settings (block size, KV dtype) on the same kind of device to hand off KV "
+                "blocks")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 # starts or how it is laid out; the header carries that.
 _MAGIC = b"TNDMNIXL"
 _HEADER_LEN = struct.Struct("<I")
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: the geometry carries the pool's device type
 
 
 def _prepare_environment() -> None:
@@ -64,15 +64,36 @@ def _prepare_environment() -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
+def nixl_packages(cuda_version: str | None) -> tuple[str, ...]:
+    """NIXL's wheels to try, best first: the one built for torch's CUDA major version
+    (`torch.version.cuda`, None for a CPU torch), then the other."""
+    order = ["nixl_cu12", "nixl_cu13"]
+    if cuda_version is not None and cuda_version.split(".")[0] == "13":
+        order.reverse()
+    return tuple(order)
+
+
 def _import_nixl() -> tuple[Any, Any, tuple[type[BaseException], ...]]:
     _prepare_environment()
-    try:
-        from nixl_cu12 import _bindings
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-    except ImportError as exc:
+    import importlib
+
+    import torch
+
+    failures = []
+    for package in nixl_packages(torch.version.cuda):
+        try:
+            _bindings = importlib.import_module(f"{package}._bindings")
+            api = importlib.import_module(f"{package}._api")
+            nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
+            break
+        except ImportError as exc:
+            failures.append(f"{package}: {exc}")
+    else:
+        wheel = nixl_packages(torch.version.cuda)[0].replace("_", "-")
         raise TransferError(
-            "the NIXL KV transfer backend needs the nixl-cu12 package (pip install "
-            f"nixl-cu12==1.5.1 after torch): {exc}") from exc
+            f"the NIXL KV transfer backend needs the {wheel} package (pip install "
+            f"{wheel}==1.5.1 after torch; the wheel of torch's CUDA major version): "
+            + "; ".join(failures))
     errors = tuple(
         obj for name, obj in vars(_bindings).items()
         if name.startswith("nixl") and name.endswith("Error") and isinstance(obj, type)
@@ -209,6 +230,8 @@ class NixlBackend(KVTransferBackend):
                              f"is {geometry.describe()}")
         if not kv_cache.is_contiguous():
             raise ValueError("KV pool tensor must be contiguous to register as one region")
+        # A pool on a GPU is registered as that GPU's memory (VRAM): peers READ it
+        # device to device (UCX's cuda_ipc on one host, GPUDirect RDMA across hosts).
         mem_type = "DRAM" if kv_cache.device.type == "cpu" else "VRAM"
         device = kv_cache.device.index or 0
         base = kv_cache.data_ptr()
@@ -251,6 +274,10 @@ class NixlBackend(KVTransferBackend):
 
     def add_peer(self, name: str, metadata: bytes, geometry: KVGeometry) -> None:
         local = self._registered()
+        # The geometry first: an incompatible pool is refused before its metadata is read.
+        why = local.incompatibility(geometry)
+        if why is not None:
+            raise GeometryMismatch(f"cannot read KV blocks from peer {name!r}: {why}")
         card = _PeerCard.decode(metadata, name)
         if card.agent != name:
             raise TransferError(f"metadata given for peer {name!r} belongs to agent "
@@ -258,9 +285,6 @@ class NixlBackend(KVTransferBackend):
         if name == self.name:
             raise TransferError(f"peer name {name!r} is this backend's own agent name; "
                                 "every engine needs a unique agent name")
-        why = local.incompatibility(geometry)
-        if why is not None:
-            raise GeometryMismatch(f"cannot read KV blocks from peer {name!r}: {why}")
         if card.geometry != geometry:
             raise GeometryMismatch(
                 f"peer {name!r} registered a KV pool of {card.geometry.describe()} but was "
