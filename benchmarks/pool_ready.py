@@ -88,9 +88,12 @@ def main() -> None:
     if args.runs < 1:
         parser.error(f"--runs {args.runs}: give at least 1")
     print(f"CPU: {cpu_model()}, {len(os.sched_getaffinity(0))} cores")
-    with tempfile.TemporaryDirectory(prefix="tandem-pool-ready-") as tmp:
+    # Not under /tmp: engine pods mount an emptyDir there, which would hide the hostPath.
+    with tempfile.TemporaryDirectory(prefix="tandem-pool-ready-", dir="/var/tmp") as tmp:
         os.chmod(tmp, 0o755)  # image-mode pods run as uid 65532
         model = write_demo_model(Path(tmp) / "demo")
+        for file in model.iterdir():  # readable by the pods' uid (written 0600)
+            file.chmod(0o644)
         times = {mode: [one_run(mode == "image", model) for _ in range(args.runs)]
                  for mode in ("process", "image")}
     base = statistics.median(times["process"])
