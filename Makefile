@@ -4,7 +4,7 @@
 #                 make run DEMO=1: the tiny random-weight demo model instead (offline, fast)
 #                 make run MODEL=/path/to/checkpoint: any other model
 #   make test  -> set up .venv with dev tools, lint, check architecture, build the images,
-#                 run the tests
+#                 install the test tools (Prometheus), run the tests
 #   make images -> the engine and operator images, REGISTRY/tandem/{engine,operator}:VERSION
 #                 (VERSION: the chart's appVersion); REGISTRY=ghcr.io/me make images push
 PY ?= python3
@@ -16,7 +16,7 @@ MODEL ?= smollm2-135m-instruct
 PORT ?= 8000
 ENGINES ?= 1
 
-.PHONY: venv dev run test lint clean base-image images push image-tools
+.PHONY: venv dev run test lint clean base-image images push image-tools test-tools
 
 # --- images ---------------------------------------------------------------------------------
 # One version for both images: charts/tandem/Chart.yaml's appVersion (= pyproject's version).
@@ -83,10 +83,10 @@ $(BIN)/python:
 	$(BIN)/pip install -q torch==2.13.0
 
 venv: $(BIN)/python
-	$(BIN)/pip install -q -e '.[engine]'
+	$(BIN)/pip install -q -e '.[engine,bench]'
 
 dev: $(BIN)/python
-	$(BIN)/pip install -q -e '.[engine,operator,dev]'
+	$(BIN)/pip install -q -e '.[engine,operator,dev,bench]'
 
 run: venv
 ifeq ($(DEMO),)
@@ -99,7 +99,13 @@ lint: dev
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
-test: lint images
+# The tests' own tools on a clean CI machine (Debian/Ubuntu, root): Debian's Prometheus, which
+# tests/test_dashboard_prometheus.py runs the Grafana dashboard's queries against.
+test-tools:
+	@command -v prometheus >/dev/null || { apt-get update -q && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
+
+test: lint images test-tools
 	$(BIN)/python -m pytest
 
 clean:

@@ -6,20 +6,21 @@ Run alone:
     .venv/bin/python benchmarks/disagg_serving.py --model bench-models/small-llama
 
 Both setups run the same requests (Poisson arrivals, the same seed) through `tandem serve`
-and the `openai` client, with one torch thread per engine and each engine's threads
-pinned to its own core (engine 0 → CPU 0, engine 1 → CPU 1), so the only difference is
-who computes what. A mixed engine interleaves chunks of long prompts with the decode
-steps of running requests, so a prompt arriving stalls every stream on that engine for
-a chunk's compute; a decode engine never computes a prompt (it pulls the KV), so its
-inter-token latency stays flat. Reported per setup: TTFT and inter-token latency p50/p99,
-throughput, and goodput — requests/s whose TTFT and whose own p99 inter-token latency
-both meet the SLO given on the command line. The goal is 1P+1D ITL p99 ≤ 0.5× of 2 mixed.
+and `tandem bench`'s load generator (`tandem_engine.bench`), with one torch thread per
+engine and each engine's threads pinned to its own core (engine 0 → CPU 0, engine 1 →
+CPU 1), so the only difference is who computes what. A mixed engine interleaves chunks of
+long prompts with the decode steps of running requests, so a prompt arriving stalls every
+stream on that engine for a chunk's compute; a decode engine never computes a prompt (it
+pulls the KV), so its inter-token latency stays flat. Reported per setup: TTFT and
+inter-token latency p50/p99, throughput, and goodput — requests/s whose TTFT and whose own
+p99 inter-token latency both meet the SLO given on the command line (`tandem bench --slo
+ttft=..,itl=..`). The goal is 1P+1D ITL p99 ≤ 0.5× of 2 mixed. --json FILE keeps both
+setups' `tandem bench` run entries (docs/bench.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -29,7 +30,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "engine_image"))
 
-from serving import load_run, pct, workload  # noqa: E402
+from serving import arrivals, ms, uniform  # noqa: E402
+from tandem_engine.bench.api import measure, text_source  # noqa: E402
+from tandem_engine.bench.workloads import random_workload  # noqa: E402
 from tandem_engine.cli.serve import LocalStack  # noqa: E402
 
 
@@ -39,7 +42,7 @@ def pin_process(pid: int, cpu: int) -> None:
         os.sched_setaffinity(int(tid), {cpu})
 
 
-def run_setup(label: str, model: Path, items, args, **roles: int) -> dict:
+def run_setup(label: str, model: Path, args, **roles: int) -> dict:
     stack = LocalStack(model, port=args.port, **roles,
                        engine_args=["--threads", "1", "--max-num-seqs", "16",
                                     "--max-num-batched-tokens", str(args.chunk)])
@@ -49,21 +52,23 @@ def run_setup(label: str, model: Path, items, args, **roles: int) -> dict:
         engines = [c.process.pid for c in stack.children if c.name != "router"]
         for i, pid in enumerate(engines):
             pin_process(pid, sorted(cpus)[i % len(cpus)])
-        asyncio.run(load_run(stack.url, stack.name, items[:2], 0, 2, args.seed))  # warm-up
-        results, elapsed = asyncio.run(load_run(stack.url, stack.name, items, args.rate,
-                                                args.concurrency, args.seed))
+        # the same text for both setups: same seed, same tokenizer
+        items = random_workload(args.num_requests, text_source(stack.url, stack.name),
+                                uniform(args.min_prompt, args.max_prompt),
+                                uniform(args.min_output, args.max_output), args.seed)
+        run = measure(stack.url, stack.name, items, arrivals(args.rate, args.concurrency),
+                      slo={"ttft": args.slo_ttft * 1e3, "itl": args.slo_itl * 1e3},
+                      warmup=2, seed=args.seed)
     finally:
         stack.stop()
-    ok = [r for r in results if r.ok]
-    itl = [x for r in ok for x in r.itl]
-    good = [r for r in ok if r.ttft <= args.slo_ttft
-            and (not r.itl or pct(r.itl, 0.99) <= args.slo_itl)]
-    row = {"setup": label, "ok": len(ok), "n": len(results), "elapsed": elapsed,
-           "tok_s": sum(r.tokens for r in ok) / elapsed,
-           "ttft_p50": pct([r.ttft for r in ok], 0.5), "ttft_p99": pct([r.ttft for r in ok], 0.99),
-           "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99),
-           "goodput": len(good) / elapsed, "good": len(good)}
-    print(f"{label:>12}: {row['ok']}/{row['n']} ok in {elapsed:.1f} s, "
+    s = run["summary"]
+    good = s["goodput"]
+    row = {"setup": label, "ok": s["requests"]["completed"], "n": s["requests"]["sent"],
+           "elapsed": s["duration_s"], "tok_s": s["throughput"]["output_tokens_per_s"],
+           "ttft_p50": ms(s, "ttft", "p50") / 1e3, "ttft_p99": ms(s, "ttft", "p99") / 1e3,
+           "itl_p50": ms(s, "itl", "p50") / 1e3, "itl_p99": ms(s, "itl", "p99") / 1e3,
+           "goodput": good["requests_per_s"], "good": good["good_requests"], "run": run}
+    print(f"{label:>12}: {row['ok']}/{row['n']} ok in {row['elapsed']:.1f} s, "
           f"{row['tok_s']:.1f} tok/s | TTFT p50 {row['ttft_p50']:.2f} s p99 "
           f"{row['ttft_p99']:.2f} s | ITL p50 {row['itl_p50'] * 1e3:.0f} ms p99 "
           f"{row['itl_p99'] * 1e3:.0f} ms | goodput {row['goodput']:.3f} req/s "
@@ -88,12 +93,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds: a request's own p99 inter-token latency")
     ap.add_argument("--port", type=int, default=18100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None,
+                    help="write both setups' `tandem bench` run entries here")
     args = ap.parse_args(argv)
 
     model = args.model.resolve()
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    items = workload(args.num_requests, args.seed, (args.min_prompt, args.max_prompt),
-                     (args.min_output, args.max_output), vocab)
     print("command:", " ".join(sys.orig_argv))
     print(f"model {model.name}; {args.num_requests} requests, prompts {args.min_prompt}-"
           f"{args.max_prompt}, outputs {args.min_output}-{args.max_output}, Poisson "
@@ -101,8 +105,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{sorted(os.sched_getaffinity(0))[:2]}; chunk {args.chunk} tokens; SLO: TTFT <= "
           f"{args.slo_ttft} s and per-request ITL p99 <= {args.slo_itl * 1e3:.0f} ms",
           flush=True)
-    mixed = run_setup("2 mixed", model, items, args, engines=2)
-    disagg = run_setup("1P + 1D", model, items, args, prefill=1, decode=1)
+    mixed = run_setup("2 mixed", model, args, engines=2)
+    disagg = run_setup("1P + 1D", model, args, prefill=1, decode=1)
+    if args.json:
+        args.json.write_text(json.dumps({"2 mixed": mixed["run"], "1P + 1D": disagg["run"]},
+                                        indent=1))
     ratio = disagg["itl_p99"] / mixed["itl_p99"]
     print(f"ITL p99: 1P+1D / 2 mixed = {ratio:.2f}x  goal <= 0.5x  "
           f"{'PASS' if ratio <= 0.5 else 'MISS'}")

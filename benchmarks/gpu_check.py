@@ -140,9 +140,10 @@ def step_environment(plan: Plan) -> StepResult:
 
 
 def nixl_module() -> str:
-    """The NIXL build matching torch's CUDA major (cu12 without CUDA: host memory only)."""
-    major = (torch.version.cuda or "12").split(".")[0]
-    return f"nixl_cu{major}._api"
+    """The NIXL build the engine tries first for this torch (its CUDA major)."""
+    from tandem_engine.transfer.nixl import nixl_packages
+
+    return f"{nixl_packages(torch.version.cuda)[0]}._api"
 
 
 def hf_greedy_on(path: Path, prompts: list[list[int]], new: int, dtype: torch.dtype,

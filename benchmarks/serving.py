@@ -1,108 +1,55 @@
-"""Online serving benchmark: an OpenAI-API load generator against `tandem serve`.
+"""Online serving benchmark: `tandem bench`'s load generator against `tandem serve`.
 
 Run alone:
 
     .venv/bin/python benchmarks/serving.py --model bench-models/small-llama --engines 2
 
 It starts the local stack (N engine processes + the router), then:
-1. a load run: Poisson arrivals at --rate requests/s, prompt and output lengths uniform
-   in the given ranges, at most --concurrency in flight, streamed with the official
-   `openai` client; reports TTFT, inter-token latency and end-to-end p50/p99, tokens/s
-   and requests/s, and the router's own added latency from its /metrics (HTTP arrival
-   -> request on the engine socket; engine output -> bytes to the client);
+1. a load run with `tandem_engine.bench` (the load generator of `tandem bench`): Poisson
+   arrivals at --rate requests/s (0: all at once), prompt and output lengths uniform in
+   the given ranges, at most --concurrency in flight, streamed over /v1/completions;
+   reports TTFT, inter-token latency and end-to-end p50/p99, tokens/s and requests/s (the
+   server's usage counts), and the router's own added latency from its /metrics (HTTP
+   arrival -> request on the engine socket; engine output -> bytes to the client);
 2. the reference for (1): the same engines' summed offline throughput — N processes,
-   each running `LLM.generate` on its share of the same workload at the same time;
+   each running `LLM.generate` on its share of the same prompts at the same time;
 3. the router's ceiling: requests/s with max_tokens=1 and short prompts.
+--json FILE keeps the load run's full `tandem bench` run entry (docs/bench.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import random
 import subprocess
 import sys
-import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "engine_image"))
+
+from tandem_engine.bench.api import measure, text_source  # noqa: E402
+from tandem_engine.bench.arrivals import Arrivals  # noqa: E402
+from tandem_engine.bench.workloads import BenchRequest, LengthSpec, random_workload  # noqa: E402
 
 
-@dataclass
-class Result:
-    ttft: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    e2e: float = 0.0
-    tokens: int = 0
-    ok: bool = False
+def uniform(lo: int, hi: int) -> LengthSpec:
+    """Lengths uniform in [lo, hi] (as the earlier flags meant them)."""
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"lengths need 1 <= min <= max (got {lo}, {hi})")
+    return LengthSpec((lo + hi) // 2, (hi - lo) // 2)
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+def arrivals(rate: float, concurrency: int) -> Arrivals:
+    if rate > 0:
+        return Arrivals("poisson", rate=rate, max_concurrency=concurrency)
+    return Arrivals("burst", max_concurrency=concurrency)
 
 
-def workload(n: int, seed: int, prompt: tuple[int, int], output: tuple[int, int],
-             vocab: int) -> list[tuple[list[int], int]]:
-    rng = random.Random(seed)
-    return [([rng.randrange(4, vocab) for _ in range(rng.randint(*prompt))],
-             rng.randint(*output)) for _ in range(n)]
-
-
-async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> Result:
-    r = Result()
-    start = time.perf_counter()
-    last = None
-    try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-            stream=True, stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:
-                r.tokens = chunk.usage.completion_tokens
-            if not chunk.choices or not chunk.choices[0].text:
-                continue
-            if last is None:
-                r.ttft = now - start
-            else:
-                r.itl.append(now - last)
-            last = now
-        r.e2e = time.perf_counter() - start
-        r.ok = True
-    except Exception as exc:  # counted as a failure in the report
-        print(f"request failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-    return r
-
-
-async def load_run(base_url: str, model: str, items, rate: float, concurrency: int,
-                   seed: int) -> tuple[list[Result], float]:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=base_url, api_key="bench", timeout=600, max_retries=0)
-    sem = asyncio.Semaphore(concurrency)
-    rng = random.Random(seed + 1)
-
-    async def guarded(prompt, n):
-        async with sem:
-            return await one_request(client, model, prompt, n)
-
-    tasks = []
-    start = time.perf_counter()
-    for prompt, n in items:
-        tasks.append(asyncio.create_task(guarded(prompt, n)))
-        if rate > 0:
-            await asyncio.sleep(rng.expovariate(rate))
-    results = await asyncio.gather(*tasks)
-    elapsed = time.perf_counter() - start
-    await client.close()
-    return results, elapsed
+def ms(summary: dict, metric: str, q: str) -> float:
+    s = summary["latency_ms"][metric]
+    return float("nan") if s is None else s[q]
 
 
 def router_histogram_p50(metrics_url: str, name: str) -> float | None:
@@ -166,14 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=18000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="write the load run's `tandem bench` run entry here")
     args = ap.parse_args(argv)
 
-    sys.path.insert(0, str(ROOT / "engine_image"))
     from tandem_engine.cli.serve import LocalStack
 
-    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-    items = workload(args.num_requests, args.seed, (args.min_prompt, args.max_prompt),
-                     (args.min_output, args.max_output), vocab)
     print("command:", " ".join(sys.orig_argv))
     print(f"model {args.model}, {args.engines} engine(s) x 1 thread, {args.num_requests} "
           f"requests, prompts {args.min_prompt}-{args.max_prompt}, outputs "
@@ -185,20 +130,22 @@ def main(argv: list[str] | None = None) -> int:
                                     str(args.max_num_seqs)])
     stack.start()
     try:
-        base = stack.url
-        name = stack.name
-        asyncio.run(load_run(base, name, items[:4], 0, 4, args.seed))  # warm-up
-        results, elapsed = asyncio.run(load_run(base, name, items, args.rate,
-                                                args.concurrency, args.seed))
-        ok = [r for r in results if r.ok]
-        tokens = sum(r.tokens for r in ok)
-        itl = [x for r in ok for x in r.itl]
-        print(f"\nload: {len(ok)}/{len(results)} ok in {elapsed:.1f} s: "
-              f"{tokens / elapsed:.1f} tok/s, {len(ok) / elapsed:.2f} req/s")
-        for label, values in (("TTFT", [r.ttft for r in ok]), ("ITL", itl),
-                              ("end-to-end", [r.e2e for r in ok])):
-            print(f"  {label:<11} p50 {pct(values, 0.5) * 1e3:8.1f} ms   "
-                  f"p99 {pct(values, 0.99) * 1e3:8.1f} ms")
+        base, name = stack.url, stack.name
+        items = random_workload(args.num_requests, text_source(base, name),
+                                uniform(args.min_prompt, args.max_prompt),
+                                uniform(args.min_output, args.max_output), args.seed)
+        run = measure(base, name, items, arrivals(args.rate, args.concurrency),
+                      warmup=4, seed=args.seed)
+        s = run["summary"]
+        elapsed, tokens = s["duration_s"], s["tokens"]["output"]
+        print(f"\nload: {s['requests']['completed']}/{s['requests']['sent']} ok in "
+              f"{elapsed:.1f} s: {s['throughput']['output_tokens_per_s']:.1f} tok/s, "
+              f"{s['throughput']['requests_per_s']:.2f} req/s")
+        for metric, label in (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "end-to-end")):
+            print(f"  {label:<11} p50 {ms(s, metric, 'p50'):8.1f} ms   "
+                  f"p99 {ms(s, metric, 'p99'):8.1f} ms")
+        if args.json:
+            args.json.write_text(json.dumps(run, indent=1))
         metrics = f"http://127.0.0.1:{args.port}/metrics"
         for name_, label in (("tandem_router_ingress_seconds", "HTTP arrival -> engine socket"),
                              ("tandem_router_egress_seconds", "engine output -> client bytes")):
@@ -207,15 +154,16 @@ def main(argv: list[str] | None = None) -> int:
             shown = "n/a" if p50 is None else f"<= {p50 * 1e3:.2f} ms"
             print(f"  router added, {label}: p50 {shown}  goal <= 1 ms  {verdict}")
 
-        ceiling_items = [([5, 6, 7, 8], 1)] * args.ceiling_requests
-        _, c_elapsed = asyncio.run(load_run(base, name, ceiling_items, 0, 64, args.seed))
+        ceiling_items = [BenchRequest("one two three", 1)] * args.ceiling_requests
+        ceiling = measure(base, name, ceiling_items, Arrivals("closed", concurrency=64))
         print(f"router ceiling (max_tokens=1, 64 concurrent): "
-              f"{args.ceiling_requests / c_elapsed:.0f} req/s")
+              f"{ceiling['summary']['throughput']['requests_per_s']:.0f} req/s")
     finally:
         stack.stop()
 
     if not args.skip_offline:
-        offline = offline_reference(args.model.resolve(), args.engines, items,
+        offline = offline_reference(args.model.resolve(), args.engines,
+                                    [(r.prompt, r.output_len) for r in items],
                                     args.max_num_seqs)
         served = tokens / elapsed
         ratio = served / offline

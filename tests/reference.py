@@ -9,6 +9,10 @@ can insist that most of them were.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -93,10 +97,72 @@ def hf_prompt_logprobs(path: Path, prompt: tuple[int, ...], gguf_file: str | Non
 
 @cache
 def _gguf_model(folder: str, gguf_file: str):
+    return hf_model_from_gguf(Path(folder) / gguf_file)
+
+
+def _reference_cache(gguf: Path) -> Path:
+    """Where transformers' conversion of this GGUF file is kept: keyed by the file's
+    bytes and the transformers version, so a new file or a new converter converts again."""
+    import transformers
+
+    digest = hashlib.sha256()
+    with gguf.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    digest.update(transformers.__version__.encode())
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "tandem" / "test-reference" / digest.hexdigest()[:24]
+
+
+def _convert(gguf: Path, folder: Path) -> None:
+    """transformers' own GGUF conversion (dequantize, un-permute), saved as safetensors.
+    transformers refuses save_pretrained on a model loaded from GGUF, so the state dict
+    and the config are written by hand; loading them back gives the same tensors."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".converting-"))
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        model.config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _converted(gguf: Path) -> Path:
+    folder = _reference_cache(gguf)
+    if not folder.is_dir():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            _convert(gguf, folder)
+        except OSError:
+            if not folder.is_dir():  # not merely another run converting it first
+                raise
+    return folder
+
+
+def hf_tokenizer_from_gguf(gguf: Path):
+    """transformers' tokenizer of a GGUF checkpoint (converted once per machine, as the
+    model is)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_converted(gguf))
+
+
+def hf_model_from_gguf(gguf: Path):
+    """transformers' model of a GGUF checkpoint, in fp32. The conversion (about 50 s for
+    SmolLM2's Q8_0 file, with its tokenizer) runs once per machine; later runs load the
+    saved tensors."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file,
-                                                 dtype=torch.float32)
-    model.generation_config.eos_token_id = None
+    folder = _converted(gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens
     model.generation_config.pad_token_id = 0
     return model.eval()

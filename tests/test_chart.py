@@ -279,6 +279,7 @@ NAMESPACED_RULES = {
                                                     "update", "delete"},
     ("networking.k8s.io", "networkpolicies"): {"create", "get", "list", "watch", "patch",
                                                "update", "delete"},
+    ("monitoring.coreos.com", "podmonitors"): {"create", "get", "patch", "delete"},
     ("", "events"): {"create", "patch"},
 }
 SCANNING_RULES = {("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"}}

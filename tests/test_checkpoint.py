@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from tandem_engine.model.checkpoint import (
     load_checkpoint,
     validate_checkpoint,
 )
+from tandem_engine.weights import checkpoint_problem
 
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 UP_PROJ = "model.layers.1.mlp.up_proj.weight"
@@ -321,3 +324,69 @@ def test_config_saved_by_transformers_5_parses_equal(tiny_model: Path, tmp_path:
     if int(transformers.__version__.split(".")[0]) >= 5:
         assert "rope_parameters" in saved and "dtype" in saved
     assert ModelConfig.from_dir(tmp_path) == ModelConfig.from_dir(tiny_model)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a check as another user")
+def test_a_checkpoint_this_user_may_not_read_says_permission_not_missing(
+        tiny_llama: Path) -> None:
+    """As the images' uid 65532 would meet a root-only hostPath: each form of checkpoint
+    is reported as unreadable by that uid, never as missing."""
+    base = Path(tempfile.mkdtemp(prefix="tandem-perm-"))  # pytest's tmp_path is 0700
+    base.chmod(0o755)
+    locked = base / "locked"
+    locked.mkdir(mode=0o700)
+    shutil.copytree(tiny_llama, locked / "model")
+    unreadable = base / "open" / "model"
+    shutil.copytree(tiny_llama, unreadable)
+    unreadable.chmod(0o755)
+    for file in unreadable.iterdir():
+        file.chmod(0o644)
+    (unreadable / "config.json").chmod(0o600)
+    gguf = base / "open" / "weights.gguf"
+    gguf.write_bytes(b"GGUF")
+    gguf.chmod(0o600)
+    (base / "open").chmod(0o755)
+    paths = [locked / "model", unreadable, gguf]
+    try:
+        lines = _as_user(65532, lambda: [line for path in paths for line in (
+            _load_error(path), str(checkpoint_problem(path)))])
+    finally:
+        shutil.rmtree(base)
+    stdout = "\n".join(lines)
+    assert len(lines) == 6, stdout
+    assert "does not exist" not in stdout
+    assert "cannot be reached by this process (uid 65532): permission denied" in lines[0]
+    assert "cannot be reached by this process (uid 65532)" in lines[1]
+    assert f"{unreadable / 'config.json'} is not readable by this process" in lines[2]
+    assert f"{gguf} is not readable by this process (uid 65532)" in lines[4]
+    assert lines[5].endswith("is not readable by this process (uid 65532); make it "
+                             "readable to that user (chmod, or the pod's "
+                             "securityContext.fsGroup)")
+
+
+def _load_error(path: Path) -> str:
+    try:
+        load_checkpoint(path)
+    except CheckpointError as exc:
+        return str(exc).splitlines()[0]
+    return "loaded"
+
+
+def _as_user(uid: int, check: Callable[[], list[str]]) -> list[str]:
+    """`check()` run in a forked child that has dropped to `uid` (the interpreter lives
+    under /root, which another user could not start)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop privileges, run, report, exit without cleanup
+        try:
+            os.close(read)
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(write, "\n".join(check()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    return out.splitlines()

@@ -340,6 +340,7 @@ DOCUMENTED_DEFAULTS = {
         "inflight": "Drain",
         "drainTimeoutSeconds": 120,
         "onFailure": "Rollback",
+        "lowMemory": False,  # new weights beside the old ones unless asked
         "verify": {},  # no perplexity limit unless one is set
     },
     "kvTransfer": {

@@ -240,9 +240,11 @@ def test_state_and_metrics_report_the_device_and_its_memory(tiny_llama: Path) ->
                for family in text_string_to_metric_families(client.get("/metrics").text)
                for s in family.samples if s.name.startswith("tandem_device")}
     assert samples == {
-        ("tandem_device_info", (("engine_id", "e0"), ("index", "0"), ("name", "NVIDIA H200"),
+        ("tandem_device_info", (("engine_id", "e0"), ("index", "0"), ("model_name", "tiny"),
+                                ("name", "NVIDIA H200"), ("role", "mixed"),
                                 ("type", "cuda"))): 1,
         **{("tandem_device_memory_bytes", (("engine_id", "e0"), ("kind", kind),
+                                           ("model_name", "tiny"), ("role", "mixed"),
                                            ("type", "cuda"))): value
            for kind, value in (("total", 141 * GIB), ("used", 41 * GIB),
                                ("torch_allocated", 10 * GIB), ("torch_reserved", 12 * GIB),

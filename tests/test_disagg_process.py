@@ -7,6 +7,7 @@ blocks it lacks with a one-sided NIXL READ and decodes; its notification unpins 
 
 from __future__ import annotations
 
+import re
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -170,6 +171,7 @@ def test_handoff_metrics_are_exported(pair) -> None:
     prefill, decode = pair
     text = urllib.request.urlopen(
         f"http://127.0.0.1:{decode.admin_port}/metrics", timeout=10).read().decode()
+    text = re.sub(r',(model_name|role)="[^"]*"', "", text)  # on every engine series
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
               if line.startswith("tandem_kv_handoff") or line.startswith("tandem_kv_pinned")}
     assert values['tandem_kv_handoff_bytes_total{engine_id="dec"}'] > 0
@@ -179,4 +181,6 @@ def test_handoff_metrics_are_exported(pair) -> None:
     assert 'tandem_kv_handoff_recomputes_total{engine_id="dec"}' in values
     pre_text = urllib.request.urlopen(
         f"http://127.0.0.1:{prefill.admin_port}/metrics", timeout=10).read().decode()
-    assert 'tandem_kv_pinned_blocks{engine_id="pre"} 0.0' in pre_text
+    assert 'tandem_kv_pinned_blocks{engine_id="pre",model_name=' in pre_text
+    assert 'role="prefill"} 0.0' in next(line for line in pre_text.splitlines()
+                                         if line.startswith("tandem_kv_pinned_blocks"))

@@ -154,7 +154,7 @@ def test_fuzzed_frames_with_and_without_credentials(engine: EngineProcess, pool_
 def test_the_metrics_port_is_read_only(engine: EngineProcess, baseline: list[int]) -> None:
     url = f"http://127.0.0.1:{engine.metrics_port}"
     metrics = httpx.get(f"{url}/metrics", timeout=5)
-    assert metrics.status_code == 200 and "tandem_tokens_total" in metrics.text
+    assert metrics.status_code == 200 and "vllm:generation_tokens_total" in metrics.text
     assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
     assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200
     for method, path in (("POST", "/v1/pause"), ("POST", "/v1/refit"), ("POST", "/v1/drain"),

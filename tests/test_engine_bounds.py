@@ -40,6 +40,7 @@ def metric(engine: EngineProcess, name: str) -> float:
     """One sample of the engine's /metrics, 0 when absent (`name` includes labels)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{engine.admin_port}/metrics",
                                   timeout=5).read().decode()
+    text = re.sub(r',(model_name|role)="[^"]*"', "", text)  # on every engine series
     found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(found.group(1)) if found else 0.0
 

@@ -112,7 +112,7 @@ def test_probes_state_and_progress_while_loading_then_serves(tiny_llama: Path,
         status, text = get(metrics_port, "/metrics")
         assert status == 200
         size = next(line for line in text.splitlines()
-                    if line.startswith('tandem_model_load_size_bytes{engine_id="e0"}'))
+                    if line.startswith('tandem_model_load_size_bytes{engine_id="e0",'))
         assert float(size.split()[-1]) == loading["bytes_total"]
         assert get(metrics_port, "/v1/state")[0] == 404  # still read-only
 

@@ -213,7 +213,7 @@ def test_pause_queues_and_unpause_releases(engine: EngineProcess) -> None:
     assert out.request_id == "queued"
     metrics = urllib.request.urlopen(
         f"http://127.0.0.1:{engine.admin_port}/metrics", timeout=5).read().decode()
-    assert 'tandem_tokens_total{engine_id="e0",kind="generation"}' in metrics
+    assert 'vllm:generation_tokens_total{engine_id="e0",model_name=' in metrics
     assert "tandem_step_seconds_bucket" in metrics
 
 

@@ -549,9 +549,10 @@ PARITY_TEXTS = [
 
 
 def test_tokenizer_matches_transformers_on_smollm2(smollm2_gguf: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    reference = transformers.AutoTokenizer.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    pytest.importorskip("transformers")
+    from reference import hf_tokenizer_from_gguf
+
+    reference = hf_tokenizer_from_gguf(smollm2_gguf)
     ours = Tokenizer.from_path(smollm2_gguf)
     for text in PARITY_TEXTS:
         expected = reference(text)["input_ids"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from reference import GAP_TIE
+from reference import GAP_TIE, hf_model_from_gguf
 from tandem_engine import LLM, SamplingParams
 from test_router_e2e import _free_port, _spawn, _stop, _wait_ready
 
@@ -27,13 +27,7 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_gguf: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32)
-    model.generation_config.eos_token_id = None  # generate exactly MAX_NEW tokens
-    model.generation_config.pad_token_id = 0
-    return model.eval()
+    return hf_model_from_gguf(smollm2_gguf)
 
 
 @pytest.fixture(scope="module")

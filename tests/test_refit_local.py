@@ -54,6 +54,12 @@ class Stack:
     def engines(self) -> list[dict]:
         return httpx.get(f"{self.router}/v1/engines", timeout=10).json()["engines"]
 
+    def admin_states(self) -> list[dict]:
+        """Each engine's /v1/state from its admin API (stack.json lists them)."""
+        stack_json = self.tmp / f"tandem-{self.port}" / "stack.json"
+        return [httpx.get(f"{e['admin_url']}/v1/state", timeout=10).json()
+                for e in json.loads(stack_json.read_text())["engines"]]
+
     def versions(self) -> set[str]:
         return {name(e["weight_version"]) for e in self.engines()}
 
@@ -316,7 +322,7 @@ def test_refit_refuses_bad_input_by_name(tmp_path: Path, monkeypatch, capsys) ->
     (model / "config.json").write_text("{}")
     for args, message in ((["--max-unavailable", "0"], "--max-unavailable 0: must be >= 1"),
                           (["--drain-timeout", "0"], "--drain-timeout 0.0: must be > 0"),
-                          (["--version", ""], "--version '': give 1 to 253 characters")):
+                          (["--version", ""], "--weights-version '': give 1 to 253 characters")):
         assert cli.main(["refit", "--uri", uri(model), "--version", "v2", *args]) == 2
         assert message in capsys.readouterr().err
     port = free_port()
@@ -544,7 +550,8 @@ def test_all_at_once_with_recompute_keeps_every_inflight_request(
     threads, results = start_long_generations(stack, 6, long_tokens)
     with Load(stack, threads=2) as load, AwayWatch(stack) as watch:
         done = stack.refit("--uri", uri(checkpoints[new]), "--version", new,
-                           "--strategy", "AllAtOnce", "--inflight", "Recompute")
+                           "--strategy", "AllAtOnce", "--inflight", "Recompute",
+                           "--low-memory")
         for t in threads:
             t.join(timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -552,6 +559,10 @@ def test_all_at_once_with_recompute_keeps_every_inflight_request(
     assert window and 0 < float(window.group(1)) < 30, done.stdout
     assert "RefitWave: wave 1: decode-2, decode-3, prefill-0, prefill-1" in done.stdout
     assert stack.all_serving(new)
+    # --low-memory streamed the new weights into the serving ones: one copy at the peak
+    # (a refit built beside the old weights peaks at two).
+    for state in stack.admin_states():
+        assert state["last_refit_peak_bytes"] == state["weight_bytes"], state
     assert len(results) == 6
     for r in results:
         assert r.error is None and r.finish == "length", r.error

@@ -125,3 +125,13 @@ def test_tandem_refit_refuses_a_bad_limit_by_name(value: str, tiny_llama: Path,
     assert code == 2
     err = capsys.readouterr().err
     assert f"--max-perplexity-ratio {value}" in err and "outside 1..1e+06" in err
+
+
+def test_the_pool_spec_reads_low_memory_refits() -> None:
+    manifest = pool({})
+    assert parse_pool(manifest).refit.low_memory is False  # off by default
+    manifest["spec"]["refit"]["lowMemory"] = True
+    assert parse_pool(manifest).refit.low_memory is True
+    manifest["spec"]["refit"]["lowMemory"] = "yes"
+    with pytest.raises(SpecError, match=r"spec\.refit\.lowMemory"):
+        parse_pool(manifest)

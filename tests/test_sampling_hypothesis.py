@@ -291,9 +291,9 @@ def test_generated_sampling_parameters_never_break_or_disturb_the_stack(
 
     def idle() -> bool:
         return (stack.engine_view()[stack.engine_keys[0]]["inflight"] == 0
-                and engine_metric("tandem_requests_running") == 0
-                and engine_metric("tandem_requests_waiting") == 0
-                and engine_metric("tandem_kv_cache_usage_ratio") == 0)
+                and engine_metric("vllm:num_requests_running") == 0
+                and engine_metric("vllm:num_requests_waiting") == 0
+                and engine_metric("vllm:kv_cache_usage_perc") == 0)
 
     _wait_for(idle, 5.0, "the router and engine to go idle")
     assert engine_metric("tandem_kv_pinned_blocks") == 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandem_engine.errors import CheckpointError
+from tandem_engine.errors import CheckpointError, path_problem
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -86,14 +86,18 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         file = Path(path) / "config.json"
-        if not file.is_file():
+        if (problem := path_problem(file, "file")) == "does not exist":
             raise CheckpointError(
                 f"{file}: missing; a checkpoint folder needs config.json "
                 "(HuggingFace format: config.json + *.safetensors + tokenizer.json)"
             )
+        if problem is not None:
+            raise CheckpointError(f"{file} {problem}")
         try:
             raw = json.loads(file.read_text())
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
+            raise CheckpointError(f"{file}: cannot read ({exc.strerror or exc})") from exc
+        except ValueError as exc:
             raise CheckpointError(f"{file}: not valid JSON ({exc})") from exc
         if not isinstance(raw, dict):
             raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")

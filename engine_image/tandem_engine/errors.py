@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import stat
+from pathlib import Path
+
 
 class TandemError(Exception):
     """Base class for every error Tandem raises on purpose."""
@@ -25,3 +29,23 @@ def list_problems(problems: list[str], limit: int = 10) -> str:
     more = len(problems) - len(shown)
     return ("\n  - " + "\n  - ".join(shown)
             + (f"\n  ... and {more} more problems" if more else ""))
+
+
+def path_problem(path: Path, kind: str) -> str | None:
+    """Why `path` is not a `kind` ("file" or "folder") this process can use, as words that
+    follow the path in a message; None when it is one. A path this process may not reach
+    (a folder above it, or it, denies access) is said to be so, not "does not exist"."""
+    try:
+        mode = path.stat().st_mode
+    except PermissionError:
+        return (f"cannot be reached by this process (uid {os.getuid()}): permission denied "
+                "on it or on a folder above it; make it readable to that user (chmod, or "
+                "the pod's securityContext.fsGroup)")
+    except OSError:
+        return "does not exist"
+    if stat.S_ISDIR(mode) != (kind == "folder"):
+        return f"is not a {kind}"
+    if not os.access(path, os.R_OK | (os.X_OK if kind == "folder" else 0)):
+        return (f"is not readable by this process (uid {os.getuid()}); make it readable "
+                "to that user (chmod, or the pod's securityContext.fsGroup)")
+    return None

@@ -18,7 +18,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from tandem_engine.errors import CheckpointError
+from tandem_engine.errors import CheckpointError, path_problem
 
 GGUF_MAGIC = b"GGUF"
 _INTS = frozenset({GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16,
@@ -135,8 +135,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
     A missing file, another format, a truncated or corrupt file, or a big-endian file
     raises CheckpointError naming the file and what to do."""
     file = Path(path)
-    if not file.is_file():
-        what = "is not a file" if file.exists() else "does not exist"
+    if (what := path_problem(file, "file")) is not None:
         raise CheckpointError(f"GGUF file {file} {what}; give the path of a .gguf file "
                               "(or a HuggingFace checkpoint folder)")
     try:

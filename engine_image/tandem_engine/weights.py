@@ -14,6 +14,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from tandem_engine.errors import path_problem
+
 GGUF_SUFFIX = ".gguf"
 CHECKPOINT_FORMS = ("a HuggingFace-format folder (config.json, *.safetensors, tokenizer.json) "
                     "or a .gguf file")
@@ -30,11 +32,10 @@ def checkpoint_problem(path: str | Path) -> str | None:
     loader validates the contents."""
     path = Path(path)
     if is_gguf_path(path):
-        if path.is_file():
-            return None
-        return f"{path} {'is not a file' if path.exists() else 'does not exist'}"
-    if not path.is_dir():
-        return f"{path} {'is not a folder' if path.exists() else 'does not exist'}"
+        problem = path_problem(path, "file")
+        return None if problem is None else f"{path} {problem}"
+    if (problem := path_problem(path, "folder")) is not None:
+        return f"{path} {problem}"
     if not (path / "config.json").is_file():
         return f"{path} has no config.json"
     return None

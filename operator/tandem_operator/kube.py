@@ -32,6 +32,7 @@ from tandem_engine.kubeclient import (
     load_configuration,
 )
 
+from tandem_operator import metrics
 from tandem_operator.manifests import POOL_LABEL
 from tandem_operator.spec import GROUP, PLURAL, VERSION
 
@@ -50,6 +51,8 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
     "InferencePool": (GROUP, VERSION, PLURAL),
+    # prometheus-operator's, present only where its CRDs are: see `Kube.serves`.
+    "PodMonitor": ("monitoring.coreos.com", "v1", "podmonitors"),
 }
 # What a pool owns besides its pods (the credentials Secret and `manifests.support_objects`):
 # the operator watches these, labelled with the pool's name.
@@ -57,6 +60,7 @@ POOL_OBJECT_KINDS = ("Secret", "Service", "ServiceAccount", "PodDisruptionBudget
                      "RoleBinding", "NetworkPolicy")
 MERGE_PATCH = "application/merge-patch+json"
 WRITE_TTL_SECONDS = 60.0  # a write a watch never shows stops holding the watch back
+DISCOVERY_TTL_SECONDS = 60.0  # how long an answer of `Kube.serves` stands
 
 
 def now() -> str:
@@ -167,6 +171,7 @@ class Kube:
         self.client = client
         self.writes = Writes()
         self.instance = os.environ.get("POD_NAME") or socket.gethostname()
+        self._served: dict[str, tuple[bool, float]] = {}  # kind -> (served, when asked)
 
     @classmethod
     async def connect(cls, kubeconfig: str | os.PathLike[str] | None = None, *,
@@ -179,6 +184,15 @@ class Kube:
     async def close(self) -> None:
         await self.client.close()
 
+    async def _request(self, verb: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        """Every API call of the operator's goes through here: an error answer (or none) is
+        counted by verb and reason (`tandem_operator_api_errors_total`) and raised."""
+        try:
+            return await self.client.request(verb, path, **kwargs)
+        except KubeError as exc:
+            metrics.API_ERRORS.labels(verb, exc.reason or str(exc.status)).inc()
+            raise
+
     @staticmethod
     def path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
         group, version, plural = KINDS[kind]
@@ -190,11 +204,28 @@ class Kube:
             path += f"/{sub}"
         return path
 
+    async def serves(self, kind: str) -> bool:
+        """Whether the API server serves `kind` now (its group's discovery lists it), asked
+        at most once a minute. An unanswered question counts as not served: the caller then
+        neither creates nor deletes such objects."""
+        answer = self._served.get(kind)
+        if answer is not None and time.monotonic() - answer[1] < DISCOVERY_TTL_SECONDS:
+            return answer[0]
+        group, version, plural = KINDS[kind]
+        try:
+            found = await self._request(
+                "GET", f"/apis/{group}/{version}" if group else f"/api/{version}")
+            served = any(r.get("name") == plural for r in found.get("resources") or ())
+        except KubeError:
+            served = False
+        self._served[kind] = (served, time.monotonic())
+        return served
+
     # ---- objects --------------------------------------------------------------------------------
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return await self.client.request("GET", self.path(kind, namespace, name))
+            return await self._request("GET", self.path(kind, namespace, name))
         except KubeError as exc:
             if exc.status == 404:
                 return None
@@ -203,7 +234,7 @@ class Kube:
     async def list(self, kind: str, namespace: str, labels: Mapping[str, str]
                    ) -> list[dict[str, Any]]:
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-        data = await self.client.request("GET", self.path(kind, namespace),
+        data = await self._request("GET", self.path(kind, namespace),
                                          query={"labelSelector": selector} if selector else None)
         items = data.get("items") or []
         # A selector the server ignored must not make us act on another pool's pods.
@@ -212,7 +243,7 @@ class Kube:
 
     async def create(self, body: Mapping[str, Any]) -> dict[str, Any]:
         ns = body["metadata"]["namespace"]
-        created = await self.client.request("POST", self.path(body["kind"], ns), body=dict(body))
+        created = await self._request("POST", self.path(body["kind"], ns), body=dict(body))
         name = (created.get("metadata") or {}).get("name")
         if name:
             self.writes.record(body["kind"], ns, name, created)
@@ -220,7 +251,7 @@ class Kube:
 
     async def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any]
                     ) -> dict[str, Any]:
-        patched = await self.client.request("PATCH", self.path(kind, namespace, name),
+        patched = await self._request("PATCH", self.path(kind, namespace, name),
                                             body=dict(patch), content_type=MERGE_PATCH)
         self.writes.record(kind, namespace, name, patched)
         return patched
@@ -239,7 +270,7 @@ class Kube:
         if uid:
             body["preconditions"] = {"uid": uid}
         try:
-            answer = await self.client.request("DELETE", self.path(kind, namespace, name),
+            answer = await self._request("DELETE", self.path(kind, namespace, name),
                                                body=body)
         except KubeError as exc:
             if exc.status in (404, 409):  # gone, or the uid is a namesake's
@@ -255,7 +286,7 @@ class Kube:
 
     async def patch_pool_status(self, namespace: str, name: str, status: Mapping[str, Any]
                                 ) -> dict[str, Any]:
-        patched = await self.client.request(
+        patched = await self._request(
             "PATCH", self.path("InferencePool", namespace, name, "status"),
             body={"status": dict(status)}, content_type=MERGE_PATCH)
         self.writes.record("InferencePool", namespace, name, patched)
@@ -278,5 +309,5 @@ class Kube:
                 "source": {"component": "tandem-operator"},
                 "reportingComponent": "tandem-operator", "reportingInstance": self.instance,
                 "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1}
-        await self.client.request("POST", self.path("Event", body["metadata"]["namespace"]),
+        await self._request("POST", self.path("Event", body["metadata"]["namespace"]),
                                   body=body)

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Sequence
 
 import kopf
+import prometheus_client
+from tandem_engine.cli_help import ArgumentParser
 
 from tandem_operator import metrics
 from tandem_operator.handlers import Settings
@@ -23,7 +25,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem-operator", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="tandem-operator", description=__doc__.split("\n")[0])
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
                        help="serve pools in this namespace (repeat for more; globs allowed)")
@@ -50,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kubeconfig", default=None,
                    help="kubeconfig file (default: $KUBECONFIG, else in-cluster, else "
                         "~/.kube/config)")
-    p.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="log verbosity")
     return p
 
 
@@ -66,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import tandem_operator.handlers  # noqa: F401  (registers the handlers with kopf)
 
+    prometheus_client.disable_created_metrics()  # no `_created` series (docs/metrics.md)
     if args.metrics_port:
         metrics.serve(args.metrics_port)
     settings = Settings(resync_seconds=args.resync_seconds,

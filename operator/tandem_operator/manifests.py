@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
@@ -543,6 +544,38 @@ def network_policies(spec: PoolSpec) -> list[dict[str, Any]]:
     ]
 
 
+# ---- monitoring ---------------------------------------------------------------------------------
+
+
+def pod_monitor(spec: PoolSpec) -> dict[str, Any]:
+    """A prometheus-operator PodMonitor named after the pool: its engines on their read-only
+    metrics port, its routers on their HTTP port (whose /metrics needs no API key). A pod
+    lacking an endpoint's port name is simply not scraped on that endpoint. Every series
+    gets a `pool` label (the dashboard's filter), from the pods' pool label."""
+    pm = spec.pod_monitor
+    labels = {**(pm.labels or {}), **common_labels(spec)}
+    pool_label = "__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9_]", "_", POOL_LABEL)
+    relabel = [{"sourceLabels": [pool_label], "targetLabel": "pool", "action": "replace"}]
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+            "metadata": _meta(spec, spec.name, labels),
+            "spec": {"selector": {"matchLabels": {POOL_LABEL: spec.name}},
+                     "podMetricsEndpoints": [
+                         {"port": port, "path": "/metrics", "interval": pm.interval,
+                          "relabelings": relabel}
+                         for port in ("metrics", "http")]}}
+
+
+def monitoring_objects(spec: PoolSpec) -> list[dict[str, Any]]:
+    """The monitoring objects the spec asks for; reconcile creates them only where the
+    cluster serves their kind (prometheus-operator's CRDs are installed)."""
+    return [pod_monitor(spec)] if spec.pod_monitor.enabled else []
+
+
+def monitoring_names(spec: PoolSpec) -> list[tuple[str, str]]:
+    """(kind, name) of every monitoring object a pool may have, wanted or not."""
+    return [("PodMonitor", spec.name)]
+
+
 def support_objects(spec: PoolSpec) -> list[dict[str, Any]]:
     """Everything but pods and the credentials Secret, in the order to create them."""
     return [router_service_account(spec), router_role(spec), router_role_binding(spec),
@@ -565,6 +598,7 @@ MANAGED_FIELDS: dict[str, tuple[str, ...]] = {
     "RoleBinding": ("subjects",),
     "ServiceAccount": (),
     "NetworkPolicy": ("spec.podSelector", "spec.policyTypes", "spec.ingress"),
+    "PodMonitor": ("metadata.labels", "spec.selector", "spec.podMetricsEndpoints"),
 }
 
 
@@ -591,7 +625,12 @@ def drift_patch(desired: dict[str, Any], observed: dict[str, Any]) -> dict[str, 
         want, have = _get(desired, dotted), _get(observed, dotted)
         if want is None:
             continue  # not ours to set: whatever the server chose stands
-        same = _ports_equal(want, have) if dotted == "spec.ports" else want == have
+        if dotted == "spec.ports":
+            same = _ports_equal(want, have)
+        elif dotted == "metadata.labels":  # others may add labels; ours must be there
+            same = want.items() <= (have or {}).items()
+        else:
+            same = want == have
         if not same:
             node = patch
             *parents, leaf = dotted.split(".")

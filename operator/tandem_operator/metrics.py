@@ -2,13 +2,16 @@
 
 One registry of its own (not the process-global default), so tests that run the operator
 in-process see exactly these series: reconciles and their errors and duration, the pools being
-reconciled, their pods by role and phase, the steps taken by kind, refit transactions by how
-they ended and how long they took, and the process's memory.
+reconciled, their pods by role and phase, their engines desired and ready by role and weights
+version, the steps taken by kind, refit transactions by how they ended and how long they took,
+Kubernetes API errors, and the process's memory. Names, labels and buckets: docs/metrics.md.
 """
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,6 +21,13 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from tandem_engine.fleet.transaction import Phase
+
+from tandem_operator.spec import ENGINE_GROUPS
+
+if TYPE_CHECKING:
+    from tandem_operator.plan import Observed
+    from tandem_operator.spec import PoolSpec
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=REGISTRY)
@@ -28,12 +38,20 @@ RECONCILE_ERRORS = Counter("tandem_operator_reconcile_errors",
                            registry=REGISTRY)
 RECONCILE_SECONDS = Histogram(
     "tandem_operator_reconcile_seconds", "Time of one reconcile (observe, plan, act, status)",
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
     registry=REGISTRY)
 POOLS = Gauge("tandem_operator_pools", "InferencePools this operator reconciles",
               registry=REGISTRY)
 PODS = Gauge("tandem_operator_pods", "Pods of each pool by group and phase",
              ["namespace", "pool", "role", "phase"], registry=REGISTRY)
+POOL_ENGINES = Gauge(
+    "tandem_operator_pool_engines", "Engines of each pool by role and weights version: desired "
+    "(the spec's replicas at the spec's version) and ready (ready engine pods, by the version "
+    "they run)", ["namespace", "pool", "role", "weights_version", "kind"], registry=REGISTRY)
+API_ERRORS = Counter(
+    "tandem_operator_api_errors", "Kubernetes API calls answered with an error (or not at all: "
+    "reason is then the client's exception), by verb and the API's reason; expected ones such "
+    "as a 404 on GET included", ["verb", "reason"], registry=REGISTRY)
 ACTIONS = Counter("tandem_operator_actions", "Steps taken, by kind",
                   ["kind"], registry=REGISTRY)
 DRAINS = Counter("tandem_operator_drains", "Engine drains finished, by outcome",
@@ -41,13 +59,19 @@ DRAINS = Counter("tandem_operator_drains", "Engine drains finished, by outcome",
 
 REFITS = Counter("tandem_operator_refits", "Refit transactions ended, by outcome (Succeeded, "
                  "RolledBack, Halted, Superseded)", ["outcome"], registry=REGISTRY)
+# Every outcome's series from the start, at 0: dashboards (rate, increase) and alerts have a
+# baseline before the first refit ends, and a missing name means a renamed metric.
+for _outcome in (*(str(p) for p in Phase if p.finished), "Superseded"):
+    REFITS.labels(_outcome)
 REFIT_SECONDS = Histogram(
     "tandem_operator_refit_seconds", "Time from a refit's first step to every engine settled "
     "(succeeded, rolled back or halted)",
-    buckets=(1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0),
+    buckets=(1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0,
+             7200.0),
     registry=REGISTRY)
 
 _pod_series: dict[tuple[str, str], set[tuple[str, str]]] = {}
+_engine_series: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
 
 
 def serve(port: int, address: str = "0.0.0.0") -> None:
@@ -67,6 +91,36 @@ def record_pods(namespace: str, pool: str, pods: Iterable[tuple[str, str]]) -> N
     _pod_series[(namespace, pool)] = set(counts)
 
 
+def pool_engines(spec: PoolSpec, observed: Observed) -> dict[tuple[str, str, str], int]:
+    """(role, weights_version, kind) -> engines: `desired` from the spec (its replicas of
+    each engine role, at its weights version), `ready` from the pods (ready engine pods by the
+    role and version they run; 0 for a desired pair none of them is)."""
+    counts: Tally[tuple[str, str, str]] = Tally()
+    for group in ENGINE_GROUPS:
+        if spec.replicas(group) > 0:
+            role = str(spec.engine_role(group))
+            counts[(role, spec.weights.version, "desired")] += spec.replicas(group)
+            counts[(role, spec.weights.version, "ready")] += 0
+    for pod in observed.engine_pods():
+        if pod.ready:
+            role = str(pod.role or spec.engine_role(pod.group))
+            counts[(role, pod.weights.version if pod.weights else "", "ready")] += 1
+    return dict(counts)
+
+
+def record_pool_engines(namespace: str, pool: str,
+                        counts: dict[tuple[str, str, str], int]) -> None:
+    """Set one pool's `tandem_operator_pool_engines` (from `pool_engines`); drop the series
+    now gone (a version no engine runs any more)."""
+    for key in _engine_series.get((namespace, pool), set()) - counts.keys():
+        POOL_ENGINES.remove(namespace, pool, *key)
+    for (role, version, kind), n in counts.items():
+        POOL_ENGINES.labels(namespace, pool, role, version, kind).set(n)
+    _engine_series[(namespace, pool)] = set(counts)
+
+
 def forget_pool(namespace: str, pool: str) -> None:
     for key in _pod_series.pop((namespace, pool), set()):
         PODS.remove(namespace, pool, *key)
+    for key in _engine_series.pop((namespace, pool), set()):
+        POOL_ENGINES.remove(namespace, pool, *key)

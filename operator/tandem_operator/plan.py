@@ -17,8 +17,8 @@ serving live here, where they are tested exhaustively without an API server:
 * decode pods leave only while a prefill pod is ready (new decode engines need one), and
   prefill pods scaled to zero leave only once decode pods run as mixed engines;
 * failed pods are deleted and replaced, missing pods and objects are (re)created, objects
-  the spec no longer asks for (NetworkPolicies once disabled) are deleted, and a credentials
-  Secret from before the ZMQ CURVE keys gets the keypairs it lacks.
+  the spec no longer asks for (NetworkPolicies, a PodMonitor once disabled) are deleted, and a
+  credentials Secret from before the ZMQ CURVE keys gets the keypairs it lacks.
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ class Observed:
     previous: Mapping[str, Any] = field(default_factory=dict)
     weights_error: str | None = None
     pod_weights: WeightsRef | None = None
+    monitoring_served: bool = False  # the cluster serves PodMonitors (prometheus-operator)
 
     def group(self, group: Group) -> list[PodView]:
         return [p for p in self.pods if p.group == group and not p.deleting]
@@ -255,8 +256,11 @@ def _plan_objects(spec: PoolSpec, observed: Observed) -> list[Action]:
     elif pairs := m.missing_curve_pairs(dict(have_secret)):
         actions.append(AddCurveKeys(secret, pairs))
     desired = m.support_objects(spec)
+    if observed.monitoring_served:
+        desired += m.monitoring_objects(spec)
     wanted = {(body["kind"], body["metadata"]["name"]) for body in desired}
-    actions += [DeleteObject(kind, name) for kind, name in m.optional_objects(spec)
+    optional = [*m.optional_objects(spec), *m.monitoring_names(spec)]
+    actions += [DeleteObject(kind, name) for kind, name in optional
                 if (kind, name) in observed.objects and (kind, name) not in wanted]
     for body in desired:
         have = observed.objects.get((body["kind"], body["metadata"]["name"]))

@@ -166,13 +166,21 @@ async def observe(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any],
                   if (v := PodView.from_body(p)) is not None)
     objects = {key: bodies[key] for key in wanted
                if key in bodies and _owned(bodies[key], spec.uid)}
+    # Monitoring objects are read directly: their kinds exist only in some clusters, so the
+    # operator does not watch them.
+    monitoring = await ctx.kube.serves("PodMonitor")
+    if monitoring:
+        for kind, name in m.monitoring_names(spec):
+            body = await ctx.kube.get(kind, ns, name)
+            if body is not None and _owned(body, spec.uid):
+                objects[(kind, name)] = body
     engines_run = any(v.group in ENGINE_GROUPS and not v.deleting and not v.failed
                       for v in views)
     problem = None
     if ctx.check_weights and not engines_run:
         problem = await asyncio.to_thread(weights_problem, spec.weights)
     return Observed(pods=views, objects=objects, previous=pool.get("status") or {},
-                    weights_error=problem)
+                    weights_error=problem, monitoring_served=monitoring)
 
 
 async def reconcile(pool: Mapping[str, Any], ctx: Context, watched: Watched | None = None
@@ -216,6 +224,7 @@ async def reconcile(pool: Mapping[str, Any], ctx: Context, watched: Watched | No
         metrics.RECONCILE_ERRORS.inc()
     metrics.record_pods(spec.namespace, spec.name,
                         ((p.group, p.phase) for p in observed.pods if not p.deleting))
+    metrics.record_pool_engines(spec.namespace, spec.name, metrics.pool_engines(spec, observed))
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
     return Outcome(tuple(actions), tuple(errors), new,
                    REQUEUE_SECONDS if refit.running else None)

@@ -192,6 +192,16 @@ class NetworkPolicySettings:
 
 
 @dataclass(frozen=True)
+class PodMonitorSettings:
+    """spec.monitoring.podMonitor: a prometheus-operator PodMonitor over the pool's pods,
+    created only where its CRD is installed."""
+
+    enabled: bool = False
+    interval: str = "30s"
+    labels: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True)
 class Rollout:
     max_surge: int = 1
     max_unavailable: int = 0
@@ -204,6 +214,7 @@ class RefitSettings:
     drain_timeout_seconds: int = DEFAULT_DRAIN_TIMEOUT_S
     on_failure: OnFailure = OnFailure.ROLLBACK
     max_perplexity_ratio: float | None = None  # spec.refit.verify.maxPerplexityRatio
+    low_memory: bool = False  # spec.refit.lowMemory
 
 
 @dataclass(frozen=True)
@@ -232,6 +243,7 @@ class PoolSpec:
     refit: RefitSettings = RefitSettings()
     kv_transfer: KVTransfer = KVTransfer()
     network_policy: NetworkPolicySettings = NetworkPolicySettings()
+    pod_monitor: PodMonitorSettings = PodMonitorSettings()
     pod: PodSettings = PodSettings()
 
     @classmethod
@@ -264,6 +276,8 @@ class PoolSpec:
 _ENGINE, _KV, _ROLE = EngineSettings(), KVCache(), RoleSettings()
 _ROUTER, _ROLLOUT, _REFIT, _KVT = RouterSettings(), Rollout(), RefitSettings(), KVTransfer()
 _NETPOL = NetworkPolicySettings()
+_PODMON = PodMonitorSettings()
+_DURATION = re.compile(r"[0-9]+(ms|s|m|h)")
 API_KEYS_KEY = "api-keys"  # spec.router.apiKeySecret.key when not given
 _PEER_FIELDS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
@@ -456,6 +470,18 @@ def _network_policy(spec: Mapping[str, Any]) -> NetworkPolicySettings:
                       else _NETPOL.metrics_from))
 
 
+def _pod_monitor(spec: Mapping[str, Any]) -> PodMonitorSettings:
+    d = _obj(_obj(spec, "monitoring", "spec"), "podMonitor", "spec.monitoring")
+    path = "spec.monitoring.podMonitor"
+    interval = _str(d, "interval", path, _PODMON.interval, 16, min_len=2)
+    if not _DURATION.fullmatch(interval):
+        raise SpecError(f"{path}.interval {interval!r} is not a Prometheus duration such as "
+                        "30s, 1m or 500ms")
+    return PodMonitorSettings(enabled=_bool(d, "enabled", path, _PODMON.enabled),
+                              interval=interval,
+                              labels=_string_map(d, "labels", path, 16, label_values=True))
+
+
 def _placement(d: Mapping[str, Any], path: str) -> Placement:
     return Placement(node_selector=_string_map(d, "nodeSelector", path, 32, label_values=True),
                      tolerations=_list(d, "tolerations", path, 32),
@@ -642,7 +668,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
             on_failure=OnFailure(_str(rf, "onFailure", "spec.refit", _REFIT.on_failure, 32,
                                       choices(OnFailure))),
             max_perplexity_ratio=_ratio(_obj(rf, "verify", "spec.refit"),
-                                        "maxPerplexityRatio", "spec.refit.verify")),
+                                        "maxPerplexityRatio", "spec.refit.verify"),
+            low_memory=_bool(rf, "lowMemory", "spec.refit", _REFIT.low_memory)),
         kv_transfer=KVTransfer(
             backend=_str(kt, "backend", "spec.kvTransfer", _KVT.backend, 32, ("NIXL",)),
             pin_ttl_seconds=_req_int(kt, "pinTTLSeconds", "spec.kvTransfer",
@@ -652,6 +679,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
             ucx_net_devices=_str(ucx, "netDevices", "spec.kvTransfer.ucx",
                                  _KVT.ucx_net_devices, 256)),
         network_policy=_network_policy(spec),
+        pod_monitor=_pod_monitor(spec),
         pod=_pod_settings(spec))
     _check_rules(pool)
     return pool

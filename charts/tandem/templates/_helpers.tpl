@@ -69,7 +69,8 @@ app.kubernetes.io/component: operator
 {{/*
 What the operator does inside a namespace it serves, and nothing more: reconcile
 InferencePools (kopf patches them for finalizers and progress, and writes status), run their
-pods, and create the Services, Secret, PDBs, router RBAC and NetworkPolicies it owns.
+pods, and create the Services, Secret, PDBs, router RBAC, NetworkPolicies and PodMonitors
+(spec.monitoring) it owns.
 Creating the router's Role needs the operator to hold the pod read permissions that Role
 grants (it does).
 */}}
@@ -101,6 +102,9 @@ grants (it does).
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [create, get, list, watch, patch, update, delete]
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors]
+  verbs: [create, get, patch, delete]
 - apiGroups: [""]
   resources: [events]
   verbs: [create, patch]

@@ -17,6 +17,7 @@ differ from prompt to prompt without collapsing into one repeated token.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -40,6 +41,9 @@ from tandem_engine.tokenizer import QWEN2_SPLIT
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SIZES = DEMO_MODEL_SIZES
+# Told each step of `write_demo_model` as it starts: (phase, detail), e.g.
+# ("drawing the random weights", "tensor 3 of 21").
+ProgressCallback = Callable[[str, str], None]
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -202,13 +206,17 @@ def train_demo_tokenizer(arch: str = "llama") -> Tokenizer:
     return tok
 
 
-def demo_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+def demo_weights(config: ModelConfig, seed: int = 0,
+                 progress: ProgressCallback | None = None) -> dict[str, torch.Tensor]:
     """Random float32 weights for every tensor of `config`, drawn in a fixed order
     from a generator seeded with `seed`."""
     gen = torch.Generator().manual_seed(seed)
     init = _INIT
     out: dict[str, torch.Tensor] = {}
-    for name, shape in config.expected_tensors().items():
+    shapes = config.expected_tensors()
+    for i, (name, shape) in enumerate(shapes.items()):
+        if progress is not None:
+            progress("drawing the random weights", f"tensor {i + 1} of {len(shapes)}")
         if name.endswith("norm.weight"):
             t = 1.0 + init.norm_jitter * (2.0 * torch.rand(shape, generator=gen) - 1.0)
             if name == "model.norm.weight":
@@ -227,12 +235,18 @@ def demo_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def write_demo_model(
-    path: str | Path, arch: str = "llama", seed: int = 0, size: str = "tiny"
+    path: str | Path, arch: str = "llama", seed: int = 0, size: str = "tiny",
+    progress: ProgressCallback | None = None,
 ) -> Path:
     """Write a demo checkpoint folder (config.json, model.safetensors, tokenizer.json,
-    tokenizer_config.json, generation_config.json) and return its path.
+    tokenizer_config.json, generation_config.json) and return its path; `progress`, when
+    given, is told each step as it starts.
 
     The same (arch, seed, size) always gives byte-identical files."""
+    def step(phase: str, detail: str = "") -> None:
+        if progress is not None:
+            progress(phase, detail)
+
     _check_choice("arch", arch, ARCHITECTURES)
     _check_choice("size", size, SIZES)
     folder = Path(path)
@@ -240,11 +254,15 @@ def write_demo_model(
 
     hf_config = demo_hf_config(arch, size)
     config = ModelConfig.from_hf_dict(hf_config, source=f"demo {arch}/{size}")
+    step("training the tokenizer", f"{TOKENIZER_VOCAB_SIZE} tokens")
     tokenizer = train_demo_tokenizer(arch)
 
     _write_json(folder / "config.json", hf_config)
-    save_file(demo_weights(config, seed), str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    weights = demo_weights(config, seed, progress)
+    size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e6
+    step("writing model.safetensors", f"{size_mb:.1f} MB")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    step("writing the tokenizer and configs")
     tokenizer.save(str(folder / "tokenizer.json"), pretty=True)
     _write_json(folder / "tokenizer_config.json", _tokenizer_config(arch, hf_config))
     _write_json(folder / "generation_config.json", _generation_config(hf_config))

@@ -1,8 +1,9 @@
-"""The `tandem` command: models, serve, refit, generate, demo-model."""
+"""The `tandem` command: models, serve, refit, generate, demo-model, bench."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import sys
 import time
@@ -20,6 +21,7 @@ from tandem_engine.cli.models import (
     resolve_model,
     served_name,
 )
+from tandem_engine.cli_help import ArgumentParser
 from tandem_engine.config import (
     DEFAULT_DEVICE,
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -43,10 +45,40 @@ from tandem_engine.refit_policy import (
 )
 
 
-def _demo_model(args: argparse.Namespace) -> int:
-    from tandem_engine.cli.demo_model import write_demo_model
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown (not installed)"
 
-    path = write_demo_model(args.dir, arch=args.arch, seed=args.seed, size=args.size)
+
+def _write_demo_model(folder: str | Path, *, arch: str = "llama", seed: int = 0,
+                      size: str = "tiny") -> Path:
+    """`write_demo_model`, showing its steps on stdout (redrawn in place on a terminal)."""
+    from tandem_engine.cli.demo_model import write_demo_model
+    from tandem_engine.cli.progress import Status, StatusBlock
+
+    block = StatusBlock(sys.stdout)
+    started = time.monotonic()
+
+    def show(phase: str, detail: str) -> None:
+        block.show({"demo model": Status(phase, detail)})
+
+    path = write_demo_model(folder, arch=arch, seed=seed, size=size, progress=show)
+    show("done", f"{time.monotonic() - started:.1f} s")
+    block.release()
+    return path
+
+
+def _demo_model(args: argparse.Namespace) -> int:
+    if args.dir and args.dir_option and args.dir != args.dir_option:
+        raise ValueError(f"two folders given ({args.dir} and --dir {args.dir_option}): "
+                         "give one")
+    folder = args.dir or args.dir_option
+    if not folder:
+        raise ValueError("give the folder to write the checkpoint into: "
+                         "tandem demo-model DIR")
+    path = _write_demo_model(folder, arch=args.arch, seed=args.seed, size=args.size)
     print(f"wrote {args.size} {args.arch} demo model (seed {args.seed}) to {path}")
     return 0
 
@@ -98,10 +130,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.demo:
         model = Path(args.demo_dir)
         if not (model / "config.json").is_file():
-            from tandem_engine.cli.demo_model import write_demo_model
-
             print(f"writing the tiny demo model to {model}")
-            write_demo_model(model, size="tiny")
+            _write_demo_model(model, size="tiny")
         name = args.served_model_name or "demo-model"
     else:
         model = resolve_model(args.model)
@@ -136,19 +166,28 @@ def _refit(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_demo_model, _add_generate, _add_serve, _add_models, _add_refit):
+    parser = ArgumentParser(prog="tandem", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                        help="print the version of Tandem and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="run `tandem COMMAND --help` for its flags")
+    for add in (_add_demo_model, _add_generate, _add_serve, _add_models, _add_refit,
+                _add_bench):
         add(sub)
     return parser
 
 
 def _add_demo_model(sub) -> None:
     demo = sub.add_parser("demo-model", help="write a deterministic demo checkpoint (offline)")
-    demo.add_argument("dir", help="folder to write the checkpoint into")
-    demo.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--size", choices=DEMO_MODEL_SIZES, default="tiny")
+    demo.add_argument("dir", nargs="?", metavar="DIR", help="folder to write the checkpoint "
+                      "into")
+    demo.add_argument("--dir", dest="dir_option", metavar="DIR", help="the same as DIR")
+    demo.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama",
+                      help="model family the checkpoint imitates")
+    demo.add_argument("--seed", type=int, default=0,
+                      help="seed of the random weights (same seed: byte-identical files)")
+    demo.add_argument("--size", choices=DEMO_MODEL_SIZES, default="tiny",
+                      help="tiny: seconds to write, for tests; small and 1b: benchmark-sized")
     demo.set_defaults(func=_demo_model)
 
 
@@ -156,20 +195,25 @@ def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate completions for prompts")
     gen.add_argument("--model", required=True,
                      help="checkpoint path, or a known model name (`tandem models list`)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=32,
+                     help="tokens to generate per prompt at most")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling: keep the likeliest tokens up to this mass")
+    gen.add_argument("--top-k", type=int, default=0,
+                     help="keep only the k likeliest tokens (0: all)")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="sampling seed (default: the engine's)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="keep generating past the end-of-sequence token")
     gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    gen.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    gen.add_argument("--max-num-batched-tokens", type=int,
-                     default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    _add_batch_flags(gen)
     gen.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     _add_device_flags(gen)
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="a prompt (several: one "
+                     "batch)")
     gen.set_defaults(func=_generate)
 
 
@@ -187,15 +231,17 @@ def _add_serve(sub) -> None:
     serve.add_argument("--prefill", type=int, default=0,
                        help="prefill engines (with --decode: a disaggregated stack)")
     serve.add_argument("--decode", type=int, default=0, help="decode engines")
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address of the router and the engines (loopback: this machine "
+                       "only)")
     serve.add_argument("--port", type=int, default=8000, help="router (OpenAI API) port")
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--served-model-name", default=None,
+                       help="model name clients use (default: from --model)")
     serve.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                        help="torch threads per engine")
-    serve.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    serve.add_argument("--max-num-batched-tokens", type=int,
-                       default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    serve.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS)
+    _add_batch_flags(serve)
+    serve.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
+                       help="every engine's kernels (`tandem-engine --help`)")
     _add_device_flags(serve, "every engine's ")
     serve.add_argument("--weights-root", type=Path, action="append", default=[],
                        metavar="DIR", help="a folder `tandem refit` may load checkpoints "
@@ -205,6 +251,15 @@ def _add_serve(sub) -> None:
                        "for several. $TANDEM_API_KEY (comma-separated) adds more. Passed to "
                        "the router in its environment, never on its command line")
     serve.set_defaults(func=_serve)
+
+
+def _add_batch_flags(parser: argparse.ArgumentParser) -> None:
+    """--max-num-seqs and --max-num-batched-tokens, as `tandem-engine` takes them."""
+    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                        help="requests scheduled in one step at most")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        help="tokens (prompt chunks and decodes) in one step at most")
 
 
 def _add_device_flags(parser: argparse.ArgumentParser, whose: str = "") -> None:
@@ -226,7 +281,8 @@ def _add_models(sub) -> None:
                             "$XDG_CACHE_HOME/tandem, else ~/.cache/tandem) and verified "
                             "against a pinned sha256. Commands taking --model accept these "
                             "names.")
-    models_sub = models.add_subparsers(dest="models_command", required=True)
+    models_sub = models.add_subparsers(dest="models_command", required=True,
+                                       metavar="COMMAND", help="list or pull")
     models_list = models_sub.add_parser("list", help="known models: size, license, cached copies")
     models_list.set_defaults(func=_models_list)
     models_pull = models_sub.add_parser(
@@ -253,14 +309,21 @@ def _add_refit(sub) -> None:
     refit = sub.add_parser("refit", help="change the weights of a running `tandem serve` in "
                            "place: every engine, without failing a request")
     refit.add_argument("--uri", required=True, help="the new checkpoint: file:///path/to/dir")
-    refit.add_argument("--version", required=True, help="the new weights' version name")
+    refit.add_argument("--weights-version", "--version", dest="version", required=True,
+                       metavar="NAME", help="the new weights' version name (--version is "
+                       "an older spelling of the same flag)")
     refit.add_argument("--port", type=int, default=8000, help="the stack's router port")
     refit.add_argument("--strategy", choices=choices(RefitStrategy),
-                       default=str(RefitStrategy.ROLLING))
+                       default=str(RefitStrategy.ROLLING),
+                       help="Rolling: waves per role, keeping a prefill and a decode engine "
+                       "serving; AllAtOnce: every engine together")
     refit.add_argument("--inflight", choices=choices(InFlight), default=str(InFlight.DRAIN),
                        help="in-flight requests finish first, or continue on the new weights")
     refit.add_argument("--on-failure", choices=choices(OnFailure),
-                       default=str(OnFailure.ROLLBACK))
+                       default=str(OnFailure.ROLLBACK),
+                       help="when an engine fails to load or verify: Rollback puts the previous "
+                       "weights back everywhere; Halt leaves every engine on the weights it "
+                       "has")
     refit.add_argument("--max-unavailable", type=int, default=DEFAULT_MAX_UNAVAILABLE,
                        help="engines per role refitted at once (Rolling)")
     refit.add_argument("--drain-timeout", type=float, default=float(DEFAULT_DRAIN_TIMEOUT_S),
@@ -269,9 +332,33 @@ def _add_refit(sub) -> None:
                        help="fail verification when a refitted engine's perplexity on a "
                        "fixed probe text exceeds the previous weights' by more than this "
                        "factor (e.g. 1.5; default: no perplexity check)")
+    refit.add_argument("--low-memory", action="store_true",
+                       help="stream the new weights into the serving ones tensor by tensor: "
+                       "one copy of the weights in memory instead of two (for models that "
+                       "fill the GPU); a load that fails midway is rolled back by reloading "
+                       "the previous checkpoint")
     refit.add_argument("--timeout", type=float, default=3600.0,
                        help="seconds the whole refit may take")
     refit.set_defaults(func=_refit)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from tandem_engine.bench.cli import bench
+
+    return bench(args)
+
+
+def _add_bench(sub) -> None:
+    from tandem_engine.bench.cli import add_arguments
+
+    bench = sub.add_parser("bench", help="benchmark any OpenAI-compatible endpoint: latency, "
+                           "throughput, goodput; JSON, plots, HTML",
+                           description="Send a workload to an OpenAI-compatible server "
+                           "(/v1/completions, streamed) and report TTFT, inter-token latency, "
+                           "TPOT, end-to-end latency, throughput and goodput. See "
+                           "docs/bench.md.")
+    add_arguments(bench)
+    bench.set_defaults(func=_bench)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -78,7 +78,7 @@ def checkpoint_folder(uri: str) -> Path:
 
 def _check_options(args: argparse.Namespace) -> None:
     if not args.version or len(args.version) > 253:
-        raise ValueError(f"--version {args.version!r}: give 1 to 253 characters")
+        raise ValueError(f"--weights-version {args.version!r}: give 1 to 253 characters")
     if args.max_unavailable < 1:
         raise ValueError(f"--max-unavailable {args.max_unavailable}: must be >= 1 (engines "
                          "of each role refitted at once in a Rolling refit)")
@@ -309,7 +309,8 @@ async def _refit(args: argparse.Namespace, stack: dict[str, Any], target: Weight
                              inflight=args.inflight, on_failure=args.on_failure,
                              max_unavailable=args.max_unavailable,
                              drain_timeout=args.drain_timeout,
-                             max_perplexity_ratio=args.max_perplexity_ratio)
+                             max_perplexity_ratio=args.max_perplexity_ratio,
+                             low_memory=args.low_memory)
         _adopt_unsettled(tx, seen)
         print(f"refit of the stack at {stack['router']}: {_versions(seen)} → "
               f"{target.version} ({target.uri})", file=out, flush=True)

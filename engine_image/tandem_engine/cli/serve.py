@@ -1,7 +1,9 @@
 """`tandem serve`: the whole local stack — N engine processes and a router — on loopback.
 
 The same processes a Kubernetes pool runs, started as children of this one. It shows
-each engine's progress while models load, prints the URL once the router is ready,
+each engine's phase while models load (from its `GET /v1/state`: the first start's kernel
+build, bytes and files loaded; one block redrawn in place on a terminal, a line per phase
+change otherwise), prints the URL once the router is ready,
 and on Ctrl-C / SIGTERM stops everything: children get SIGTERM (engines drain), then
 SIGKILL after a grace period. Children also get SIGTERM from the kernel if this
 process dies (PR_SET_PDEATHSIG), so no orphan survives. Torch-free.
@@ -41,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem_engine.cli.progress import Status, StatusBlock, render
 from tandem_engine.errors import TandemError
 from tandem_engine.lifecycle import EngineRole, EngineState
 from tandem_engine.router.auth import API_KEY_ENV
@@ -88,6 +91,33 @@ def exit_cause(returncode: int) -> str:
         except ValueError:
             return f"signal {-returncode}"
     return f"exit code {returncode}"
+
+
+def engine_status(state: dict | None) -> Status:
+    """What an engine that is not ready yet is doing, from its `GET /v1/state` (None: no
+    answer yet, the process is still starting)."""
+    if state is None:
+        return Status("starting")
+    loading = state.get("loading")
+    if not isinstance(loading, dict):
+        return Status(f"{str(state.get('state', 'starting')).lower()}, not ready yet")
+    seconds = f"{loading.get('seconds', 0):.0f} s"
+    done, total = loading.get("bytes_done", 0), loading.get("bytes_total", 0)
+    if total and done < total:
+        files = f"{loading.get('files_done', 0)} of {loading.get('files_total', 0)} files"
+        return Status(loading.get("phase", "loading the model"),
+                      f"{_size(done)} of {_size(total)}, {100 * done / total:.0f}%, {files}, "
+                      f"{seconds}")
+    return Status(loading.get("phase", "loading the model"), seconds)
+
+
+def phase_block(states: dict[str, dict | None]) -> list[str]:
+    """The lines `tandem serve` shows for engines loading, from each one's `/v1/state`."""
+    return render({name: engine_status(state) for name, state in states.items()})
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _drop_flags(args: list[str], flags: Sequence[str]) -> list[str]:
@@ -167,7 +197,7 @@ class LocalStack:
         self.log_dir = log_dir or default_log_dir(port)
         self.out = out
         self.children: list[Child] = []
-        self.engines: list[dict[str, str]] = []  # name, role, admin_url of each engine
+        self.engines: list[dict[str, str]] = []  # name, role, admin_url, metrics_url of each
         self.restart_limit = restart_limit
         self.restart_window = restart_window
         self.backoff_base = backoff_base
@@ -323,14 +353,17 @@ class LocalStack:
         self.engines = []
         for i, role in enumerate(self.roles):
             zmq_port, admin_port = free_port(self.host), free_port(self.host)
+            metrics_port = free_port(self.host)  # read-only /metrics: scrapers need no token
             name = f"engine-{i}" if role is EngineRole.MIXED else f"{role}-{i}"
             self.engines.append({"name": name, "role": role,
-                                 "admin_url": f"http://{self.host}:{admin_port}"})
+                                 "admin_url": f"http://{self.host}:{admin_port}",
+                                 "metrics_url": f"http://{self.host}:{metrics_port}/metrics"})
             engines.append((zmq_port, self._spawn(
                 name,
                 ["tandem_engine.server.main", "--model", str(self.model), "--host", self.host,
                  "--port", str(zmq_port), "--admin-port", str(admin_port),
-                 "--engine-id", name, "--served-model-name", self.name, "--role", role,
+                 "--metrics-port", str(metrics_port), "--engine-id", name,
+                 "--served-model-name", self.name, "--role", role,
                  *(a for root in self.weights_roots for a in ("--weights-root", str(root))),
                  *self.engine_args],
                 f"http://{self.host}:{admin_port}/readyz", self.engine_env)))
@@ -366,31 +399,56 @@ class LocalStack:
             time.sleep(0.1)
 
     def _wait(self, children: list[Child], timeout: float, what: str) -> None:
+        """Until every child answers /readyz, showing what each is doing (an engine: its
+        phase from /v1/state; another child: `what`) in one `StatusBlock`."""
         deadline = time.monotonic() + timeout
         started = time.monotonic()
-        pending = list(children)
-        last_note = 0.0
-        while pending:
-            for child in list(pending):
-                code = child.process.poll()
-                if code is not None:
-                    raise RuntimeError(f"{child.name} exited with code {code} while {what}; "
-                                       f"its log ({child.log}) ends with:\n{child.tail()}")
-                if child.ready():
-                    pending.remove(child)
-                    print(f"  {child.name}: ready ({time.monotonic() - started:.1f} s)",
-                          file=self.out, flush=True)
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                names = ", ".join(c.name for c in pending)
-                raise TimeoutError(f"{names} not ready after {timeout:.0f} s ({what}); "
-                                   f"logs in {self.log_dir}")
-            if time.monotonic() - last_note > 5:
-                names = ", ".join(c.name for c in pending)
-                print(f"  waiting for {names}: {what}...", file=self.out, flush=True)
-                last_note = time.monotonic()
-            time.sleep(0.2)
+        ready_after: dict[str, float] = {}
+        admin_urls = {e["name"]: e["admin_url"] for e in self.engines}
+        states: dict[str, dict] = {}  # each engine's last /v1/state (a busy one may not answer)
+        block = StatusBlock(self.out)
+        try:
+            while True:
+                rows: dict[str, Status] = {}
+                for child in children:
+                    if child.name not in ready_after:
+                        code = child.process.poll()
+                        if code is not None:
+                            raise RuntimeError(f"{child.name} exited with code {code} while "
+                                               f"{what}; its log ({child.log}) ends with:\n"
+                                               f"{child.tail()}")
+                        if child.ready():
+                            ready_after[child.name] = time.monotonic() - started
+                        elif child.name in admin_urls and (
+                                state := self._engine_state(admin_urls[child.name])):
+                            states[child.name] = state
+                    if child.name in ready_after:
+                        rows[child.name] = Status("ready", f"{ready_after[child.name]:.1f} s")
+                    elif child.name in admin_urls:
+                        rows[child.name] = engine_status(states.get(child.name))
+                    else:
+                        rows[child.name] = Status(what)
+                block.show(rows)
+                if len(ready_after) == len(children):
+                    return
+                if time.monotonic() > deadline:
+                    names = ", ".join(c.name for c in children if c.name not in ready_after)
+                    raise TimeoutError(f"{names} not ready after {timeout:.0f} s ({what}); "
+                                       f"logs in {self.log_dir}")
+                time.sleep(0.2)
+        finally:
+            block.release()
+
+    def _engine_state(self, admin_url: str) -> dict | None:
+        """An engine's GET /v1/state, or None when it does not answer (yet)."""
+        request = urllib.request.Request(f"{admin_url}/v1/state",
+                                         headers={"Authorization": f"Bearer {self.admin_token}"})
+        try:
+            with urllib.request.urlopen(request, timeout=1) as r:
+                state = json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        return state if isinstance(state, dict) else None
 
     def dead_child(self) -> Child | None:
         return next((c for c in self.children if c.process.poll() is not None), None)

@@ -159,7 +159,8 @@ async def _step(tx: Transaction, engine: EngineObs, admin: EngineAdmin,
     elif act is Act.REFIT:
         assert goal is not None
         await admin.call(name, url, "/v1/refit", {"uri": goal.uri, "version": goal.version,
-                                                  "epoch": tx.goal_epoch},
+                                                  "epoch": tx.goal_epoch,
+                                                  "low_memory": tx.low_memory},
                          timeout=admin.refit_timeout)
     elif act is Act.RESUME:
         await admin.call(name, url, "/v1/resume")

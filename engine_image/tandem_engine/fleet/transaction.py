@@ -140,6 +140,11 @@ class Transaction:
     # and the perplexity factor a refitted engine may not exceed over it (None: no check).
     baseline: CanaryReading | None = None
     max_perplexity_ratio: float | None = None
+    # Stream the new weights into the serving ones tensor by tensor (the engine's
+    # `low_memory`, spec.refit.lowMemory): peak memory 1x the weights plus one tensor
+    # instead of old + new, but a load that fails midway leaves that engine's weights
+    # mixed, so its rollback reloads the previous checkpoint rather than keeping it.
+    low_memory: bool = False
     failure: Failure | None = None
     rollback_epoch: int | None = None
     # The fleet's unavailable window: when no engine served new requests (AllAtOnce, or a

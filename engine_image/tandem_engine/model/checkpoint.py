@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tandem_engine.config import ModelConfig, normalize_dtype
-from tandem_engine.errors import CheckpointError, list_problems
+from tandem_engine.errors import CheckpointError, list_problems, path_problem
 from tandem_engine.model.gguf import GGUFCheckpoint, read_gguf_checkpoint
 from tandem_engine.weights import is_gguf_path
 
@@ -186,8 +186,7 @@ def _check_finite(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _inspect(folder: Path, reference: ModelConfig | None) -> _Manifest:
-    if not folder.is_dir():
-        what = "is not a folder" if folder.exists() else "does not exist"
+    if (what := path_problem(folder, "folder")) is not None:
         raise CheckpointError(
             f"checkpoint folder {folder} {what}; expected a folder with config.json and "
             f"{WEIGHTS_NAME} (or {INDEX_NAME} with its shards)"

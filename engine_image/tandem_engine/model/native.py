@@ -108,6 +108,20 @@ def kernel_origin() -> KernelOrigin | None:
     return _origin
 
 
+def build_pending() -> bool:
+    """Whether `paged_decode_kernel()` would compile the kernel now: not loaded yet, no
+    prebuilt library for this CPU, and no earlier build in torch's cache (the half-minute
+    first start on a machine, which callers announce)."""
+    if _module is not None or _error is not None:
+        return False
+    name = kernel_name(_SOURCE.read_text())
+    if _prebuilt_path(name) is not None:
+        return False
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return not any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
+
+
 def paged_decode_kernel() -> ModuleType:
     """The compiled module (loaded once per process; a JIT build is cached on disk)."""
     global _module, _origin, _error
@@ -173,8 +187,11 @@ def _build(name: str, source: str, arch_flags: list[str], build_dir: Path | None
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     folder = build_dir or Path(_get_build_directory(name, verbose=False))
-    log.info("building the native decode-attention kernel (%s; about 30 s)",
-             " ".join(arch_flags))
+    if any(folder.glob(f"{name}*.so")):
+        log.info("loading the native decode-attention kernel built earlier in %s", folder)
+    else:
+        log.info("building the native decode-attention kernel (%s; about 30 s)",
+                 " ".join(arch_flags))
     with _builder_lock(folder):
         return load_inline(name=name, cpp_sources=[source], build_directory=str(folder),
                            extra_cflags=[*_CFLAGS, *arch_flags], extra_ldflags=_LDFLAGS,

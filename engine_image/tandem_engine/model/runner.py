@@ -241,6 +241,11 @@ class ModelRunner:
         self.last_refit_peak_bytes = peak
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes the serving weights take (packed projections included)."""
+        return _weight_bytes(self.model)
+
+    @property
     def kv_bytes(self) -> int:
         n = 1
         for d in self.kv_shape:

@@ -26,9 +26,11 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import prometheus_client
 import uvicorn
 
 from tandem_engine import kubeclient, zmq_auth
+from tandem_engine.cli_help import ArgumentParser
 from tandem_engine.errors import TandemError
 from tandem_engine.router import auth, discovery
 from tandem_engine.router.api_params import (
@@ -46,7 +48,7 @@ log = logging.getLogger("tandem_engine.router")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tandem-router", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="tandem-router", description=__doc__.split("\n")[0])
     engines = p.add_mutually_exclusive_group(required=True)
     engines.add_argument("--engine", action="append", metavar="HOST:PORT",
                          help="an engine's ZMQ address (repeat for every engine)")
@@ -60,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint folder or GGUF file: its tokenizer and chat template are used")
     p.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the folder name, as the engines)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
+    p.add_argument("--port", type=int, default=8000, help="port of the OpenAI API")
     p.add_argument("--heartbeat-deadline", type=float, default=2.0,
                    help="seconds without a message after which an engine is dead")
     p.add_argument("--handshake-timeout", type=float, default=1.0,
@@ -97,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds open requests get after SIGTERM")
     p.add_argument("--log-level", default="info",
-                   choices=["debug", "info", "warning", "error"])
+                   choices=["debug", "info", "warning", "error"], help="log verbosity")
     return p
 
 
@@ -108,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--namespace goes with --discover-pool, not --engine")
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prometheus_client.disable_created_metrics()  # no `_created` series (docs/metrics.md)
     try:
         tokenizer = Tokenizer.from_path(args.model)
         pool, engines = _engine_pool(args)

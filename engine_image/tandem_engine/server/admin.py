@@ -15,24 +15,28 @@ from __future__ import annotations
 
 import hmac
 import threading
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, Field
 
 from tandem_engine.errors import CheckpointError, RequestRejected
 from tandem_engine.lifecycle import EngineStateError, KVMode
-from tandem_engine.model.device import DeviceReport
 from tandem_engine.server.control import EngineControl, ShuttingDown
 from tandem_engine.server.handoff import HandoffStats
-from tandem_engine.server.worker import EngineWorker
+from tandem_engine.server.metric_families import (
+    HANDOFF_BUCKETS,
+    STEP_BUCKETS,
+    LatencyHistogram,
+    engine_state_family,
+    weights_info_family,
+)
 
-STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-HANDOFF_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
+# The finish reasons vLLM's request_success counter knows (a handover is no finish there).
+VLLM_FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class SuspendBody(BaseModel):
@@ -62,7 +66,7 @@ def engine_registry(control: EngineControl) -> CollectorRegistry:
     """The engine's Prometheus registry. One per process: a scrape drains the step and
     pull samples recorded since the last one, so the admin and metrics ports share it."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_EngineCollector(control.worker, control.device_probe))
+    registry.register(_EngineCollector(control))
     return registry
 
 
@@ -228,41 +232,15 @@ def _add_probe_routes(app: FastAPI, control: EngineControl,
                                  media_type="text/plain; version=0.0.4")
 
 
-class _FoldedHistogram:
-    """A histogram folded at scrape time from the raw samples recorded since the last one
-    (the step and pull paths only append to a list)."""
-
-    def __init__(self, name: str, doc: str, bounds: tuple[float, ...]) -> None:
-        self.name, self.doc, self.bounds = name, doc, bounds
-        self._counts = [0] * (len(bounds) + 1)
-        self._sum = 0.0
-
-    def fold(self, samples: list[float], labels: list[str],
-             values: list[str]) -> HistogramMetricFamily:
-        for s in samples:
-            self._sum += s
-            self._counts[next((k for k, b in enumerate(self.bounds) if s <= b),
-                              len(self.bounds))] += 1
-        h = HistogramMetricFamily(self.name, self.doc, labels=labels)
-        cumulative, buckets = 0, []
-        for bound, count in zip([*map(str, self.bounds), "+Inf"], self._counts, strict=True):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        h.add_metric(values, buckets, self._sum)
-        return h
-
-
 class _EngineCollector:
-    """Reads the engine's numbers at scrape time (no bookkeeping in the step path)."""
+    """Reads the engine's numbers at scrape time (no bookkeeping in the step path). Every
+    series carries the engine's `engine_id`, `model_name` and `role` (docs/metrics.md)."""
 
-    def __init__(self, worker: EngineWorker, device_probe: Callable[[], DeviceReport]) -> None:
-        self.worker = worker
-        self.device_probe = device_probe
-        self._steps = _FoldedHistogram("tandem_step_seconds", "Engine step time",
-                                       STEP_BUCKETS)
-        self._pulls = _FoldedHistogram(
-            "tandem_kv_handoff_seconds", "KV handoff pull time on the decode engine (add "
-            "peer, READ, wait), successful pulls", HANDOFF_BUCKETS)
+    def __init__(self, control: EngineControl) -> None:
+        self.control = control
+        self.worker = control.worker
+        self._steps = LatencyHistogram(STEP_BUCKETS)
+        self._pulls = LatencyHistogram(HANDOFF_BUCKETS)
         self._lock = threading.Lock()  # two ports' scrapes fold the same samples
 
     def collect(self):
@@ -272,46 +250,70 @@ class _EngineCollector:
 
     def _families(self):
         w, s = self.worker, self.worker.engine.stats
-        labels = ["engine_id"]
-        v = [w.engine_id]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(v, value)
-            return g
-
-        def counter(name: str, doc: str, by: str | None = None,
-                    values: dict[str, float] | float = 0) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=labels if by is None else [*labels, by])
-            if isinstance(values, dict):
-                for key, n in sorted(values.items()):
-                    c.add_metric([*v, key], n)
-            else:
-                c.add_metric(v, values)
-            return c
-
-        yield gauge("tandem_requests_running", "Requests running", s.num_running)
-        yield gauge("tandem_requests_waiting", "Requests waiting", s.num_waiting)
-        yield gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks in use", s.kv_usage)
+        labels = ["engine_id", "model_name", "role"]
+        v = [w.engine_id, w.model_name, str(w.role)]
+        gauge, counter = _family_builders(labels, v)
+        yield from self._vllm_families(labels, v)
+        yield engine_state_family(labels, v, s.state)
+        yield weights_info_family(labels, v, s.weights)
         yield gauge("tandem_weight_epoch", "Weight epoch (bumped by each refit)",
                     s.weights.epoch)
+        yield counter("tandem_refits", "Refits asked of this engine by outcome: succeeded, "
+                      "refused (bad URI or checkpoint: old weights still serving), conflict "
+                      "(the engine's state allows no refit)", "outcome",
+                      dict(self.control.refits))
+        yield counter("tandem_requests_finished", "Finished requests by reason, a prefill "
+                      "engine's handovers included", "reason",
+                      dict(w.stats.requests_finished))
         yield gauge("tandem_routers", "Routers heard from within the router timeout",
                     w.num_routers)
-        cache = s.prefix_cache
-        yield gauge("tandem_prefix_cache_hit_ratio", "Prefix-cache hit tokens / queried",
-                    cache.hit_tokens / cache.queried_tokens if cache.queried_tokens else 0.0)
         yield counter("tandem_prefix_cache_evictions", "Cached blocks evicted",
-                      values=cache.evictions)
-        yield counter("tandem_tokens", "Tokens processed", "kind", {
-            "prompt": w.stats.prompt_tokens, "generation": w.stats.generation_tokens})
-        yield counter("tandem_requests_finished", "Finished requests by reason", "reason",
-                      dict(w.stats.requests_finished))
+                      values=s.prefix_cache.evictions)
         yield counter("tandem_step_failures", "Engine steps that raised with no request "
                       "to blame (a few in a row make the engine unhealthy)",
                       values=w.stats.step_failures)
         seconds, w.stats.step_seconds = w.stats.step_seconds, []
-        yield self._steps.fold(seconds, labels, v)
-        # KV handoff: pins on a prefill engine, pulls on a decode engine.
+        self._steps.observe_all(seconds)
+        yield self._steps.family("tandem_step_seconds", "Engine step time", labels, v)
+        yield from self._handoff_families(labels, v)
+        yield from self._device_families(labels, v)
+
+    def _vllm_families(self, labels: list[str], v: list[str]):
+        """The names vLLM v1 exports, meaning the same here (docs/metrics.md)."""
+        w, s = self.worker, self.worker.engine.stats
+        gauge, counter = _family_builders(labels, v)
+        yield gauge("vllm:num_requests_running", "Requests in the running batch",
+                    s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for the running batch",
+                    s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "Share of KV blocks in use (0..1)",
+                    s.kv_usage)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                      "cache", values=s.prefix_cache.queried_tokens)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                      values=s.prefix_cache.hit_tokens)
+        yield counter("vllm:prompt_tokens", "Prompt tokens of admitted requests",
+                      values=w.stats.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Tokens generated",
+                      values=w.stats.generation_tokens)
+        finished = w.stats.requests_finished
+        yield counter("vllm:request_success", "Finished requests by reason (handovers are "
+                      "in tandem_requests_finished_total)", "finished_reason",
+                      {reason: finished.get(reason, 0) for reason in VLLM_FINISH_REASONS})
+        yield w.stats.time_to_first_token.family(
+            "vllm:time_to_first_token_seconds", "From the request's arrival at the engine to "
+            "its first generated token", labels, v)
+        yield w.stats.token_gap.family(
+            "vllm:inter_token_latency_seconds", "Gap between consecutive outputs of one "
+            "request, per token", labels, v)
+        yield w.stats.e2e_latency.family(
+            "vllm:e2e_request_latency_seconds", "From the request's arrival at the engine to "
+            "its finish there", labels, v)
+
+    def _handoff_families(self, labels: list[str], v: list[str]):
+        """KV handoff: pins on a prefill engine, pulls on a decode engine."""
+        w, s = self.worker, self.worker.engine.stats
+        gauge, counter = _family_builders(labels, v)
         h = w.handoff.stats if w.handoff is not None else HandoffStats()
         yield gauge("tandem_kv_pinned_blocks", "KV blocks pinned for a decode engine's pull",
                     s.num_pinned_blocks)
@@ -328,13 +330,15 @@ class _EngineCollector:
                       "was recomputed here (failed pull, or a suspend during the pull)",
                       values=s.num_pull_fallbacks)
         seconds, h.seconds = h.seconds, []
-        yield self._pulls.fold(seconds, labels, v)
-        yield from self._device_families(labels, v)
+        self._pulls.observe_all(seconds)
+        yield self._pulls.family("tandem_kv_handoff_seconds", "KV handoff pull time on the "
+                                 "decode engine (add peer, READ, wait), successful pulls",
+                                 labels, v)
 
     def _device_families(self, labels: list[str], v: list[str]):
         """The device's memory, labelled with its type: device-wide on CUDA (and what this
         process's torch holds), the process RSS and host total on the CPU."""
-        d = self.device_probe()
+        d = self.control.device_probe()
         info = GaugeMetricFamily("tandem_device_info", "The engine's device (value 1)",
                                  labels=[*labels, "type", "index", "name"])
         info.add_metric([*v, d.type, "" if d.index is None else str(d.index), d.name], 1)
@@ -350,3 +354,26 @@ class _EngineCollector:
             if value is not None:
                 memory.add_metric([*v, d.type, kind], value)
         yield memory
+
+
+def _family_builders(labels: list[str], v: list[str]):
+    """A gauge and a counter builder for series labelled `labels` = `v` (plus one `by`
+    label for a counter of several series). Counters are named without `_total`:
+    prometheus_client appends it."""
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=labels)
+        g.add_metric(v, value)
+        return g
+
+    def counter(name: str, doc: str, by: str | None = None,
+                values: dict[str, float] | float = 0) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=labels if by is None else [*labels, by])
+        if isinstance(values, dict):
+            for key, n in sorted(values.items()):
+                c.add_metric([*v, key], n)
+        else:
+            c.add_metric(v, values)
+        return c
+
+    return gauge, counter

@@ -15,7 +15,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tandem_engine.lifecycle import EngineState, KVMode
+from tandem_engine.errors import CheckpointError
+from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode
 from tandem_engine.model.device import DeviceReport, report_device
 from tandem_engine.server.handoff import HandoffStats
 from tandem_engine.server.weights_roots import WeightsRoots
@@ -38,6 +39,9 @@ class EngineControl:
         self.engine = worker.engine
         self.weights_roots = weights_roots
         self.device_probe = device_probe or partial(report_device, worker.engine.device)
+        # Refits asked of this engine by outcome: succeeded, refused (bad URI or
+        # checkpoint: the old weights still serve), conflict (the state allows none).
+        self.refits: dict[str, int] = {"succeeded": 0, "refused": 0, "conflict": 0}
 
     # ---- the state machine --------------------------------------------------------------
 
@@ -76,10 +80,19 @@ class EngineControl:
         checkpoint there, CheckpointError for one that does not fit the running model (the
         old weights keep serving), EngineStateError in any other state. `low_memory`
         streams the weights in tensor by tensor (peak 1x the weights plus one tensor)."""
-        path = Path(checkpoint_path(uri, "refit uri"))
-        if self.weights_roots is not None:
-            path = self.weights_roots.admit(path)
-        epoch = self.engine.refit(path, version or uri, epoch, uri=uri, low_memory=low_memory)
+        try:
+            path = Path(checkpoint_path(uri, "refit uri"))
+            if self.weights_roots is not None:
+                path = self.weights_roots.admit(path)
+            epoch = self.engine.refit(path, version or uri, epoch, uri=uri,
+                                      low_memory=low_memory)
+        except EngineStateError:
+            self.refits["conflict"] += 1
+            raise
+        except (ValueError, CheckpointError):
+            self.refits["refused"] += 1
+            raise
+        self.refits["succeeded"] += 1
         self.worker.announce_state()
         return epoch
 
@@ -128,4 +141,5 @@ class EngineControl:
                 "quarantined_blocks": stats.num_quarantined_blocks,
                 "kv_pulls": {**handoff, "recomputed": stats.num_pull_fallbacks},
                 "device": self.device_probe().as_dict(),
+                "weight_bytes": self.engine.runner.weight_bytes,
                 "last_refit_peak_bytes": self.engine.runner.last_refit_peak_bytes}

@@ -10,6 +10,8 @@ to the full app (server/admin.py) without restarting it. A failed load ends the 
 
 `ModelLoad` is the load's progress: written by the loading thread through the loader's
 callback, read by the HTTP threads, and logged at most every few seconds and per file.
+Its `phase` names the step in words (`tandem serve` shows it): preparing, the first
+start's build of the native CPU kernel, reading the checkpoint, building the engine.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
 from tandem_engine.lifecycle import EngineState
+from tandem_engine.server.metric_families import engine_state_family, weights_info_family
 from tandem_engine.weights import WeightIdentity
 
 if TYPE_CHECKING:
@@ -39,6 +42,11 @@ log = logging.getLogger("tandem_engine.server.loading")
 TEST_LOAD_DELAY_ENV = "TANDEM_TEST_LOAD_DELAY_S"
 MAX_TEST_LOAD_DELAY_S = 3600.0
 LOG_EVERY_S = 5.0
+# The phases `GET /v1/state` reports in `loading.phase`, in order.
+KERNEL_BUILD_PHASE = "compiling the native CPU kernel (first start on this machine, about 30 s)"
+PREPARING_PHASE = "preparing to load the model"
+READING_PHASE = "loading the model"
+BUILDING_PHASE = "building the engine"
 
 
 def test_load_delay() -> float:
@@ -66,6 +74,25 @@ class ModelLoad:
         self._progress: LoadProgress | None = None
         self._lock = threading.Lock()
         self._last_log, self._files_logged = 0.0, -1  # a line per file, else every few s
+        self._step: str | None = None  # a phase before the checkpoint's own (set_step)
+        self._stepped = False  # a step came and went: preparing is over
+
+    def set_step(self, phase: str | None) -> None:
+        """Report `phase` instead of the checkpoint's own until `set_step(None)`."""
+        with self._lock:
+            self._step, self._stepped = phase, True
+
+    @property
+    def phase(self) -> str:
+        with self._lock:
+            step, p, stepped = self._step, self._progress, self._stepped
+        if step is not None:
+            return step
+        if p is None:
+            return READING_PHASE if stepped else PREPARING_PHASE
+        if p.bytes_done < p.bytes_total or p.files_done < p.files_total:
+            return READING_PHASE
+        return BUILDING_PHASE
 
     def report(self, progress: LoadProgress) -> None:
         with self._lock:
@@ -86,8 +113,8 @@ class ModelLoad:
         with self._lock:
             p = self._progress
         done = (p.bytes_done, p.bytes_total, p.files_done, p.files_total) if p else (0,) * 4
-        return {"bytes_done": done[0], "bytes_total": done[1], "files_done": done[2],
-                "files_total": done[3],
+        return {"phase": self.phase, "bytes_done": done[0], "bytes_total": done[1],
+                "files_done": done[2], "files_total": done[3],
                 "seconds": round(time.monotonic() - self.started, 1)}
 
 
@@ -138,7 +165,7 @@ def build_loading_app(engine: LoadingEngine, load: ModelLoad, *, admin: bool) ->
     app = FastAPI(title="tandem-engine (loading)", docs_url=None, redoc_url=None,
                   openapi_url=None)
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_LoadCollector(engine.engine_id, load))
+    registry.register(_LoadCollector(engine, load))
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
@@ -175,14 +202,22 @@ def build_loading_app(engine: LoadingEngine, load: ModelLoad, *, admin: bool) ->
 
 
 class _LoadCollector:
-    def __init__(self, engine_id: str, load: ModelLoad) -> None:
-        self.engine_id, self.load = engine_id, load
+    """The load's bytes, the LOADING state and the weights being loaded, labelled like every
+    engine series (engine_id, model_name, role)."""
+
+    def __init__(self, engine: LoadingEngine, load: ModelLoad) -> None:
+        self.engine, self.load = engine, load
 
     def collect(self):
+        e = self.engine
+        labels, values = ["engine_id", "model_name", "role"], [e.engine_id, e.model_name,
+                                                                str(e.role)]
         loading = self.load.as_dict()
         for name, doc, key in (
                 ("tandem_model_load_done_bytes", "Checkpoint bytes loaded so far", "bytes_done"),
                 ("tandem_model_load_size_bytes", "Checkpoint bytes to load", "bytes_total")):
-            g = GaugeMetricFamily(name, doc, labels=["engine_id"])
-            g.add_metric([self.engine_id], loading[key])
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, loading[key])
             yield g
+        yield engine_state_family(labels, values, EngineState.LOADING)
+        yield weights_info_family(labels, values, e.weights)

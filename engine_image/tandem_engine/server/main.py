@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -26,6 +27,9 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import prometheus_client
+
+from tandem_engine.cli_help import ArgumentParser
 from tandem_engine.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DEVICE,
@@ -46,6 +50,7 @@ from tandem_engine.config import (
 )
 from tandem_engine.lifecycle import EngineRole
 from tandem_engine.server.loading import (
+    KERNEL_BUILD_PHASE,
     TEST_LOAD_DELAY_ENV,
     LoadingEngine,
     ModelLoad,
@@ -59,7 +64,7 @@ log = logging.getLogger("tandem_engine.server.main")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="tandem-engine", description=__doc__.split("\n")[0],
         epilog=f"Test knob, for tests only: ${TEST_LOAD_DELAY_ENV}=SECONDS makes the model "
                "load wait that long once the checkpoint is validated, before any tensor "
@@ -68,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint: a HuggingFace-format folder or a GGUF file")
     p.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the folder name)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the ZMQ socket and the HTTP ports listen on")
     p.add_argument("--port", type=int, required=True, help="ZMQ port routers connect to")
     p.add_argument("--admin-port", type=int, required=True, help="admin HTTP port")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -76,8 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "else) on this port, for Prometheus and probes")
     p.add_argument("--engine-id", default=None, help="default: host:port")
     p.add_argument("--role", choices=[str(r) for r in EngineRole],
-                   default=str(EngineRole.MIXED))
-    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+                   default=str(EngineRole.MIXED),
+                   help="mixed: prefill and decode; prefill or decode: one half of a "
+                        "disaggregated pair")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5,
+                   help="seconds between heartbeats to each connected router")
     p.add_argument("--router-timeout", type=float, default=10.0,
                    help="forget a router silent this long (no PING, HELLO, SUBMIT or "
                         "ABORT) and abort its requests (s)")
@@ -93,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode: seconds at most that the KV blocks of a pull whose "
                         "transfer state is unknown (a timeout) stay out of use "
                         f"(<= {MAX_KV_QUARANTINE_TTL_S})")
-    p.add_argument("--shutdown-grace", type=float, default=30.0)
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--admin-token-file", type=Path, default=None,
                    help="bearer token for mutating admin calls (else $TANDEM_ADMIN_TOKEN)")
     p.add_argument("--weights-root", type=Path, action="append", default=[],
@@ -104,10 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto, cpu, cuda or cuda:N; auto = cuda when torch sees a GPU, else "
                         "cpu. Asking for cuda where no GPU is visible fails at start")
     p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads")
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                   help="requests scheduled in one step at most")
     p.add_argument("--max-num-batched-tokens", type=int,
-                   default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    p.add_argument("--num-blocks", type=int, default=None)
+                   default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                   help="tokens (prompt chunks and decodes) in one step at most")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks in the pool (default: sized from the memory budget)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                    help="tokens per KV block")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
@@ -120,16 +133,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "share (0 < F <= 1) of the GPU's memory the engine fills; the KV pool "
                         "gets what the weights and the largest step's activations leave "
                         "(default %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt and output (default: the model's context)")
+    p.add_argument("--dtype", default="auto",
+                   help="weights and activations: auto (the checkpoint's), float32, "
+                        "bfloat16 or float16")
     p.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
                    help="attention/projection kernels: auto (native on CPU, flex on CUDA), "
                         "native (CPU), torch (portable gather path), flex (torch "
                         "flex_attention over the paged KV) (default %(default)s)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA: replay decode steps from CUDA graphs at fixed batch sizes "
-                        "(default on; ignored on CPU)")
-    p.add_argument("--seed", type=int, default=0)
+                        "(ignored on CPU)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampler for requests that give none")
     p.add_argument("--weight-version", default="initial",
                    help="the version name of the weights at --model (the pool's weights.version)")
     p.add_argument("--weight-epoch", type=int, default=0,
@@ -234,6 +251,28 @@ async def _run(args: argparse.Namespace, config: EngineConfig, curve: CurveServe
         await http.stop()
 
 
+def _build_native_kernel(config: EngineConfig, load: ModelLoad) -> None:
+    """On the first start on a machine, compile the native CPU kernel before the model
+    loads, as a phase of its own (`/v1/state`, the log): half a minute that would
+    otherwise pass unexplained inside the load. The runner then loads the cached kernel,
+    and reports a failed build as it always does (a warning with `auto`, an error with
+    `native`)."""
+    from tandem_engine.model import native
+    from tandem_engine.model.device import resolve_device
+
+    if config.kernels not in ("auto", "native") or resolve_device(config.device).type != "cpu":
+        return
+    if not native.build_pending():
+        return
+    load.set_step(KERNEL_BUILD_PHASE)
+    try:
+        native.paged_decode_kernel()
+    except native.NativeKernelUnavailable:
+        pass  # remembered by `native`; the runner reports it
+    finally:
+        load.set_step(None)
+
+
 async def _load_and_serve(args: argparse.Namespace, config: EngineConfig,
                           curve: CurveServer | None,
                           roots: WeightsRoots, token: str | None, loading: LoadingEngine,
@@ -247,6 +286,7 @@ async def _load_and_serve(args: argparse.Namespace, config: EngineConfig,
     from tandem_engine.server.worker import EngineWorker
 
     torch.set_num_threads(args.threads)
+    await asyncio.to_thread(_build_native_kernel, config, load)
     engine = await asyncio.to_thread(LLMEngine.from_checkpoint, args.model, config,
                                      load.report)
     engine.set_weights(loading.weights)
@@ -315,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
+    prometheus_client.disable_created_metrics()  # no `_created` series (docs/metrics.md)
     try:
         # Keys and roots are checked before the model loads: a bad Secret fails at once.
         curve = engine_curve()
@@ -324,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "--port and --admin-port")
         load_delay_s = test_load_delay()
         config = engine_config(args)
-        return asyncio.run(_run(args, config, curve, roots, load_delay_s))
+        code = asyncio.run(_run(args, config, curve, roots, load_delay_s))
     except Exception as exc:  # report a startup failure in one line, not a traceback
         from tandem_engine.errors import TandemError
 
@@ -332,6 +373,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"tandem-engine: error: {exc}", file=sys.stderr)
             return 2
         raise
+    _exit_now(code)
+    return code  # not reached
+
+
+def _exit_now(code: int) -> None:
+    """Leave without the interpreter's teardown. The engine has stopped cleanly by now
+    (requests ended, sockets closed, the log written); what is left is collecting torch's
+    and NIXL's objects, whose finalizers took 6 s on the demo model (measured: the main
+    thread "Garbage-collecting" after "stopped"), time a rolling restart or `tandem serve`'s
+    Ctrl-C would otherwise wait out."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,11 @@ from tandem_engine.errors import RequestRejected
 from tandem_engine.lifecycle import EngineState, EngineStateError
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.server.handoff import KVHandoff
+from tandem_engine.server.metric_families import (
+    REQUEST_BUCKETS,
+    TOKEN_GAP_BUCKETS,
+    LatencyHistogram,
+)
 from tandem_engine.transfer import KVTransferBackend
 from tandem_engine.zmq_auth import CurveServer
 
@@ -72,6 +77,8 @@ class _Stream:
     logprobs: int | None
     sent_tokens: int = 0
     sent_chars: int = 0
+    arrival: float = 0.0  # monotonic time its SUBMIT came off the socket
+    last_token_at: float | None = None  # when its last token went out (None: none yet)
 
 
 @dataclass
@@ -81,6 +88,26 @@ class WorkerStats:
     requests_finished: dict[str, int] = field(default_factory=dict)
     step_seconds: list[float] = field(default_factory=list)  # drained by /metrics
     step_failures: int = 0  # steps that raised with no request to blame
+    # Latencies at the engine, from a request's arrival (written by the stepping thread).
+    time_to_first_token: LatencyHistogram = field(
+        default_factory=lambda: LatencyHistogram(REQUEST_BUCKETS))
+    token_gap: LatencyHistogram = field(
+        default_factory=lambda: LatencyHistogram(TOKEN_GAP_BUCKETS))
+    e2e_latency: LatencyHistogram = field(
+        default_factory=lambda: LatencyHistogram(REQUEST_BUCKETS))
+
+    def observe_output(self, stream: _Stream, num_tokens: int, finish_reason: str | None,
+                       now: float) -> None:
+        """An output of `num_tokens` new tokens goes out for `stream` at `now`: its first
+        token, the gap since its last (per token), its end (a handoff is no end)."""
+        if num_tokens:
+            if stream.last_token_at is None:
+                self.time_to_first_token.observe(now - stream.arrival)
+            else:
+                self.token_gap.observe((now - stream.last_token_at) / num_tokens, num_tokens)
+            stream.last_token_at = now
+        if finish_reason is not None and finish_reason != "handoff":
+            self.e2e_latency.observe(now - stream.arrival)
 
 
 def stream_delta(stream: _Stream, out: RequestOutput) -> p.Output:
@@ -356,10 +383,10 @@ class EngineWorker:
             self._queue(router, p.Reject(msg.request_id, 503,
                                          f"engine {self.engine_id} is {why}"))
             return
-        self._inbox.append(functools.partial(self._admit, router, msg))
+        self._inbox.append(functools.partial(self._admit, router, msg, time.monotonic()))
         self._wake.set()
 
-    def _admit(self, router: bytes, msg: p.Submit) -> None:
+    def _admit(self, router: bytes, msg: p.Submit, arrival: float) -> None:
         """On the stepping thread: hand a SUBMIT to the engine (its sampling parameters
         were validated when the frame was decoded)."""
         rid = self._engine_id(router, msg.request_id)
@@ -372,7 +399,8 @@ class EngineWorker:
             return
         # The client already has the resumed tokens and `sent_chars` of their text.
         self._streams[rid] = _Stream(router, msg.request_id, msg.sampling.logprobs,
-                                     sent_tokens=len(resumed), sent_chars=sent_chars)
+                                     sent_tokens=len(resumed), sent_chars=sent_chars,
+                                     arrival=arrival)
         try:
             if msg.pull is not None:
                 if self.handoff is None:
@@ -489,10 +517,12 @@ class EngineWorker:
             return
         delta = stream_delta(stream, out)
         self.stats.generation_tokens += len(delta.token_ids)
+        reason = None
         if out.finished:
             del self._streams[out.request_id]
             reason = delta.finish_reason or ("handoff" if delta.handoff else "unknown")
             self.stats.requests_finished[reason] = self.stats.requests_finished.get(reason, 0) + 1
+        self.stats.observe_output(stream, len(delta.token_ids), reason, time.monotonic())
         if delta.token_ids or delta.text or delta.finished:
             self._send_threadsafe(stream.router, p.encode(delta))
 
