@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import random
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from tandem_engine.bench.workloads import (
     sharegpt_workload,
 )
 from tandem_engine.cli.serve import free_port
+from test_serve import start_serve
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -280,19 +280,9 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory):
     """One `tandem serve --demo` (one engine) for the module's end-to-end tests."""
     tmp = tmp_path_factory.mktemp("bench-serve")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tandem_engine.cli.main", "serve", "--demo",
-                             "--demo-dir", str(tmp / "demo"), "--port", str(port),
-                             "--engines", "1", "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "TMPDIR": str(tmp)})
-    lines: list[str] = []
+    proc, _ = start_serve(tmp, "--demo", "--demo-dir", str(tmp / "demo"), "--port", str(port),
+                          "--engines", "1", "--threads", "1")
     try:
-        deadline = time.monotonic() + 120
-        while not any("Tandem is serving" in line for line in lines):
-            assert time.monotonic() < deadline, "".join(lines)
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "".join(lines)
-            lines.append(line)
         yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()

@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from test_operator_cluster import (  # noqa: F401  (fixtures)
     wait_serving,
     weights,
 )
+from test_serve import spawn_serve, wait_for_url
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "charts" / "tandem" / "dashboards" / "tandem.json"
@@ -175,12 +175,8 @@ def serve(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, int, Path]]:
     """`tandem serve --demo --prefill 1 --decode 1`, started (not yet ready)."""
     port, folder = free_port(), tmp_path / "stack"
     folder.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem_engine.cli.main", "serve", "--demo",
-         "--demo-dir", str(folder / "demo"), "--prefill", "1", "--decode", "1",
-         "--port", str(port), "--served-model-name", MODEL],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TMPDIR": str(folder)})
+    proc = spawn_serve(folder, "--demo", "--demo-dir", str(folder / "demo"), "--prefill", "1",
+                       "--decode", "1", "--port", str(port), "--served-model-name", MODEL)
     try:
         yield proc, port, folder
     finally:
@@ -194,13 +190,7 @@ def serve(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, int, Path]]:
 
 
 def wait_serving_stack(proc: subprocess.Popen, port: int, folder: Path) -> dict[str, Any]:
-    lines: list[str] = []
-    deadline = time.monotonic() + 180
-    while not any("Tandem is serving" in line for line in lines):
-        assert time.monotonic() < deadline, "".join(lines)
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, "".join(lines)
-        lines.append(line)
+    wait_for_url(proc)
     return json.loads((folder / f"tandem-{port}" / "stack.json").read_text())
 
 

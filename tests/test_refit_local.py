@@ -28,6 +28,7 @@ import openai
 import pytest
 from tandem_engine.cli import main as cli
 from tandem_engine.cli.serve import free_port
+from test_serve import spawn_serve, wait_for_url
 
 MODEL = "t"
 PROMPTS = ["Once upon a time", "The harbour at night", "Seven bridges cross",
@@ -217,20 +218,11 @@ def references(checkpoints: dict[str, Path]) -> dict[str, dict[str, list[int]]]:
 def stack(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[Stack]:
     tmp, port = tmp_path_factory.mktemp("refit-stack"), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tandem_engine.cli.main", "serve", "--model",
-         str(checkpoints["v1"]), "--prefill", "2", "--decode", "2", "--port", str(port),
-         "--served-model-name", MODEL, "--weights-root", str(checkpoints["v2"].parent)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TMPDIR": str(tmp)})
-    lines: list[str] = []
+    proc = spawn_serve(tmp, "--model", str(checkpoints["v1"]), "--prefill", "2", "--decode",
+                       "2", "--port", str(port), "--served-model-name", MODEL,
+                       "--weights-root", str(checkpoints["v2"].parent))
     try:
-        deadline = time.monotonic() + 240
-        while not any("Tandem is serving" in line for line in lines):
-            assert time.monotonic() < deadline, "".join(lines)
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "".join(lines)
-            lines.append(line)
+        wait_for_url(proc, timeout=240)
         yield Stack(proc, port, tmp)
     finally:
         if proc.poll() is None:

@@ -186,10 +186,10 @@ def test_a_slow_client_is_cut_at_the_header_timeout(routers) -> None:
 
 
 def test_tandem_serve_passes_its_api_key_in_the_environment(tmp_path: Path) -> None:
-    from test_serve import _children, _start_serve
+    from test_serve import _children, start_serve
 
     port = free_port()
-    proc, _ = _start_serve(tmp_path, "--demo", "--demo-dir", str(tmp_path / "demo"),
+    proc, _ = start_serve(tmp_path, "--demo", "--demo-dir", str(tmp_path / "demo"),
                            "--port", str(port), "--api-key", FLAG_KEY)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -25,29 +25,42 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.stdout.split()]
 
 
-def _start_serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, list[str]]:
-    """`tandem serve ARGS`, once it has printed its URL; returns the process and its lines."""
-    proc = subprocess.Popen([sys.executable, "-m", "tandem_engine.cli.main", "serve", *args],
+def spawn_serve(tmp_path: Path, *args: str) -> subprocess.Popen:
+    """`tandem serve ARGS` started, its output piped, its log folder under `tmp_path`."""
+    return subprocess.Popen([sys.executable, "-m", "tandem_engine.cli.main", "serve", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "TMPDIR": str(tmp_path)})
+
+
+def wait_for_url(proc: subprocess.Popen, timeout: float = 180) -> list[str]:
+    """The lines `serve` printed up to its "Tandem is serving" line; fails (with them) on
+    an exit or after `timeout` seconds."""
     lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not any("Tandem is serving" in line for line in lines):
+        assert time.monotonic() < deadline, "".join(lines)
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, "".join(lines)
+        lines.append(line)
+    return lines
+
+
+def start_serve(tmp_path: Path, *args: str, timeout: float = 180
+                ) -> tuple[subprocess.Popen, list[str]]:
+    """`tandem serve ARGS`, once it has printed its URL; returns the process and its lines
+    (killed if it never gets there)."""
+    proc = spawn_serve(tmp_path, *args)
     try:
-        deadline = time.monotonic() + 180
-        while not any("Tandem is serving" in line for line in lines):
-            assert time.monotonic() < deadline, "".join(lines)
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "".join(lines)
-            lines.append(line)
+        return proc, wait_for_url(proc, timeout)
     except BaseException:
         proc.kill()
         proc.wait()
         raise
-    return proc, lines
 
 
 def test_serve_answers_openai_and_stops_cleanly(tiny_qwen3: Path, tmp_path: Path) -> None:
     port = free_port()
-    proc, lines = _start_serve(tmp_path, "--model", str(tiny_qwen3), "--engines", "2",
+    proc, lines = start_serve(tmp_path, "--model", str(tiny_qwen3), "--engines", "2",
                                "--port", str(port), "--served-model-name", "tiny")
     try:
         assert f"http://127.0.0.1:{port}/v1" in lines[-1]
@@ -102,7 +115,7 @@ def test_serve_reports_a_bad_model_and_leaves_nothing(tmp_path: Path) -> None:
 
 def test_serve_disaggregated_prefill_and_decode(tiny_llama: Path, tmp_path: Path) -> None:
     port = free_port()
-    proc, lines = _start_serve(tmp_path, "--model", str(tiny_llama), "--prefill", "1",
+    proc, lines = start_serve(tmp_path, "--model", str(tiny_llama), "--prefill", "1",
                                "--decode", "1", "--port", str(port),
                                "--served-model-name", "t")
     try:
@@ -130,7 +143,7 @@ def test_serve_restarts_a_killed_engine_while_the_router_fails_over(tmp_path: Pa
     """kill -9 of one engine: no request fails (failover), `serve` keeps running and
     restarts the engine (same id and ports), records it in stack.json, and serves on."""
     port = free_port()
-    proc, _ = _start_serve(tmp_path, "--demo", "--demo-dir", str(tmp_path / "demo"),
+    proc, _ = start_serve(tmp_path, "--demo", "--demo-dir", str(tmp_path / "demo"),
                            "--engines", "2", "--port", str(port))
     try:
         stack_file = tmp_path / f"tandem-{port}" / "stack.json"
