@@ -196,5 +196,12 @@ def test_a_first_start_knows_it_must_compile_the_native_kernel(tmp_path: Path,
     assert native.build_pending()
     name = native.kernel_name(native._SOURCE.read_text())
     (tmp_path / name).mkdir(exist_ok=True)
-    (tmp_path / name / f"{name}.so").write_bytes(b"")  # a build from an earlier start
-    assert not native.build_pending()
+    (tmp_path / name / f"{name}.so").write_bytes(b"")  # a build from an earlier start...
+    assert native.build_pending()  # ... for which torch? Unknown: it is built again
+    stamp = native._built_with(tmp_path / name, ["-march=native"])
+    stamp.write_text("0.0-other")
+    assert native.build_pending()  # another torch's build is not loaded
+    import torch
+
+    stamp.write_text(torch.__version__)
+    assert not native.build_pending()  # this torch's: loaded as it is

@@ -128,7 +128,11 @@ class DecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        # Given its weight, the embedding skips its random init: that init (normal_) would
+        # import torch._dynamo, 1.3 s of every engine start, for values the checkpoint's
+        # tensors replace anyway.
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
+                                         _weight=torch.empty(c.vocab_size, c.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 

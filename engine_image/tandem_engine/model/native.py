@@ -117,9 +117,13 @@ def build_pending() -> bool:
     name = kernel_name(_SOURCE.read_text())
     if _prebuilt_path(name) is not None:
         return False
+    import torch
     from torch.utils.cpp_extension import _get_build_directory
 
-    return not any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
+    folder = Path(_get_build_directory(name, verbose=False))
+    stamp = _built_with(folder, ["-march=native"])
+    return not ((folder / f"{name}.so").is_file() and stamp.is_file()
+                and stamp.read_text() == torch.__version__)
 
 
 def paged_decode_kernel() -> ModuleType:
@@ -165,7 +169,7 @@ def _prebuilt_path(name: str) -> Path | None:
     return None
 
 
-def _load_library(name: str, path: Path) -> ModuleType:
+def _load_library(name: str, path: Path, what: str = "prebuilt") -> ModuleType:
     import torch  # noqa: F401  the library links against libtorch: load it first
 
     spec = importlib.util.spec_from_file_location(name, path)
@@ -173,7 +177,7 @@ def _load_library(name: str, path: Path) -> ModuleType:
         raise ImportError(f"{path} is not a loadable extension module")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    log.info("loaded the prebuilt native decode-attention kernel %s", path)
+    log.info("loaded the %s native decode-attention kernel %s", what, path)
     return module
 
 
@@ -186,16 +190,29 @@ def _build(name: str, source: str, arch_flags: list[str], build_dir: Path | None
     bin_dir = os.path.dirname(sys.executable)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    import torch
+
     folder = build_dir or Path(_get_build_directory(name, verbose=False))
-    if any(folder.glob(f"{name}*.so")):
-        log.info("loading the native decode-attention kernel built earlier in %s", folder)
-    else:
+    # The build is the source's (the folder's name) for this torch. ninja would redo it
+    # for every other virtual environment (its command line names that one's torch
+    # headers): a build made for the same torch version is loaded as it is instead.
+    stamp = _built_with(folder, arch_flags)
+    with _builder_lock(folder):
+        built = folder / f"{name}.so"
+        if built.is_file() and stamp.is_file() and stamp.read_text() == torch.__version__:
+            return _load_library(name, built, "cached")
         log.info("building the native decode-attention kernel (%s; about 30 s)",
                  " ".join(arch_flags))
-    with _builder_lock(folder):
-        return load_inline(name=name, cpp_sources=[source], build_directory=str(folder),
-                           extra_cflags=[*_CFLAGS, *arch_flags], extra_ldflags=_LDFLAGS,
-                           verbose=False)
+        module = load_inline(name=name, cpp_sources=[source], build_directory=str(folder),
+                             extra_cflags=[*_CFLAGS, *arch_flags], extra_ldflags=_LDFLAGS,
+                             verbose=False)
+        stamp.write_text(torch.__version__)
+        return module
+
+
+def _built_with(folder: Path, arch_flags: list[str]) -> Path:
+    """The file naming the torch version a build in `folder` was made for."""
+    return folder / f"torch-version{''.join(arch_flags)}"
 
 
 def prebuild(out_dir: Path, march: str) -> Path:
