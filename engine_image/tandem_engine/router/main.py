@@ -29,10 +29,10 @@ from pathlib import Path
 import prometheus_client
 import uvicorn
 
-from tandem_engine import kubeclient, zmq_auth
+from tandem_engine import zmq_auth
 from tandem_engine.cli_help import ArgumentParser
 from tandem_engine.errors import TandemError
-from tandem_engine.router import auth, discovery
+from tandem_engine.router import auth
 from tandem_engine.router.api_params import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_PROMPT_CHARS,
@@ -154,6 +154,10 @@ def _engine_pool(args: argparse.Namespace) -> tuple[EnginePool, str]:
               "handshake_timeout": args.handshake_timeout, "curve": curve}
     if args.engine:
         return EnginePool(args.engine, **timing), ", ".join(args.engine)
+    # Only a discovering router needs the Kubernetes client (0.5 s of every start).
+    from tandem_engine import kubeclient
+    from tandem_engine.router import discovery
+
     namespace = discovery.resolve_namespace(args.namespace)
     # Read now (an exec credential plugin runs once): a bad kubeconfig stops the router here.
     config = asyncio.run(kubeclient.load_configuration())
