@@ -13,7 +13,7 @@ with speculation off and on, on one engine each (same weights, same process). Re
 generated tokens/s, mean per-request latency, the speed-up, whether the tokens were
 identical, and for the speculative runs the acceptance rate per draft position.
 
-    .venv/bin/python benchmarks/speculative.py [--tokens 4] [--max-tokens 128]
+    .venv/bin/python benchmarks/speculative.py [--tokens 4] [--max-tokens 96]
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--random-requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--random-requests", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
