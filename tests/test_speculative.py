@@ -553,3 +553,28 @@ def test_flags_reach_the_engine_config_from_every_command(tmp_path: Path, capsys
                            "--speculative-method", "ngram", "--speculative-ngram-min", "0"])
     assert rc == 2
     assert "prompt_lookup_min=0" in capsys.readouterr().err
+
+
+def test_metrics_count_drafts_and_accepted_tokens_by_position(tiny_llama: Path) -> None:
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+    from tandem_engine.server.admin import build_admin_app
+    from tandem_engine.server.control import EngineControl
+    from tandem_engine.server.worker import EngineWorker
+
+    plain, spec = _oracle_pair(tiny_llama, PROMPTS[:2])
+    spec.generate(PROMPTS[:2], GREEDY)
+    stats = spec.engine.stats.speculative
+
+    def scrape(llm: LLM) -> dict[str, list]:
+        worker = EngineWorker(llm.engine, engine_id="e0", model_name="tiny")
+        text = TestClient(build_admin_app(EngineControl(worker))).get("/metrics").text
+        return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+    families = scrape(spec)
+    (proposed,) = families["tandem_spec_proposed_tokens"]
+    assert proposed.value == stats.num_draft_tokens
+    by_position = {s.labels["position"]: s.value for s in families["tandem_spec_accepted_tokens"]}
+    assert by_position == {str(i): n for i, n in enumerate(stats.accepted_per_position)}
+    assert families["tandem_spec_drafts"][0].value == stats.num_drafts > 0
+    assert "tandem_spec_proposed_tokens" not in scrape(plain)  # off: not exported
