@@ -48,6 +48,11 @@ COPY_TASKS = [
     "def is_even(n):\n    if n % 2 == 0:\n        return Ture\n    return False\n",
     "Repeat this list with one item changed (replace 'Tuesday' by 'Holiday'): Monday, "
     "Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday.",
+    "Quote this paragraph word for word, then give it a title: Bees visit flowers to "
+    "collect nectar and pollen. While they move from flower to flower, they carry pollen "
+    "with them, which helps plants make seeds and fruit.",
+    "Fix the typo in this function and print the whole function:\n\n"
+    "def count_words(text):\n    words = text.split()\n    return lenn(words)\n",
 ]
 
 
