@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from tandem_engine.config import SpeculativeConfig
 from tandem_engine.errors import CheckpointError, RequestRejected, TandemError
 from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode
 from tandem_engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CheckpointError", "EngineState", "EngineStateError", "KVMode",
-           "RequestRejected", "SamplingParams", "TandemError"]
+           "RequestRejected", "SamplingParams", "SpeculativeConfig", "TandemError"]
 
 
 def __getattr__(name: str):

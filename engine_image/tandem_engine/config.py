@@ -49,6 +49,14 @@ DEFAULT_DEVICE = "auto"
 # On CUDA, with neither num_blocks nor kv_cache_memory_bytes given, the KV pool takes what
 # is left of this share of the device's memory after the weights and a profiling step.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# Speculative decoding (off unless asked): proposal methods, and the n-gram method's defaults.
+# "draft" (a small draft model) and "mtp" (multi-token-prediction heads) are planned names.
+SPECULATIVE_METHODS = ("ngram",)
+DEFAULT_SPECULATIVE_TOKENS = 4
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_PROMPT_LOOKUP_MIN = 2
+DEFAULT_PROMPT_LOOKUP_MAX = 4
+MAX_PROMPT_LOOKUP = 64
 
 
 @dataclass(frozen=True)
@@ -282,6 +290,46 @@ def fraction_arg(value: str) -> float:
     return fraction
 
 
+def add_speculative_flags(parser: argparse.ArgumentParser, whose: str = "") -> None:
+    """--speculative-method, --speculative-tokens and --speculative-ngram-min/-max, as
+    `tandem-engine`, `tandem generate` and `tandem serve` take them (off by default)."""
+    parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                        help=f"{whose}speculative decoding: propose tokens by this method "
+                        "and verify them all in one forward (ngram: prompt lookup in the "
+                        "request's own prompt and output); default off")
+    parser.add_argument("--speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS,
+                        metavar="K", help="with --speculative-method: tokens proposed per "
+                        f"step at most (1-{MAX_SPECULATIVE_TOKENS}; default %(default)s)")
+    parser.add_argument("--speculative-ngram-min", type=int, default=DEFAULT_PROMPT_LOOKUP_MIN,
+                        metavar="N", help="ngram: shortest suffix of the request's tokens "
+                        "looked up (default %(default)s)")
+    parser.add_argument("--speculative-ngram-max", type=int, default=DEFAULT_PROMPT_LOOKUP_MAX,
+                        metavar="N", help="ngram: longest suffix looked up first "
+                        "(default %(default)s)")
+
+
+def speculative_from_flags(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The speculative config the flags of `add_speculative_flags` ask for (None: off);
+    ValueError naming the flag's field when a value is out of range."""
+    if args.speculative_method is None:
+        return None
+    config = SpeculativeConfig(args.speculative_method, args.speculative_tokens,
+                               args.speculative_ngram_min, args.speculative_ngram_max)
+    config.validate()
+    return config
+
+
+def speculative_flags(args: argparse.Namespace) -> list[str]:
+    """The same flags again, for a command that starts engines (`tandem serve`); checked
+    here first, so a bad value fails before any engine starts."""
+    if speculative_from_flags(args) is None:
+        return []
+    return ["--speculative-method", args.speculative_method,
+            "--speculative-tokens", str(args.speculative_tokens),
+            "--speculative-ngram-min", str(args.speculative_ngram_min),
+            "--speculative-ngram-max", str(args.speculative_ngram_max)]
+
+
 def normalize_dtype(value: Any, source: str, key: str = "dtype") -> str:
     name = str(value).removeprefix("torch.")
     name = _DTYPE_ALIASES.get(name, name)
@@ -333,6 +381,65 @@ def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `speculative_config`: each decode step a proposer
+    guesses up to `num_speculative_tokens` next tokens, and one forward of the model
+    verifies them all (engine/speculative.py).
+
+    `method` names the proposer; "ngram" (prompt lookup) is the one built: the tokens
+    that followed the most recent earlier occurrence of the request's last n tokens
+    (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and
+    output. Methods that need a second model ("draft", "mtp") will add their fields."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
+        """A config from itself or from a dict of its fields (vLLM's `speculative_config`
+        spelling); an unknown key is a ValueError naming the known ones."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a SpeculativeConfig or a dict of "
+                             f"its fields, not {type(value).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative option(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+    def validate(self) -> None:
+        def check(ok: bool, name: str, value: Any, limit: str) -> None:
+            if not ok:
+                raise ValueError(f"speculative option {name}={value!r} is invalid: {limit}")
+
+        check(self.method in SPECULATIVE_METHODS, "method", self.method,
+              f"use one of {', '.join(SPECULATIVE_METHODS)} (draft-model and MTP proposers "
+              "are not built yet)")
+        check(_is_int(self.num_speculative_tokens)
+              and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+              "num_speculative_tokens", self.num_speculative_tokens,
+              f"must be an integer between 1 and {MAX_SPECULATIVE_TOKENS} (proposals "
+              "beyond a few are rarely all accepted; 3-5 is typical)")
+        check(_is_int(self.prompt_lookup_min)
+              and 1 <= self.prompt_lookup_min <= MAX_PROMPT_LOOKUP,
+              "prompt_lookup_min", self.prompt_lookup_min,
+              f"must be an integer between 1 and {MAX_PROMPT_LOOKUP} tokens")
+        check(_is_int(self.prompt_lookup_max)
+              and self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP,
+              "prompt_lookup_max", self.prompt_lookup_max,
+              f"must be an integer between prompt_lookup_min ({self.prompt_lookup_min}) and "
+              f"{MAX_PROMPT_LOOKUP}: raise it or lower prompt_lookup_min")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model; every field has a vLLM-style name."""
 
@@ -366,6 +473,8 @@ class EngineConfig:
     # CUDA with the flex backend: decode steps replayed from CUDA graphs captured at a fixed
     # set of batch sizes (padded). Ignored on CPU.
     cuda_graphs: bool = True
+    # Speculative decoding; None = off.
+    speculative: SpeculativeConfig | None = None
 
     def validate(self) -> None:
         def check(ok: bool, name: str, value: Any, limit: str) -> None:
@@ -393,3 +502,8 @@ class EngineConfig:
         check(self.dtype == "auto" or _DTYPE_ALIASES.get(self.dtype, self.dtype)
               in SUPPORTED_DTYPES, "dtype", self.dtype,
               f"use auto or one of {', '.join(SUPPORTED_DTYPES)}")
+        check(self.speculative is None or isinstance(self.speculative, SpeculativeConfig),
+              "speculative", self.speculative,
+              "must be a SpeculativeConfig (SpeculativeConfig.of turns a dict into one)")
+        if self.speculative is not None:
+            self.speculative.validate()

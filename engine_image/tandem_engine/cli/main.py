@@ -31,8 +31,11 @@ from tandem_engine.config import (
     DEFAULT_THREADS,
     DEMO_MODEL_SIZES,
     KERNEL_CHOICES,
+    add_speculative_flags,
     device_arg,
     fraction_arg,
+    speculative_flags,
+    speculative_from_flags,
 )
 from tandem_engine.errors import TandemError
 from tandem_engine.refit_policy import (
@@ -94,7 +97,8 @@ def _generate(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     llm = LLM(model=str(model), max_num_seqs=args.max_num_seqs, dtype=args.dtype,
               max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              speculative=speculative_from_flags(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
@@ -118,7 +122,8 @@ def serve_engine_args(args: argparse.Namespace) -> list[str]:
     return ["--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--kernels", args.kernels, "--device", args.device,
-            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+            *speculative_flags(args)]
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -212,6 +217,7 @@ def _add_generate(sub) -> None:
     _add_batch_flags(gen)
     gen.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     _add_device_flags(gen)
+    add_speculative_flags(gen)
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="a prompt (several: one "
                      "batch)")
     gen.set_defaults(func=_generate)
@@ -243,6 +249,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
                        help="every engine's kernels (`tandem-engine --help`)")
     _add_device_flags(serve, "every engine's ")
+    add_speculative_flags(serve, "every engine's ")
     serve.add_argument("--weights-root", type=Path, action="append", default=[],
                        metavar="DIR", help="a folder `tandem refit` may load checkpoints "
                        "from, besides the one holding --model (repeatable)")

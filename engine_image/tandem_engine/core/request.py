@@ -3,7 +3,9 @@
 A request's token list is prompt + generated tokens. `num_computed_tokens` counts the
 leading tokens whose KV is in the cache; the scheduler moves it forward, and resets it
 to 0 when the request is preempted (its KV is dropped and recomputed on readmission,
-so prompt + generated tokens effectively become its new prompt).
+so prompt + generated tokens effectively become its new prompt). With speculative
+decoding, a decode step may compute its last token plus proposals; only the verified
+ones count as computed afterwards (`Scheduler.advance`).
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class Request:
     # pinned for another engine (unless that token ends the generation).
     pin_for_handoff: bool = False
     pinned_blocks: list[int] | None = None
+    # Speculative decoding: the tokens proposed to follow `token_ids` this step (not part
+    # of it until the model verifies them). Set by the engine before each schedule,
+    # dropped whenever the request's KV is (preemption, suspend).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -9,12 +9,21 @@ budget (`max_num_batched_tokens`) and a request cap (`max_num_seqs`). When the K
 cache runs out, the most recently arrived running request is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed.
 
+Speculative decoding: a running decode whose request carries proposals
+(`Request.spec_token_ids`) gets them appended to its chunk last, after every running
+request and admission had its share, as far as the budget and the free blocks left
+allow: a proposal never preempts anyone and never delays a prefill or an admission.
+`advance` then counts only the verified positions as computed and gives back the blocks
+that hold none.
+
 The scheduler asks the KV cache manager every memory question and never sees a tensor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from tandem_engine.core.kv import KVCacheManager
@@ -25,9 +34,13 @@ from tandem_engine.core.request import Request, RequestStatus
 class ScheduledChunk:
     request: Request
     start: int  # first token position computed this step
-    num_tokens: int
+    num_tokens: int  # positions computed this step, proposals included
     block_table: list[int]
     samples: bool  # the chunk reaches the end of the request's tokens: a token is sampled
+    # Speculative decoding: proposals computed after the request's last token, the chunk's
+    # last len(draft) positions (not in the request's tokens). Every position of such a
+    # chunk is sampled: position i verifies proposal i, the last one gives a bonus token.
+    draft: tuple[int, ...] = ()
 
 
 @dataclass
@@ -90,6 +103,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= self._take(request, n, out)
+        if budget > 0 and any(r.spec_token_ids for r in decodes):
+            self._add_drafts(out, budget)
         return out
 
     def _grow_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
@@ -105,6 +120,29 @@ class Scheduler:
                 return False
         return True
 
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Append each scheduled decode's proposals to its chunk while the budget and the
+        pool's free blocks left allow (never by preempting); return the tokens added."""
+        used = 0
+        for i, chunk in enumerate(out.chunks):
+            request = chunk.request
+            if used == budget:
+                break
+            if chunk.num_tokens != 1 or not chunk.samples or not request.spec_token_ids:
+                continue
+            room = self.kv.reachable_tokens(request.request_id) - (chunk.start + 1)
+            draft = tuple(request.spec_token_ids[:min(budget - used, room)])
+            if not draft:
+                continue
+            grown = self.kv.allocate_slots(request.request_id, chunk.start + 1 + len(draft))
+            assert grown, "reachable_tokens promised the room"
+            out.chunks[i] = dataclasses.replace(
+                chunk, num_tokens=1 + len(draft), draft=draft,
+                block_table=self.kv.block_table(request.request_id))
+            out.num_decode_tokens += len(draft)
+            used += len(draft)
+        return used
+
     def _take(self, request: Request, n: int, out: SchedulerOutput) -> int:
         samples = request.num_computed_tokens + n == request.num_tokens
         chunk = ScheduledChunk(request, request.num_computed_tokens, n,
@@ -117,10 +155,12 @@ class Scheduler:
         return n
 
     def _release(self, request: Request) -> None:
-        """Drop a request's KV: it will be recomputed (or re-matched) on admission."""
+        """Drop a request's KV (and any proposals): it will be recomputed (or re-matched)
+        on admission."""
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
         request.num_cached_blocks = 0
+        request.spec_token_ids = []
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -143,12 +183,22 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def advance(self, scheduled: SchedulerOutput) -> None:
-        """After a forward pass: the chunks' tokens now have KV; full blocks become
-        matchable by later requests."""
+    def advance(self, scheduled: SchedulerOutput,
+                accepted: Mapping[str, int] | None = None) -> None:
+        """After a forward pass (and after the sampled tokens were appended): the chunks'
+        tokens now have KV; full blocks become matchable by later requests. A chunk with
+        a draft counts only its last token and its `accepted[request id]` leading
+        proposals (0 when absent): the positions after them hold KV of tokens that were
+        not accepted, so they are not computed, and blocks holding only such positions go
+        back to the pool (none of them was ever cached)."""
         for chunk in scheduled.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed_blocks(chunk.request)
+            request = chunk.request
+            if chunk.draft:
+                request.num_computed_tokens += 1 + (accepted or {}).get(request.request_id, 0)
+                self.kv.truncate(request.request_id, request.num_computed_tokens)
+            else:
+                request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_computed_blocks(request)
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request wherever it is and free its blocks."""

@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from tandem_engine.config import EngineConfig
+from tandem_engine.config import EngineConfig, SpeculativeConfig
 from tandem_engine.engine.llm_engine import LLMEngine
 from tandem_engine.engine.outputs import PromptScore, RequestOutput
 from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode
@@ -25,7 +25,16 @@ class LLM:
         kv_cache_memory_bytes, gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
         max_model_len, dtype, device, seed, ...). `device`: auto (the default: cuda when
         torch sees a GPU, else cpu), cpu, cuda or cuda:N; asking for cuda where no GPU is
-        visible raises ValueError."""
+        visible raises ValueError. `speculative` turns on speculative decoding: a
+        `SpeculativeConfig` or a dict of its fields, also accepted as vLLM's
+        `speculative_config={"method": "ngram", "num_speculative_tokens": 4, ...}`."""
+        if "speculative_config" in engine_options:
+            if "speculative" in engine_options:
+                raise TypeError("give speculative or speculative_config, not both")
+            engine_options["speculative"] = engine_options.pop("speculative_config")
+        if engine_options.get("speculative") is not None:
+            engine_options["speculative"] = SpeculativeConfig.of(
+                engine_options["speculative"])  # type: ignore[arg-type]
         known = set(EngineConfig.__dataclass_fields__)
         unknown = sorted(set(engine_options) - known)
         if unknown:

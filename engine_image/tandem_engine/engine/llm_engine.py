@@ -2,7 +2,9 @@
 
 One `step()` = schedule → prepare inputs → forward → sample → post-process (append the
 token, detokenize, check stop conditions, release finished requests' blocks). Every
-phase is timed so benchmarks can show where a step's time goes.
+phase is timed so benchmarks can show where a step's time goes. With speculative
+decoding (`EngineConfig.speculative`), proposals are made before the schedule and
+verified after the sampling (engine/speculative.py).
 
 Lifecycle (lifecycle.py holds the table): pause stops stepping with every request
 kept; suspend also releases KV memory under a mode; refit swaps weights while paused or
@@ -35,6 +37,12 @@ from tandem_engine.core.request import FinishReason, Request
 from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.engine.output_processor import OutputProcessor
 from tandem_engine.engine.outputs import PullPlan, RequestOutput
+from tandem_engine.engine.speculative import (
+    DraftedHistory,
+    SpecDecodeCounters,
+    accepted_length,
+    make_proposer,
+)
 from tandem_engine.engine.stats import EngineStats, PrefixCacheStats, StepTiming
 from tandem_engine.engine.step_guard import sample_contained
 from tandem_engine.errors import RequestRejected
@@ -51,11 +59,12 @@ from tandem_engine.model.checkpoint import LoadProgressCallback, load_checkpoint
 from tandem_engine.model.device import profile_step_blocks, profile_step_memory, resolve_device
 from tandem_engine.model.runner import (
     ModelRunner,
+    StepBatch,
     kv_sized_by_memory_fraction,
     num_kv_blocks,
     resolve_dtype,
 )
-from tandem_engine.model.sampler import Sampler
+from tandem_engine.model.sampler import Sampler, SampleResult, TokenHistory
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.tokenizer import Tokenizer
 from tandem_engine.weights import WeightIdentity
@@ -109,6 +118,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(
             tokenizer, frozenset(tokenizer.eos_token_ids or model_config.eos_token_ids),
             self.max_model_len)
+        spec = engine_config.speculative
+        self.proposer = make_proposer(spec) if spec is not None else None
+        self.spec_counters = SpecDecodeCounters()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
@@ -183,7 +195,8 @@ class LLMEngine:
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             prefix_cache=PrefixCacheStats(kv.queried_tokens, kv.hit_tokens,
                                           kv.pool.evictions, kv.pool.num_cached),
-            num_preemptions=self.num_preemptions, num_pull_fallbacks=self.num_pull_fallbacks)
+            num_preemptions=self.num_preemptions, num_pull_fallbacks=self.num_pull_fallbacks,
+            speculative=None if self.proposer is None else self.spec_counters.snapshot())
 
     def set_weights(self, weights: WeightIdentity) -> None:
         """Name the weights serving now (the checkpoint loaded at start, under the version
@@ -390,6 +403,8 @@ class LLMEngine:
         self.kv.expire_pins(time.monotonic())
         self.kv.expire_quarantine(time.monotonic())
         t0 = time.perf_counter()
+        if self.proposer is not None:
+            self._propose()
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)
         if scheduled.empty:
@@ -400,25 +415,22 @@ class LLMEngine:
         batch = self.runner.forward(prepared)
         t3 = time.perf_counter()
         requests = batch.requests
-        result = sample_contained(
-            self.sampler, batch.logits, [r.request_id for r in requests],
-            [r.params for r in requests], [self.outputs.banned_tokens(r) for r in requests],
-            requests)
+        result, seeded_states = self._sample(batch)
         for request, first, logits in batch.prompt_logits:
             targets = request.token_ids[first:first + len(logits)]
             request.prompt_logprobs.extend(self.sampler.prompt_logprobs(
                 logits, targets, request.params.prompt_logprobs))
         t4 = time.perf_counter()
-        self.scheduler.advance(scheduled)
-        for row, request in enumerate(requests):
-            request.error = result.errors.get(row)  # this request alone cannot go on
-            if request.error is not None:
-                reason = FinishReason.ERROR
-            else:
-                segments = request.epoch_segments
-                if not segments or segments[-1][0] != self.weight_epoch:
-                    segments.append((self.weight_epoch, request.num_output_tokens))
-                reason = self.outputs.append(request, result.token_ids[row], row, result)
+        reasons: list[FinishReason | None] = []
+        accepted: dict[str, int] = {}
+        first = 0
+        for request, draft in zip(requests, batch.drafts, strict=True):
+            reasons.append(self._emit(request, draft, first, result, accepted,
+                                      seeded_states.get(request.request_id),
+                                      batch.logits.shape[-1]))
+            first += 1 + len(draft)
+        self.scheduler.advance(scheduled, accepted)
+        for request, reason in zip(requests, reasons, strict=True):
             if reason is not None:
                 self._finish(request, reason)
             outputs.append(self.outputs.output(request))
@@ -431,6 +443,77 @@ class LLMEngine:
             postprocess_s=t5 - t4))
         return outputs
 
+    def _propose(self) -> None:
+        """Give every running decode its proposals for this step (none past its
+        max_tokens or the context: a step emits at most proposals + 1 tokens)."""
+        assert self.proposer is not None
+        for request in self.scheduler.running:
+            request.spec_token_ids = []
+            if (request.num_tokens - request.num_computed_tokens != 1
+                    or request.pin_for_handoff):
+                continue
+            limit = min(request.params.max_tokens - request.num_output_tokens,
+                        self.max_model_len - request.num_tokens) - 1
+            request.spec_token_ids = self.proposer.propose(request, limit)
+
+    def _sample(self, batch: StepBatch) -> tuple[SampleResult, dict[str, torch.Tensor]]:
+        """One token per logits row. A request verifying a draft has one row per position,
+        sampled with the history it has there (the proposals before it taken as given).
+        Also returns, for seeded requests with a draft, their generators' states before."""
+        ids: list[str] = []
+        params = []
+        banned: list[tuple[int, ...]] = []
+        histories: list[TokenHistory] = []
+        seeded_states: dict[str, torch.Tensor] = {}
+        for request, draft in zip(batch.requests, batch.drafts, strict=True):
+            if draft:
+                state = self.sampler.seeded_state(request.request_id, request.params)
+                if state is not None:
+                    seeded_states[request.request_id] = state
+            for ahead in range(len(draft) + 1):
+                ids.append(request.request_id)
+                params.append(request.params)
+                banned.append(self.outputs.banned_tokens(request, ahead))
+                histories.append(DraftedHistory(request, draft[:ahead]) if ahead else request)
+        result = sample_contained(self.sampler, batch.logits, ids, params, banned, histories)
+        return result, seeded_states
+
+    def _emit(self, request: Request, draft: tuple[int, ...], first: int,
+              result: SampleResult, accepted: dict[str, int], seeded_state: torch.Tensor | None,
+              vocab: int) -> FinishReason | None:
+        """Append the tokens a request gets this step (rows `first`...: the accepted
+        proposals, then the draw at the first mismatch) until one ends it; record in
+        `accepted` how many proposals now count as computed. Returns why it ends, if it
+        does."""
+        drawn = result.token_ids[first:first + 1 + len(draft)]
+        n = 1 + accepted_length(draft, drawn)  # tokens emitted
+        if seeded_state is not None and n < len(drawn):
+            # Take back the draws made after the first rejection (they belong to later
+            # tokens), so a seeded request draws what it would without speculation.
+            self.sampler.rewind(request.request_id, request.params, seeded_state, n, vocab)
+        request.error = next((result.errors[r] for r in range(first, first + n)
+                              if r in result.errors), None)
+        if request.error is not None:
+            return FinishReason.ERROR  # this request alone cannot go on
+        if draft:
+            assert self.proposer is not None
+            self.proposer.observe(request, len(draft), n - 1)
+            self.spec_counters.record(len(draft), n - 1)
+        segments = request.epoch_segments
+        if not segments or segments[-1][0] != self.weight_epoch:
+            segments.append((self.weight_epoch, request.num_output_tokens))
+        reason = None
+        appended = 0
+        for row in range(first, first + n):
+            appended += 1
+            reason = self.outputs.append(request, drawn[row - first], row, result)
+            if reason is not None:
+                break
+        if draft:
+            # The positions computed are the last token's and the appended proposals'.
+            accepted[request.request_id] = appended - 1
+        return reason
+
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.finish_reason = reason
         if reason is FinishReason.HANDOFF:
@@ -439,6 +522,8 @@ class LLMEngine:
         self._pulling.pop(request.request_id, None)
         self.scheduler.finish(request)
         self.sampler.forget(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         self.requests.pop(request.request_id, None)
 
     def _forget(self, request: Request) -> None:

@@ -4,7 +4,10 @@ The engine's post-processing, in the spirit of vLLM v1's output processor. Stop
 conditions are decided here, once, for every path: EOS and stop tokens (after
 `min_tokens`), stop strings (through the request's `TextStream`, the one owner of
 text), `max_tokens` and the context limit, and a prefill engine's handoff after the
-first token. Runs under the engine's lock, on the stepping thread.
+first token. A speculative step emits several tokens for a request: the engine appends
+them one by one and stops at the first that ends the generation, so the tokens after it
+(and their logprobs) are never added. Runs under the engine's lock, on the stepping
+thread.
 """
 
 from __future__ import annotations
@@ -40,10 +43,11 @@ class OutputProcessor:
     def forget(self, request_id: str) -> None:
         self._texts.pop(request_id, None)
 
-    def banned_tokens(self, request: Request) -> tuple[int, ...]:
-        """Tokens that may not be sampled yet: EOS and stop tokens before `min_tokens`."""
+    def banned_tokens(self, request: Request, ahead: int = 0) -> tuple[int, ...]:
+        """Tokens that may not be sampled yet: EOS and stop tokens before `min_tokens`
+        (at the position `ahead` proposals past the request's last token)."""
         p = request.params
-        if request.num_output_tokens >= p.min_tokens:
+        if request.num_output_tokens + ahead >= p.min_tokens:
             return ()
         eos = () if p.ignore_eos else tuple(self.eos_token_ids)
         return eos + p.stop_token_ids

@@ -40,6 +40,20 @@ class PrefixCacheStats:
 
 
 @dataclass(frozen=True)
+class SpecDecodeStats:
+    """Speculative decoding totals (engine/speculative.py)."""
+
+    num_drafts: int = 0  # decode steps that verified proposals
+    num_draft_tokens: int = 0  # proposals verified
+    num_accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()  # [i]: drafts whose proposal i was accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     state: EngineState
     weights: WeightIdentity
@@ -55,6 +69,7 @@ class EngineStats:
     prefix_cache: PrefixCacheStats
     num_preemptions: int
     num_pull_fallbacks: int  # handed-over requests recomputed here
+    speculative: SpecDecodeStats | None = None  # None when speculative decoding is off
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -1,8 +1,9 @@
 """The model runner: owns the device tensors (weights, KV pool, RoPE tables) and runs a step.
 
 It turns a `SchedulerOutput` into flat input tensors and attention metadata, runs the
-forward pass, and returns the logits of the rows that sample a token. It knows nothing
-of queues or stop conditions.
+forward pass, and returns the logits of the rows that sample a token (with
+speculative decoding, every position of a chunk with a draft: its last token's and one
+per proposal). It knows nothing of queues or stop conditions.
 """
 
 from __future__ import annotations
@@ -146,8 +147,9 @@ class PreparedStep:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata | None  # None for a step replayed by a CUDA graph
-    sample_rows: torch.Tensor  # [N] rows whose logits are sampled
-    requests: list[Request]  # the request of each sample row
+    sample_rows: torch.Tensor  # [R] rows whose logits are sampled, 1 + len(draft) a request
+    requests: list[Request]  # the requests that sample, in row order
+    drafts: list[tuple[int, ...]]  # the proposals each of them verifies (mostly ())
     # Requests that want prompt logprobs: (request, first prompt position predicted,
     # the rows whose logits predict it and the positions after it).
     prompt_rows: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
@@ -158,8 +160,9 @@ class PreparedStep:
 class StepBatch:
     """What a forward pass produced: the logits of the sampling rows and their requests."""
 
-    logits: torch.Tensor  # [N, vocab] float32
+    logits: torch.Tensor  # [R, vocab] float32: 1 + len(draft) rows per request, in order
     requests: list[Request]
+    drafts: list[tuple[int, ...]]  # per request: the proposals its rows after the first verify
     # (request, first prompt position predicted, [n, vocab] logits) per prompt_rows entry
     prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
 
@@ -321,6 +324,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
+        sample_drafts: list[tuple[int, ...]] = []
         prompt_rows: list[tuple[Request, int, torch.Tensor]] = []
         for chunk in decodes + prefills:
             end = chunk.start + chunk.num_tokens
@@ -335,12 +339,17 @@ class ModelRunner:
                                  len(input_ids) + last - chunk.start)
                     prompt_rows.append((chunk.request, first, torch.tensor(
                         rows, dtype=torch.long, device=self.device)))
-            input_ids.extend(chunk.request.token_ids[chunk.start:end])
+            draft = chunk.draft
+            input_ids.extend(chunk.request.token_ids[chunk.start:end - len(draft)])
+            input_ids.extend(draft)
             positions.extend(range(chunk.start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, end))
             if chunk.samples:
-                sample_rows.append(len(input_ids) - 1)
+                # The same per-row logits the prompt-logprobs rows use: the last position
+                # samples, and with a draft so does each position before a proposal.
+                sample_rows.extend(range(len(input_ids) - 1 - len(draft), len(input_ids)))
                 sample_requests.append(chunk.request)
+                sample_drafts.append(draft)
         dev = self.device
         if (self.graphs is not None and not prefills and not prompt_rows
                 and bucket_for(len(decodes), self.graphs.sizes) is not None):
@@ -348,7 +357,7 @@ class ModelRunner:
                 input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
                 positions=torch.tensor(positions, dtype=torch.long, device=dev), meta=None,
                 sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-                requests=sample_requests, graph=DecodeInputs(
+                requests=sample_requests, drafts=sample_drafts, graph=DecodeInputs(
                     input_ids, positions, slots, [c.block_table for c in decodes],
                     [c.start + 1 for c in decodes]))
         meta = build_metadata(
@@ -367,6 +376,7 @@ class ModelRunner:
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
             requests=sample_requests,
+            drafts=sample_drafts,
             prompt_rows=prompt_rows,
         )
 
@@ -378,11 +388,12 @@ class ModelRunner:
             logits = self.graphs.run(step.graph, self.model, self.rope, self.kv_cache,
                                      self._flex_backend())
             assert logits is not None, "prepare() chose a graph that holds the step"
-            return StepBatch(logits.index_select(0, step.sample_rows), step.requests)
+            return StepBatch(logits.index_select(0, step.sample_rows), step.requests,
+                             step.drafts)
         assert step.meta is not None
         cos, sin = self.rope.lookup(step.positions)
         hidden = self.model(step.input_ids, cos, sin, self.kv_cache, step.meta)
         logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows))
         prompt_logits = [(request, first, self.model.compute_logits(hidden.index_select(0, rows)))
                          for request, first, rows in step.prompt_rows]
-        return StepBatch(logits, step.requests, prompt_logits)
+        return StepBatch(logits, step.requests, step.drafts, prompt_logits)

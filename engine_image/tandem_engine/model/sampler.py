@@ -165,6 +165,21 @@ class Sampler:
         for _ in range(draws):
             scratch.exponential_(1, generator=gen)
 
+    def seeded_state(self, request_id: str, params: SamplingParams) -> torch.Tensor | None:
+        """The state of a seeded sampled request's own generator (None for the others),
+        for `rewind`."""
+        if params.greedy or params.seed is None:
+            return None
+        return self.generator_for(request_id, params).get_state()
+
+    def rewind(self, request_id: str, params: SamplingParams, state: torch.Tensor,
+               draws: int, vocab_size: int) -> None:
+        """Put a seeded request's generator back to `state` (from `seeded_state`), then
+        past `draws` draws: a speculative step drew at positions whose tokens it did not
+        emit, and those draws belong to the request's later tokens."""
+        self.generator_for(request_id, params).set_state(state)
+        self.skip_draws(request_id, params, draws, vocab_size)
+
     @staticmethod
     def prompt_logprobs(logits: torch.Tensor, targets: list[int], top: int
                         ) -> list[dict[int, Logprob]]:

@@ -277,6 +277,15 @@ class _EngineCollector:
         yield self._steps.family("tandem_step_seconds", "Engine step time", labels, v)
         yield from self._handoff_families(labels, v)
         yield from self._device_families(labels, v)
+        if s.speculative is not None:  # only with speculative decoding on
+            spec = s.speculative
+            yield counter("tandem_spec_drafts", "Decode steps that verified proposed tokens",
+                          values=spec.num_drafts)
+            yield counter("tandem_spec_proposed_tokens", "Proposed tokens verified",
+                          values=spec.num_draft_tokens)
+            yield counter("tandem_spec_accepted_tokens", "Proposed tokens accepted, by their "
+                          "position in the draft (0 = the first proposed)", "position",
+                          {str(i): n for i, n in enumerate(spec.accepted_per_position)})
 
     def _vllm_families(self, labels: list[str], v: list[str]):
         """The names vLLM v1 exports, meaning the same here (docs/metrics.md)."""

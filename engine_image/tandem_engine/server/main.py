@@ -44,9 +44,11 @@ from tandem_engine.config import (
     KERNEL_CHOICES,
     MAX_KV_QUARANTINE_TTL_S,
     EngineConfig,
+    add_speculative_flags,
     device_arg,
     fraction_arg,
     parse_device,
+    speculative_from_flags,
 )
 from tandem_engine.lifecycle import EngineRole
 from tandem_engine.server.loading import (
@@ -147,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(ignored on CPU)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the sampler for requests that give none")
+    add_speculative_flags(p)
     p.add_argument("--weight-version", default="initial",
                    help="the version name of the weights at --model (the pool's weights.version)")
     p.add_argument("--weight-epoch", type=int, default=0,
@@ -165,7 +168,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, dtype=args.dtype, kernels=args.kernels,
         device=args.device, cuda_graphs=args.cuda_graphs, seed=args.seed,
         kv_pin_ttl_s=args.kv_pin_ttl,
-        kv_quarantine_ttl_s=args.kv_quarantine_ttl)
+        kv_quarantine_ttl_s=args.kv_quarantine_ttl,
+        speculative=speculative_from_flags(args))
     config.validate()
     if parse_device(config.device)[0] == "cuda":  # torch is imported only when a GPU is asked
         from tandem_engine.model.device import resolve_device

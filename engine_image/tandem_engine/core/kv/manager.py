@@ -107,6 +107,20 @@ class KVCacheManager:
         table.extend(self.pool.allocate(missing))
         return True
 
+    def reachable_tokens(self, request_id: str) -> int:
+        """Slots the request's table would cover if it took every free block."""
+        return (len(self._tables.get(request_id, ())) + self.pool.num_free) * self.block_size
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Shrink the request's table to the blocks that `num_tokens` slots need, freeing
+        the rest (tail first). Only for blocks past every cached one: the slots a
+        speculative step wrote for proposals that were not accepted."""
+        table = self._tables.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table is not None and len(table) > keep:
+            self.pool.free(list(reversed(table[keep:])))
+            del table[keep:]
+
     def cache_computed_blocks(self, request: CacheableRequest) -> None:
         """Register the request's newly completed blocks (prompt or generated tokens)."""
         if not self.enable_prefix_caching:

@@ -1,0 +1,187 @@
+"""Speculative decoding: proposing tokens, verifying them in one forward, backing off.
+
+Each step, before scheduling, the engine asks the proposer for up to k tokens that may
+follow each running decode (`Request.spec_token_ids`). The scheduler appends them to
+the decode's chunk when the budget and free blocks allow; the runner returns logits for
+every position of such a chunk (its last token's and one per proposal); the sampler
+draws one token per position exactly as it would without speculation, the history at
+position i including proposals 0..i-1 (penalties, `min_tokens` bans); and the longest
+prefix of proposals equal to those draws is accepted, followed by the draw at the first
+mismatch (or after the last proposal): 1..k+1 tokens per step.
+
+Why that is exact, greedy or sampled: the sampler's draw is the exponential race
+`argmax p(v) / E_v`, whose winner is distributed as p. Accepting proposal x iff the
+race picks x accepts with probability p(x), and a rejected position emits the race's
+winner, which given "not x" is distributed as p with x removed and renormalized. That
+is speculative rejection sampling with a proposal distribution q that is a point mass
+at x. Every emitted token is the draw at its own position, so its logprob is the one
+the sampler computed there. A seeded request's generator is rewound so that it has
+consumed one draw per emitted token (draws at positions after a rejection are taken
+back): its tokens are the ones it draws without speculation, whatever the batch, the
+budget or the proposals were.
+
+The n-gram proposer (prompt lookup) needs no second model. Its back-off keeps
+workloads that do not repeat themselves from paying for verification that fails: see
+`AcceptanceBackoff`.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tandem_engine.config import SpeculativeConfig
+from tandem_engine.core.request import Request
+from tandem_engine.engine.stats import SpecDecodeStats
+
+# Back-off (per request): an exponential moving average of the fraction of each
+# verified draft that was accepted, weighting the newest draft by BACKOFF_WEIGHT. When it
+# falls under BACKOFF_THRESHOLD, the request stops proposing for `pause` generated tokens,
+# then tries again with its estimate reset to BACKOFF_RETRY; each pause that follows
+# another without an accepted proposal in between doubles, up to BACKOFF_MAX_PAUSE. A
+# request whose drafts are rejected twice in a row thus pauses for 8, 16, 32, ... tokens,
+# and one with a copy-heavy stretch later comes back to proposing within its pause.
+BACKOFF_WEIGHT = 0.5
+BACKOFF_THRESHOLD = 0.3
+BACKOFF_RETRY = 0.5
+BACKOFF_FIRST_PAUSE = 8
+BACKOFF_MAX_PAUSE = 256
+
+
+def propose_ngram(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Prompt lookup: the up-to-`k` tokens that followed the most recent earlier
+    occurrence of the last n tokens of `tokens`, trying n from `n_max` down to `n_min`;
+    [] when none occurs (or k < 1)."""
+    size = len(tokens)
+    if k < 1 or size < 2:
+        return []
+    # Token ids as 4-byte words, so the search runs in bytes.rfind (C speed); a hit must
+    # start on a word boundary.
+    words = array("i", tokens).tobytes()
+    width = array("i").itemsize
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        pattern = words[(size - n) * width:]
+        end = (size - 1) * width  # an earlier occurrence ends before the last token
+        while True:
+            at = words.rfind(pattern, 0, end)
+            if at < 0:
+                break
+            if at % width == 0:
+                start = at // width + n
+                return list(tokens[start:start + k])
+            end = at + len(pattern) - 1
+    return []
+
+
+def accepted_length(draft: Sequence[int], drawn: Sequence[int]) -> int:
+    """How many leading proposals equal the target's own draw at their position
+    (`drawn` has one token per verified position: len(draft) + 1)."""
+    accepted = 0
+    while accepted < len(draft) and drawn[accepted] == draft[accepted]:
+        accepted += 1
+    return accepted
+
+
+@dataclass(frozen=True)
+class DraftedHistory:
+    """A request's tokens as if its first proposals were accepted: what the penalties
+    see at a verified position (`model.sampler.TokenHistory`)."""
+
+    request: Request
+    draft: tuple[int, ...]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids + list(self.draft)
+
+
+@dataclass
+class AcceptanceBackoff:
+    """One request's recent acceptance and whether it may propose now (module docstring:
+    the BACKOFF_* constants)."""
+
+    rate: float = 1.0
+    pause: int = BACKOFF_FIRST_PAUSE
+    resume_at: int = 0  # the request's output-token count from which it proposes again
+
+    def allows(self, num_output_tokens: int) -> bool:
+        return num_output_tokens >= self.resume_at
+
+    def observe(self, proposed: int, accepted: int, num_output_tokens: int) -> None:
+        if accepted:
+            self.pause = BACKOFF_FIRST_PAUSE
+        self.rate += BACKOFF_WEIGHT * (accepted / proposed - self.rate)
+        if self.rate < BACKOFF_THRESHOLD:
+            self.resume_at = num_output_tokens + self.pause
+            self.pause = min(2 * self.pause, BACKOFF_MAX_PAUSE)
+            self.rate = BACKOFF_RETRY
+
+
+class Proposer(Protocol):
+    """What the engine needs of a proposal method ("ngram" now; a draft model or MTP heads
+    would propose for the whole batch from the step's hidden states)."""
+
+    def propose(self, request: Request, limit: int) -> list[int]: ...
+
+    def observe(self, request: Request, proposed: int, accepted: int) -> None: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self._backoff: dict[str, AcceptanceBackoff] = {}
+
+    def propose(self, request: Request, limit: int) -> list[int]:
+        """Up to min(k, `limit`) tokens to verify after the request's last token."""
+        k = min(self.config.num_speculative_tokens, limit)
+        backoff = self._backoff.get(request.request_id)
+        if k < 1 or (backoff is not None and not backoff.allows(request.num_output_tokens)):
+            return []
+        return propose_ngram(request.token_ids, k, self.config.prompt_lookup_min,
+                             self.config.prompt_lookup_max)
+
+    def observe(self, request: Request, proposed: int, accepted: int) -> None:
+        backoff = self._backoff.setdefault(request.request_id, AcceptanceBackoff())
+        backoff.observe(proposed, accepted, request.num_output_tokens)
+
+    def forget(self, request_id: str) -> None:
+        self._backoff.pop(request_id, None)
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "ngram":
+        return NgramProposer(config)
+    raise ValueError(f"speculative method {config.method!r} has no proposer")
+
+
+@dataclass
+class SpecDecodeCounters:
+    """Totals since the engine started (published in `EngineStats.speculative`)."""
+
+    num_drafts: int = 0  # decode steps that verified proposals
+    num_draft_tokens: int = 0  # proposals verified
+    num_accepted_tokens: int = 0
+    # accepted_per_position[i]: drafts whose proposal i was accepted
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < proposed:
+            self.accepted_per_position.extend(
+                [0] * (proposed - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def snapshot(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               tuple(self.accepted_per_position))
