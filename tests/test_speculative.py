@@ -32,6 +32,7 @@ from tandem_engine.engine.speculative import (
 )
 from tandem_engine.sampling_params import SamplingParams
 from test_scheduler import _check_invariants
+from test_scheduler import ops as scheduler_ops
 
 VOCAB = 2048  # the demo tokenizer's
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -171,14 +172,7 @@ def _spec_step(sched: Scheduler, rng: random.Random) -> list[Request]:
     return done
 
 
-spec_ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12)),
-        st.tuples(st.just("step"), st.integers(1, 4), st.integers(0, 0)),
-        st.tuples(st.just("abort"), st.integers(0, 30), st.integers(0, 0)),
-    ),
-    max_size=60,
-)
+spec_ops = scheduler_ops  # the scheduler's own mixes, now with drafts
 
 
 @settings(max_examples=150, deadline=None)
