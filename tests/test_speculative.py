@@ -264,7 +264,10 @@ class OracleProposer:
                  wrong_every: int = 3) -> None:
         self.reference, self.k, self.wrong_every, self.calls = reference, k, wrong_every, 0
 
-    def propose(self, request: Request, limit: int) -> list[int]:
+    def propose(self, requests: list[Request], limits: list[int]) -> list[list[int]]:
+        return [self.propose_one(r, limit) for r, limit in zip(requests, limits, strict=True)]
+
+    def propose_one(self, request: Request, limit: int) -> list[int]:
         ref = self.reference.get(tuple(request.prompt_token_ids), [])
         n = request.num_output_tokens
         draft = list(ref[n:n + min(self.k, limit)])

@@ -291,8 +291,9 @@ def fraction_arg(value: str) -> float:
 
 
 def add_speculative_flags(parser: argparse.ArgumentParser, whose: str = "") -> None:
-    """--speculative-method, --speculative-tokens and --speculative-ngram-min/-max, as
-    `tandem-engine`, `tandem generate` and `tandem serve` take them (off by default)."""
+    """--speculative-method, --speculative-tokens, --speculative-ngram-min/-max and
+    --speculative-model, as `tandem-engine`, `tandem generate` and `tandem serve` take them
+    (off by default)."""
     parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                         help=f"{whose}speculative decoding: propose tokens by this method "
                         "and verify them all in one forward (ngram: prompt lookup in the "
@@ -306,6 +307,9 @@ def add_speculative_flags(parser: argparse.ArgumentParser, whose: str = "") -> N
     parser.add_argument("--speculative-ngram-max", type=int, default=DEFAULT_PROMPT_LOOKUP_MAX,
                         metavar="N", help="ngram: longest suffix looked up first "
                         "(default %(default)s)")
+    parser.add_argument("--speculative-model", default=None, metavar="PATH",
+                        help="draft: the draft checkpoint (a folder or GGUF file with the "
+                        "served model's tokenizer)")
 
 
 def speculative_from_flags(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -314,7 +318,8 @@ def speculative_from_flags(args: argparse.Namespace) -> SpeculativeConfig | None
     if args.speculative_method is None:
         return None
     config = SpeculativeConfig(args.speculative_method, args.speculative_tokens,
-                               args.speculative_ngram_min, args.speculative_ngram_max)
+                               args.speculative_ngram_min, args.speculative_ngram_max,
+                               args.speculative_model)
     config.validate()
     return config
 
@@ -324,10 +329,13 @@ def speculative_flags(args: argparse.Namespace) -> list[str]:
     here first, so a bad value fails before any engine starts."""
     if speculative_from_flags(args) is None:
         return []
-    return ["--speculative-method", args.speculative_method,
-            "--speculative-tokens", str(args.speculative_tokens),
-            "--speculative-ngram-min", str(args.speculative_ngram_min),
-            "--speculative-ngram-max", str(args.speculative_ngram_max)]
+    flags = ["--speculative-method", args.speculative_method,
+             "--speculative-tokens", str(args.speculative_tokens),
+             "--speculative-ngram-min", str(args.speculative_ngram_min),
+             "--speculative-ngram-max", str(args.speculative_ngram_max)]
+    if args.speculative_model is not None:
+        flags += ["--speculative-model", args.speculative_model]
+    return flags
 
 
 def normalize_dtype(value: Any, source: str, key: str = "dtype") -> str:
@@ -389,12 +397,15 @@ class SpeculativeConfig:
     `method` names the proposer; "ngram" (prompt lookup) is the one built: the tokens
     that followed the most recent earlier occurrence of the request's last n tokens
     (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and
-    output. Methods that need a second model ("draft", "mtp") will add their fields."""
+    output. "draft" proposes with a small checkpoint of the same tokenizer, `model` (a
+    folder or GGUF file); "mtp" with the multi-token-prediction heads of the served
+    checkpoint itself."""
 
     method: str = "ngram"
     num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    model: str | None = None  # method "draft": the draft checkpoint
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
@@ -417,8 +428,14 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative option {name}={value!r} is invalid: {limit}")
 
         check(self.method in SPECULATIVE_METHODS, "method", self.method,
-              f"use one of {', '.join(SPECULATIVE_METHODS)} (draft-model and MTP proposers "
-              "are not built yet)")
+              f"use one of {', '.join(SPECULATIVE_METHODS)}")
+        if self.method == "draft":
+            check(bool(self.model), "model", self.model,
+                  "method draft needs the draft checkpoint: give model=PATH "
+                  "(--speculative-model)")
+        else:
+            check(self.model is None, "model", self.model,
+                  f"only method draft reads a second checkpoint; drop it for {self.method}")
         check(_is_int(self.num_speculative_tokens)
               and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
               "num_speculative_tokens", self.num_speculative_tokens,

@@ -80,6 +80,9 @@ class Request:
     # of it until the model verifies them). Set by the engine before each schedule,
     # dropped whenever the request's KV is (preemption, suspend).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Totals over its life: proposals verified for it, and how many of them were accepted.
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -445,8 +445,12 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Give every running decode its proposals for this step (none past its
-        max_tokens or the context: a step emits at most proposals + 1 tokens)."""
+        max_tokens or the context: a step emits at most proposals + 1 tokens). The
+        proposer sees the step's candidates together (a draft model proposes for all of
+        them in one batch)."""
         assert self.proposer is not None
+        candidates: list[Request] = []
+        limits: list[int] = []
         for request in self.scheduler.running:
             request.spec_token_ids = []
             if (request.num_tokens - request.num_computed_tokens != 1
@@ -454,7 +458,13 @@ class LLMEngine:
                 continue
             limit = min(request.params.max_tokens - request.num_output_tokens,
                         self.max_model_len - request.num_tokens) - 1
-            request.spec_token_ids = self.proposer.propose(request, limit)
+            if limit >= 1:
+                candidates.append(request)
+                limits.append(limit)
+        if candidates:
+            for request, draft in zip(candidates, self.proposer.propose(candidates, limits),
+                                      strict=True):
+                request.spec_token_ids = draft
 
     def _sample(self, batch: StepBatch) -> tuple[SampleResult, dict[str, torch.Tensor]]:
         """One token per logits row. A request verifying a draft has one row per position,
@@ -499,6 +509,8 @@ class LLMEngine:
             assert self.proposer is not None
             self.proposer.observe(request, len(draft), n - 1)
             self.spec_counters.record(len(draft), n - 1)
+            request.num_spec_proposed += len(draft)
+            request.num_spec_accepted += n - 1
         segments = request.epoch_segments
         if not segments or segments[-1][0] != self.weight_epoch:
             segments.append((self.weight_epoch, request.num_output_tokens))

@@ -115,4 +115,6 @@ class OutputProcessor:
                              epoch_segments=list(request.epoch_segments),
                              pinned_blocks=request.pinned_blocks,
                              prompt_logprobs=request.prompt_logprobs,
-                             num_cached_tokens=max(request.num_cached_tokens, 0))
+                             num_cached_tokens=max(request.num_cached_tokens, 0),
+                             num_spec_proposed=request.num_spec_proposed,
+                             num_spec_accepted=request.num_spec_accepted)

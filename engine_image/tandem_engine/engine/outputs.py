@@ -39,6 +39,9 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    # Speculative decoding, so far: proposals verified for this request, and accepted.
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
 
 @dataclass(frozen=True)

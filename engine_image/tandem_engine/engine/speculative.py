@@ -124,10 +124,12 @@ class AcceptanceBackoff:
 
 
 class Proposer(Protocol):
-    """What the engine needs of a proposal method ("ngram" now; a draft model or MTP heads
-    would propose for the whole batch from the step's hidden states)."""
+    """What the engine needs of a proposal method. `propose` gets the step's candidate
+    decodes together (each has exactly one token not yet computed: its last) with the
+    most each may propose (>= 1); it returns one list per request, [] for none. A
+    method with a model of its own proposes for all of them in one batch."""
 
-    def propose(self, request: Request, limit: int) -> list[int]: ...
+    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]: ...
 
     def observe(self, request: Request, proposed: int, accepted: int) -> None: ...
 
@@ -139,7 +141,11 @@ class NgramProposer:
         self.config = config
         self._backoff: dict[str, AcceptanceBackoff] = {}
 
-    def propose(self, request: Request, limit: int) -> list[int]:
+    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        return [self.propose_one(request, limit)
+                for request, limit in zip(requests, limits, strict=True)]
+
+    def propose_one(self, request: Request, limit: int) -> list[int]:
         """Up to min(k, `limit`) tokens to verify after the request's last token."""
         k = min(self.config.num_speculative_tokens, limit)
         backoff = self._backoff.get(request.request_id)
