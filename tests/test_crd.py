@@ -25,11 +25,23 @@ from tandem_engine.config import (
     DEFAULT_KV_PIN_TTL_S,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PROMPT_LOOKUP_MAX,
+    DEFAULT_PROMPT_LOOKUP_MIN,
+    DEFAULT_SPECULATIVE_TOKENS,
     DEFAULT_THREADS,
+    MAX_PROMPT_LOOKUP,
+    MAX_SPECULATIVE_TOKENS,
 )
 from tandem_engine.fleet.transaction import Phase
 from tandem_engine.refit_policy import DEFAULT_DRAIN_TIMEOUT_S, InFlight, OnFailure, RefitStrategy
-from tandem_operator.spec import DEFAULT_STARTUP_TIMEOUT_S, ENGINE_IMAGE_ENV, EngineDevice
+from tandem_operator.spec import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    ENGINE_IMAGE_ENV,
+    EngineDevice,
+    PoolSpec,
+    SpecError,
+    SpeculativeMethod,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_PATH = ROOT / "crds" / "inferencepools.tandem.dev.yaml"
@@ -313,7 +325,7 @@ def all_cel_rules() -> list[dict[str, str]]:
 
 def test_every_cel_rule_compiles():
     rules = [rule["rule"] for rule in all_cel_rules()]
-    assert len(rules) == 11
+    assert len(rules) == 17
     for rule in rules:
         CEL_ENV.compile(rule)
 
@@ -398,9 +410,11 @@ OWNED_DEFAULTS = [
     ("spec.refit.strategy", RefitStrategy.ROLLING.value),
     ("spec.refit.inflight", InFlight.DRAIN.value),
     ("spec.refit.onFailure", OnFailure.ROLLBACK.value),
+    ("spec.engine.speculative.numSpeculativeTokens", DEFAULT_SPECULATIVE_TOKENS),
 ]
 OWNED_ENUMS = [
     ("spec.engine.device", EngineDevice),
+    ("spec.engine.speculative.method", SpeculativeMethod),
     ("spec.refit.strategy", RefitStrategy),
     ("spec.refit.inflight", InFlight),
     ("spec.refit.onFailure", OnFailure),
@@ -421,6 +435,29 @@ def test_engine_image_is_the_operators():
     node = schema_node("spec.engine.image")
     assert "default" not in node
     assert ENGINE_IMAGE_ENV in node["description"]
+
+
+# The engine's limits (SpeculativeConfig.validate), stated again as the schema's bounds.
+OWNED_LIMITS = [
+    ("spec.engine.speculative.numSpeculativeTokens", 1, MAX_SPECULATIVE_TOKENS),
+    ("spec.engine.speculative.promptLookupMin", 1, MAX_PROMPT_LOOKUP),
+    ("spec.engine.speculative.promptLookupMax", 1, MAX_PROMPT_LOOKUP),
+]
+
+
+@pytest.mark.parametrize(("path", "low", "high"), OWNED_LIMITS, ids=[p for p, *_ in OWNED_LIMITS])
+def test_crd_limits_are_the_engines(path: str, low: int, high: int):
+    node = schema_node(path)
+    assert (node["minimum"], node["maximum"]) == (low, high)
+
+
+def test_the_prompt_lookup_rule_uses_the_engines_defaults():
+    """The CEL rule comparing promptLookupMin and promptLookupMax fills in the defaults the
+    schema cannot set (they are refused for methods other than Ngram)."""
+    (rule,) = [r["rule"] for r in schema_node("spec.engine.speculative")[
+        "x-kubernetes-validations"] if "<=" in r["rule"]]
+    assert f": {DEFAULT_PROMPT_LOOKUP_MIN})" in rule
+    assert f": {DEFAULT_PROMPT_LOOKUP_MAX})" in rule
 
 
 @pytest.mark.parametrize(("path", "kind"), OWNED_ENUMS, ids=[p for p, _ in OWNED_ENUMS])
@@ -565,6 +602,24 @@ SCHEMA_REJECTS = [
      "spec.router.tolerations[0].operator", "is not one of"),
     ({"router": {"nodeSelector": {f"k{i}": "v" for i in range(33)}}},
      "spec.router.nodeSelector", "too many properties"),
+    # speculative decoding: the engine's limits, a method named
+    ({"engine": {"speculative": {"method": "Ngram", "numSpeculativeTokens": 17}}},
+     "spec.engine.speculative.numSpeculativeTokens", "maximum of 16"),
+    ({"engine": {"speculative": {"method": "Ngram", "numSpeculativeTokens": 0}}},
+     "spec.engine.speculative.numSpeculativeTokens", "minimum of 1"),
+    ({"engine": {"speculative": {"method": "Ngram", "promptLookupMax": 65}}},
+     "spec.engine.speculative.promptLookupMax", "maximum of 64"),
+    ({"engine": {"speculative": {"method": "ngram"}}},
+     "spec.engine.speculative.method", "is not one of"),
+    ({"engine": {"speculative": {"numSpeculativeTokens": 4}}},
+     "spec.engine.speculative", "'method' is a required property"),
+    ({"engine": {"speculative": {"method": "Ngram", "temperature": 1}}},
+     "spec.engine.speculative", "'temperature' was unexpected"),
+    ({"model": {"weights": {"draft": {}}}, "engine": {"speculative": {"method": "Draft"}}},
+     "spec.model.weights.draft", "'uri' is a required property"),
+    ({"model": {"weights": {"draft": {"uri": "file://"}}},
+      "engine": {"speculative": {"method": "Draft"}}},
+     "spec.model.weights.draft.uri", "is too short"),
 ]
 
 
@@ -600,6 +655,12 @@ def test_schema_accepts_what_it_should():
                     "tolerations": [{"key": "cpu", "operator": "Exists"}]}},
         {"prefill": {"replicas": 0}, "decode": {"replicas": 1}},
         {"rollout": {"maxSurge": 0, "maxUnavailable": 1}},
+        {"engine": {"speculative": {"method": "Ngram"}}},
+        {"engine": {"speculative": {"method": "Ngram", "numSpeculativeTokens": 16,
+                                    "promptLookupMin": 1, "promptLookupMax": 64}}},
+        {"engine": {"speculative": {"method": "MTP", "numSpeculativeTokens": 2}}},
+        {"engine": {"speculative": {"method": "Draft"}, "args": ["--kernels", "torch"]},
+         "model": {"weights": {"draft": {"uri": "file:///models/demo-draft"}}}},
         {"engine": {"volumes": [{"name": "models", "emptyDir": {}}],
                     "initContainers": [{"name": "pull", "image": "busybox:1", "command": ["sh"],
                                         "args": ["-c", "true"],
@@ -663,6 +724,27 @@ def test_status_is_bounded_too():
 VALUE_FROM_ONE_SOURCE = (
     "env valueFrom needs exactly one of fieldRef, secretKeyRef, configMapKeyRef, resourceFieldRef"
 )
+DRAFT_NEEDED = ("engine.speculative.method Draft needs model.weights.draft.uri, the draft "
+                "checkpoint")
+DRAFT_UNREAD = ("model.weights.draft is read only by engine.speculative.method Draft; remove "
+                "it or set that method")
+LOOKUP_NGRAM_ONLY = ("speculative.promptLookupMin and promptLookupMax apply to method Ngram "
+                     "only; remove them")
+LOOKUP_ORDER = ("speculative.promptLookupMax must be at least promptLookupMin (defaults 2 and "
+                "4): raise it or lower promptLookupMin")
+SPECULATIVE_ARGS = ("engine.args must not set --speculative-* flags: set engine.speculative "
+                    "(and model.weights.draft for the draft checkpoint) instead")
+# What the operator's own parser says for the same specs (it re-checks every CEL rule).
+SPEC_PY_SAYS = {
+    DRAFT_NEEDED: DRAFT_NEEDED,
+    DRAFT_UNREAD: DRAFT_UNREAD,
+    "weights.draft.uri must be a file:// URI": r"spec\.model\.weights\.draft\.uri .*file://",
+    LOOKUP_NGRAM_ONLY: r"spec\.engine\.speculative\.promptLookupMin applies to method Ngram "
+                       r"only \(prompt lookup\); remove it for method Draft",
+    LOOKUP_ORDER: r"spec\.engine\.speculative\.promptLookupMax = \d is below promptLookupMin",
+    SPECULATIVE_ARGS: r"spec\.engine\.args\[2\] '--speculative-tokens=8': the operator "
+                      r"renders the --speculative-\* flags from spec\.engine\.speculative",
+}
 CEL_REJECTS = [
     ({"prefill": {"replicas": 2}, "decode": {"replicas": 0}},
      "spec.decode.replicas", "decode.replicas must be at least 1 when prefill.replicas > 0"),
@@ -694,6 +776,26 @@ CEL_REJECTS = [
      "spec.pod.labels", "pod.labels must not set the operator's own labels"),
     ({"pod": {"annotations": {"prometheus.io/port": "1"}}},
      "spec.pod.annotations", "pod.annotations must not set the operator's own annotations"),
+    ({"engine": {"speculative": {"method": "Draft"}}},
+     "spec.model.weights", DRAFT_NEEDED),
+    ({"model": {"weights": {"draft": {"uri": "file:///models/draft"}}}},
+     "spec.model.weights.draft", DRAFT_UNREAD),
+    ({"model": {"weights": {"draft": {"uri": "file:///models/draft"}}},
+      "engine": {"speculative": {"method": "MTP"}}},
+     "spec.model.weights.draft", DRAFT_UNREAD),
+    ({"model": {"weights": {"draft": {"uri": "/models/draft"}}},
+      "engine": {"speculative": {"method": "Draft"}}},
+     "spec.model.weights.draft.uri", "weights.draft.uri must be a file:// URI"),
+    ({"engine": {"speculative": {"method": "Draft", "promptLookupMin": 3}},
+      "model": {"weights": {"draft": {"uri": "file:///models/draft"}}}},
+     "spec.engine.speculative", LOOKUP_NGRAM_ONLY),
+    ({"engine": {"speculative": {"method": "Ngram", "promptLookupMin": 5,
+                                 "promptLookupMax": 3}}},
+     "spec.engine.speculative.promptLookupMax", LOOKUP_ORDER),
+    ({"engine": {"speculative": {"method": "Ngram", "promptLookupMax": 1}}},  # min's default 2
+     "spec.engine.speculative.promptLookupMax", LOOKUP_ORDER),
+    ({"engine": {"args": ["--kernels", "torch", "--speculative-tokens=8"]}},
+     "spec.engine.args", SPECULATIVE_ARGS),
 ]
 
 
@@ -716,3 +818,34 @@ def test_cel_rules_see_defaults():
     assert [m for _, m in validate(minimal_pool(rollout={"maxSurge": 0}))] == [
         "rollout.maxSurge and rollout.maxUnavailable must not both be 0",
     ]
+
+
+@pytest.mark.parametrize(("patch", "field", "message"),
+                         [c for c in CEL_REJECTS if c[2] in SPEC_PY_SAYS])
+def test_the_operator_refuses_what_the_speculative_rules_refuse(
+        patch: dict[str, Any], field: str, message: str):
+    """spec.py states the speculative rules again (an API server that skipped them must not
+    make the operator act): the same specs are refused, naming the field and the fix."""
+    with pytest.raises(SpecError, match=SPEC_PY_SAYS[message]):
+        PoolSpec.from_body(minimal_pool(**patch))
+
+
+@pytest.mark.parametrize(("patch", "field", "message"),
+                         [c for c in SCHEMA_REJECTS if (".speculative" in c[1]
+                          or ".draft" in c[1]) and "unexpected" not in c[2]])
+def test_the_operator_refuses_what_the_speculative_schema_refuses(
+        patch: dict[str, Any], field: str, message: str):
+    with pytest.raises(SpecError, match=re.escape(field.removesuffix("[0]"))):
+        PoolSpec.from_body(minimal_pool(**patch))
+
+
+def test_speculative_specs_the_schema_accepts_parse_to_the_same_values():
+    spec = apply_defaults(SCHEMA, minimal_pool(engine={"speculative": {"method": "MTP"}}))
+    assert validate(spec) == []
+    assert spec["spec"]["engine"]["speculative"] == {"method": "MTP",
+                                                    "numSpeculativeTokens": 4}
+    parsed = PoolSpec.from_body(spec).engine.speculative
+    undefaulted = PoolSpec.from_body(minimal_pool(engine={"speculative": {"method": "MTP"}}))
+    assert parsed == undefaulted.engine.speculative
+    assert parsed is not None and parsed.method is SpeculativeMethod.MTP
+    assert parsed.num_speculative_tokens == DEFAULT_SPECULATIVE_TOKENS

@@ -6,10 +6,13 @@ trip through the operator's status. No I/O, no sockets: milliseconds."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+from typing import Any
 
 import pytest
+from tandem_engine.fleet.orchestrator import advance, new_transaction, refit_body
 from tandem_engine.fleet.transaction import (
     Act,
     EngineObs,
@@ -317,7 +320,8 @@ def test_transaction_round_trips_through_a_json_status() -> None:
                               "prefill-0": EngineRecord("verify", 125.0, "v2", None, True)},
                      canary={"v2": [5, 6, 7, 8]},
                      failure=Failure("decode-0", "POST /v1/refit", "HTTP 422: bad"),
-                     rollback_epoch=None)
+                     rollback_epoch=None, target_draft="file:///drafts/v2",
+                     previous_draft="file:///drafts/v1")
     record = tx.to_dict()
     # Plain strings, the CRD's CamelCase words, whatever serialises the status.
     assert [type(record[k]) for k in ("phase", "strategy", "inflight", "on_failure")] == [str] * 4
@@ -373,3 +377,52 @@ def test_the_unavailable_window_adds_up_the_time_no_engine_served() -> None:
         _track_window(tx, [engine], now)
     assert tx.unavailable_seconds == (14.0 - 11.0) + (20.5 - 20.0) and tx.dark_since is None
     assert Transaction.from_dict(tx.to_dict()).unavailable_seconds == 3.5
+
+
+# ---- the refit call: the draft checkpoint travels with the weights ------------------------------
+
+D1, D2 = "file:///drafts/v1", "file:///drafts/v2"
+
+
+class RecordingAdmin:
+    """The admin client as `advance` uses it: every call recorded, every call answered."""
+
+    refit_timeout = 600.0
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, dict[str, Any] | None]] = []
+
+    async def call(self, name: str, url: str, path: str, body: dict[str, Any] | None = None,
+                   timeout: float | None = None) -> dict[str, Any]:
+        self.calls.append((name, path, body))
+        return {}
+
+
+@pytest.mark.parametrize(("phase", "on", "goal", "epoch", "draft"), [
+    (Phase.PROGRESSING, "v1", V2, 2, D2),
+    (Phase.ROLLING_BACK, "v2", V1, 3, D1),  # the rollback reloads the previous draft
+])
+def test_the_refit_body_carries_the_goals_draft(phase: Phase, on: str, goal: WeightsRef,
+                                                 epoch: int, draft: str) -> None:
+    tx = tx_for(phase=phase, rollback_epoch=3, started_at=NOW, low_memory=True,
+                target_draft=D2, previous_draft=D1)
+    tx.engines["decode-0"] = EngineRecord(since=NOW)
+    admin = RecordingAdmin()
+    asyncio.run(advance(tx, [engine("decode-0", "decode", "SUSPENDED", on)], admin, NOW))
+    assert admin.calls == [("decode-0", "/v1/refit", {
+        "uri": goal.uri, "version": goal.version, "epoch": epoch, "low_memory": True,
+        "draft_uri": draft})]
+
+
+def test_a_refit_without_a_draft_sends_the_body_it_always_did() -> None:
+    assert refit_body(tx_for(), V2) == {"uri": V2.uri, "version": "v2", "epoch": 2,
+                                       "low_memory": False}
+    # A rollback to weights that had no draft names none either.
+    back = tx_for(phase=Phase.ROLLING_BACK, rollback_epoch=3, target_draft=D2)
+    assert "draft_uri" not in refit_body(back, V1)
+    assert back.goal_draft is None and tx_for(target_draft=D2).goal_draft == D2
+
+
+def test_a_local_transaction_may_name_the_drafts() -> None:
+    tx = new_transaction(V2, pool(1, 1), target_draft=D2, previous_draft=D1)
+    assert (tx.target_draft, tx.previous_draft, tx.goal_draft) == (D2, D1, D2)

@@ -3,7 +3,8 @@
 One real engine process on the tiny model, requests over its ZMQ socket, `/metrics` scraped
 over HTTP on both of its ports and parsed with prometheus_client's own parser: the
 vLLM-compatible names with the served model name, token and request counts equal to what
-the requests used, latency histograms counting every request, no `_created` series. And the
+the requests used, latency histograms counting every request, no `_created` series;
+speculative decoding's counters (in process, on an engine with and without it). And the
 operator's per-pool engine gauge (a pure function of spec and observation) and its
 Kubernetes API error counter.
 """
@@ -112,6 +113,55 @@ def test_engine_exports_the_vllm_contract(engine: EngineProcess) -> None:
     # Both ports serve the one registry.
     admin = scrape(engine.admin_port)
     assert value(admin, "vllm:prompt_tokens_total") == sum(map(len, prompts))
+
+
+def test_speculative_decoding_metrics_under_vllm_names(tiny_llama: Path) -> None:
+    """With speculation on: vLLM's spec_decode counters equal the engine's totals, and
+    decode steps are counted and timed by whether they verified proposals; with it off,
+    none of them is exported."""
+    from fastapi.testclient import TestClient
+    from reference import random_prompts
+    from tandem_engine import LLM, SamplingParams
+    from tandem_engine.engine.stats import StepTiming
+    from tandem_engine.server.admin import build_admin_app
+    from tandem_engine.server.control import EngineControl
+    from tandem_engine.server.worker import EngineWorker
+
+    def step(decode_tokens: int, seconds: float) -> StepTiming:
+        return StepTiming(1, 0 if decode_tokens else 8, decode_tokens, 0.0, 0.0, seconds,
+                          0.0, 0.0)
+
+    def scrape(llm: LLM, steps: bool = False) -> list[Sample]:
+        worker = EngineWorker(llm.engine, engine_id="e0", model_name=SERVED)
+        if steps:
+            worker.stats.observe_spec_steps([step(5, 0.03)], verified=True)
+            worker.stats.observe_spec_steps([step(1, 0.01), step(0, 0.5)], verified=False)
+        text = TestClient(build_admin_app(EngineControl(worker))).get("/metrics").text
+        return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+    unit = random_prompts(2048, [9], seed=1)[0]
+    spec = LLM(tiny_llama, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec.generate([unit * 4, unit * 3], SamplingParams(
+        max_tokens=32, temperature=0.0, ignore_eos=True, repetition_penalty=0.01))
+    stats = spec.engine.stats.speculative
+    assert stats.num_accepted_tokens > 0, "no proposal accepted: the test proves nothing"
+    samples = scrape(spec, steps=True)
+    assert value(samples, "vllm:spec_decode_num_drafts_total") == stats.num_drafts
+    assert value(samples, "vllm:spec_decode_num_draft_tokens_total") == stats.num_draft_tokens
+    assert value(samples, "vllm:spec_decode_num_accepted_tokens_total") \
+        == stats.num_accepted_tokens
+    by_position = {s.labels["position"]: s.value for s in samples
+                   if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert by_position == {str(i): n for i, n in enumerate(stats.accepted_per_position)}
+    # A step without decode tokens (a prefill) is neither kind.
+    assert value(samples, "tandem_spec_decode_steps_total", kind="verify") == 1
+    assert value(samples, "tandem_spec_decode_steps_total", kind="plain") == 1
+    assert value(samples, "tandem_spec_decode_step_seconds_total", kind="verify") \
+        == pytest.approx(0.03)
+    assert value(samples, "tandem_spec_decode_step_seconds_total", kind="plain") \
+        == pytest.approx(0.01)
+    plain = scrape(LLM(tiny_llama))
+    assert not [s.name for s in plain if "spec_decode" in s.name]
 
 
 class _FailingClient:

@@ -416,6 +416,11 @@ def test_the_template_hash_is_stable_across_processes() -> None:
     ({"prefill": {"replicas": 0}}, {"decode"}),  # decode engines now run mixed
     ({"model": {"name": "other", "weights": {"uri": "file:///models/llama", "version": "v1"}}},
      {"prefill", "decode", "router"}),
+    ({"engine": {"speculative": {"method": "Ngram"}}}, {"prefill", "decode"}),
+    ({"engine": {"speculative": {"method": "Draft"}},
+      "model": {"name": "llama", "weights": {"uri": "file:///models/llama", "version": "v1",
+                                             "draft": {"uri": "file:///models/draft"}}}},
+     {"prefill", "decode"}),
     # Not part of any pod template: weights (refit in place), counts, rollout, drain timeout.
     ({"model": {"name": "llama", "weights": {"uri": "file:///models/v2", "version": "v2"}}},
      set()),
@@ -557,3 +562,157 @@ def test_drift_patches_only_managed_fields() -> None:
     role = m.router_role(before)
     role["rules"] = []
     assert m.drift_patch(m.router_role(before), role) == {"rules": m.router_role(before)["rules"]}
+
+
+# ---- speculative decoding -----------------------------------------------------------------------
+
+DRAFT_WEIGHTS = {"uri": "file:///models/llama", "version": "v1",
+                 "draft": {"uri": "file:///models/llama-draft/v1"}}
+
+
+def _flags(args: list[str]) -> dict[str, str]:
+    """The --speculative-* flags of a command line, flag -> value."""
+    return {a: args[i + 1] for i, a in enumerate(args) if a.startswith("--speculative")}
+
+
+@pytest.mark.parametrize(("speculative", "weights", "flags"), [
+    ({"method": "Ngram"}, None,
+     {"--speculative-method": "ngram", "--speculative-tokens": "4",
+      "--speculative-ngram-min": "2", "--speculative-ngram-max": "4"}),
+    ({"method": "Ngram", "numSpeculativeTokens": 8, "promptLookupMin": 1,
+      "promptLookupMax": 6}, None,
+     {"--speculative-method": "ngram", "--speculative-tokens": "8",
+      "--speculative-ngram-min": "1", "--speculative-ngram-max": "6"}),
+    ({"method": "MTP", "numSpeculativeTokens": 3}, None,
+     {"--speculative-method": "mtp", "--speculative-tokens": "3"}),
+    ({"method": "Draft"}, DRAFT_WEIGHTS,
+     {"--speculative-method": "draft", "--speculative-tokens": "4",
+      "--speculative-model": "/models/llama-draft/v1"}),
+])
+def test_speculative_flags_on_every_engine(speculative: dict[str, Any],
+                                           weights: dict[str, Any] | None,
+                                           flags: dict[str, str]) -> None:
+    """Prefill engines get the flags too (they never speculate: uniform pods); the router
+    none. The flags come among the operator's own, before spec.engine.args."""
+    model = {"name": "llama", "weights": weights} if weights else None
+    s = parse(engine={"speculative": speculative, "args": ["--seed", "3"]},
+              **({"model": model} if model else {}))
+    for group in ("prefill", "decode"):
+        args = container(m.pod(s, group, s.weights))["args"]
+        assert _flags(args) == flags
+        assert args[-2:] == ["--seed", "3"]
+        assert args.index("--kv-pin-ttl") < args.index("--speculative-method") < args.index(
+            "--seed")
+    assert _flags(container(m.pod(s, "router", s.weights))["args"]) == {}
+    assert _flags(container(m.pod(parse(), "decode", s.weights))["args"]) == {}
+
+
+def test_the_draft_checkpoint_is_annotated_and_its_mount_may_be_refit_from() -> None:
+    volumes = [{"name": "models", "persistentVolumeClaim": {"claimName": "llama"}},
+               {"name": "drafts", "persistentVolumeClaim": {"claimName": "drafts"}}]
+    mounts = [{"name": "models", "mountPath": "/models"},
+              {"name": "drafts", "mountPath": "/drafts"}]
+    weights = {**DRAFT_WEIGHTS, "draft": {"uri": "file:///drafts/llama/v1"}}
+    s = parse(model={"name": "llama", "weights": weights},
+              engine={"speculative": {"method": "Draft"}, "volumes": volumes,
+                      "volumeMounts": mounts})
+    assert s.draft_uri == "file:///drafts/llama/v1"
+    pod = m.pod(s, "decode", s.weights)
+    args = container(pod)["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--weights-root"] == [
+        "/models", "/drafts"]
+    assert pod["metadata"]["annotations"][m.DRAFT_URI] == "file:///drafts/llama/v1"
+    assert m.DRAFT_URI not in m.pod(s, "router", s.weights)["metadata"]["annotations"]
+    assert m.DRAFT_URI not in m.pod(parse(), "decode", s.weights)["metadata"]["annotations"]
+    kubernetes_validate.validate(pod, "1.32", strict=True)
+
+
+def test_a_new_draft_is_refit_not_rolled() -> None:
+    """The draft travels with the weights: another draft checkpoint is no new pod template
+    (a refit reloads it), another method is."""
+    base = parse(model={"name": "llama", "weights": DRAFT_WEIGHTS},
+                 engine={"speculative": {"method": "Draft"}})
+    moved = parse(model={"name": "llama", "weights": {
+        "uri": "file:///models/llama-v2", "version": "v2",
+        "draft": {"uri": "file:///models/llama-draft/v2"}}},
+        engine={"speculative": {"method": "Draft"}})
+    for group in ("prefill", "decode", "router"):
+        assert m.template_hash(base, group) == m.template_hash(moved, group)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"engine": {"speculative": {"method": "Draft"}}},
+     "engine.speculative.method Draft needs model.weights.draft.uri"),
+    ({"model": {"name": "llama", "weights": DRAFT_WEIGHTS}},
+     "model.weights.draft is read only by engine.speculative.method Draft"),
+    ({"model": {"name": "llama", "weights": DRAFT_WEIGHTS},
+      "engine": {"speculative": {"method": "Ngram"}}},
+     "model.weights.draft is read only by engine.speculative.method Draft"),
+    ({"model": {"name": "llama", "weights": {**DRAFT_WEIGHTS, "draft": {}}},
+      "engine": {"speculative": {"method": "Draft"}}},
+     r"spec.model.weights.draft.uri is required"),
+    ({"model": {"name": "llama", "weights": {**DRAFT_WEIGHTS,
+                                             "draft": {"uri": "s3://bucket/draft"}}},
+      "engine": {"speculative": {"method": "Draft"}}},
+     r"spec.model.weights.draft.uri 's3://bucket/draft': must be a file:// URI"),
+    ({"engine": {"speculative": {}}},
+     "spec.engine.speculative.method is required: one of Ngram, Draft, MTP"),
+    ({"engine": {"speculative": {"method": "ngram"}}},
+     "spec.engine.speculative.method = 'ngram' is not one of Ngram, Draft, MTP"),
+    ({"engine": {"speculative": {"method": "Ngram", "numSpeculativeTokens": 17}}},
+     r"spec.engine.speculative.numSpeculativeTokens = 17 is outside 1..16"),
+    ({"engine": {"speculative": {"method": "MTP", "promptLookupMax": 8}}},
+     r"spec.engine.speculative.promptLookupMax applies to method Ngram only"),
+    ({"engine": {"speculative": {"method": "Ngram", "promptLookupMin": 6}}},
+     r"spec.engine.speculative.promptLookupMax = 4 is below promptLookupMin = 6: raise "
+     "promptLookupMax or lower promptLookupMin"),
+    ({"engine": {"args": ["--speculative-method", "ngram"]}},
+     r"spec.engine.args\[0\] '--speculative-method': the operator renders the "
+     r"--speculative-\* flags from spec.engine.speculative .* set those instead"),
+    ({"engine": {"speculative": {"method": "Draft"}, "args": ["--speculative-model=/m"]},
+      "model": {"name": "llama", "weights": DRAFT_WEIGHTS}},
+     r"spec.engine.args\[0\] .*spec.model.weights.draft.uri"),
+])
+def test_speculative_errors_name_the_field_and_the_fix(spec: dict[str, Any],
+                                                       message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        parse(**spec)
+
+
+def test_a_refit_reloads_the_spec_draft_and_rolls_back_to_the_pods_draft() -> None:
+    """The draft a refit loads is the new spec's; the one a rollback restores is the one the
+    pool's engine pods were started with (their DRAFT_URI annotation)."""
+    from tandem_engine.fleet import Phase
+    from tandem_operator.plan import Observed, PodView
+    from tandem_operator.refit import begin
+
+    old = parse(model={"name": "llama", "weights": DRAFT_WEIGHTS},
+                engine={"speculative": {"method": "Draft"}})
+    pods = []
+    for i, group in enumerate(("prefill", "decode")):
+        raw = m.pod(old, group, old.weights, epoch=1)
+        raw["metadata"]["name"] = f"pool-{group}-{i}"
+        view = PodView.from_body(raw)
+        assert view is not None and view.draft_uri == "file:///models/llama-draft/v1"
+        pods.append(view)
+    new = parse(model={"name": "llama", "weights": {
+        "uri": "file:///models/llama-v2", "version": "v2",
+        "draft": {"uri": "file:///models/llama-draft/v2"}}},
+        engine={"speculative": {"method": "Draft"}})
+    tx = begin(new, None, Observed(pods=tuple(pods)))
+    assert (tx.previous, tx.target) == (old.weights, new.weights)
+    assert (tx.previous_draft, tx.target_draft) == ("file:///models/llama-draft/v1",
+                                                    "file:///models/llama-draft/v2")
+    # A later refit starts from what the last one finished on, draft included.
+    tx.phase = Phase.SUCCEEDED
+    third = parse(model={"name": "llama", "weights": {
+        "uri": "file:///models/llama-v3", "version": "v3",
+        "draft": {"uri": "file:///models/llama-draft/v3"}}},
+        engine={"speculative": {"method": "Draft"}})
+    after = begin(third, tx, Observed(pods=tuple(pods)))
+    assert (after.previous, after.previous_draft) == (new.weights, "file:///models/llama-draft/v2")
+    # Pools without a draft name none on either side.
+    plain = begin(parse(model={"name": "llama", "weights": {"uri": "file:///models/v2",
+                                                            "version": "v2"}}),
+                  None, Observed())
+    assert (plain.target_draft, plain.previous_draft) == (None, None)

@@ -73,3 +73,39 @@ def test_drop_log_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
     assert len(lines) == 5  # three in full, then at 100 and 200
     assert lines[0] == "engine e0: dropped a bad frame: bad 0"
     assert lines[-1].startswith("engine e0: 200 bad frames dropped so far")
+
+
+def test_output_spec_totals_are_optional_both_ways() -> None:
+    """`num_spec_proposed` / `num_spec_accepted` are additive: an engine that does not send
+    them reads as 0, and a router that does not know them ignores them."""
+    new = p.Output("r1", [7], "hi", finished=True, finish_reason="length",
+                   num_spec_proposed=12, num_spec_accepted=9)
+    assert p.decode(p.encode(new)) == new
+    body = msgspec.msgpack.encode({"request_id": "r1", "token_ids": [7], "text": "hi"})
+    old = p.decode(bytes([p.PROTOCOL_VERSION, p.Kind.OUTPUT]) + body)
+    assert (old.num_spec_proposed, old.num_spec_accepted) == (0, 0)
+
+    class OldOutput(msgspec.Struct):  # an Output as a router without the fields knows it
+        request_id: str
+        token_ids: list[int]
+        text: str
+
+    assert msgspec.msgpack.decode(p.encode(new)[2:], type=OldOutput).token_ids == [7]
+
+
+def test_only_the_final_output_carries_the_spec_totals() -> None:
+    from tandem_engine.engine.outputs import CompletionOutput, RequestOutput
+    from tandem_engine.server.worker import _Stream, stream_delta
+
+    stream = _Stream(b"router", "r1", None)
+
+    def out(tokens: list[int], finished: bool) -> RequestOutput:
+        return RequestOutput("e/r1", None, [1, 2], [CompletionOutput(
+            0, "x" * len(tokens), tokens, None, None, "length" if finished else None)],
+            finished, num_spec_proposed=4 * len(tokens), num_spec_accepted=len(tokens))
+
+    first = stream_delta(stream, out([5, 6], finished=False))
+    assert (first.num_spec_proposed, first.num_spec_accepted) == (0, 0)
+    last = stream_delta(stream, out([5, 6, 7], finished=True))
+    assert last.token_ids == [7] and last.finished
+    assert (last.num_spec_proposed, last.num_spec_accepted) == (12, 3)  # the request's totals

@@ -70,7 +70,11 @@ def _naive_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]
     for n in range(min(n_max, size - 1), n_min - 1, -1):
         for i in range(size - n - 1, -1, -1):
             if tokens[i:i + n] == tokens[size - n:]:
-                return tokens[i + n:i + n + k]
+                # The sequence taken to repeat with period (size - n) - i from there on.
+                extended = list(tokens)
+                while len(extended) < i + n + k:
+                    extended.append(extended[len(extended) - (size - n - i)])
+                return extended[i + n:i + n + k]
     return []
 
 
@@ -81,7 +85,9 @@ def test_ngram_proposes_what_followed_the_most_recent_longest_match() -> None:
     # A longer match wins over a more recent shorter one: [5, 6, 7] ... [9, 5, 6, 7].
     assert propose_ngram([5, 6, 7, 1, 4, 6, 7, 9, 5, 6, 7], 2, 2, 3) == [1, 4]
     assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []  # nothing repeats
-    assert propose_ngram([1, 2, 1, 2], 4, 2, 2) == [1, 2]  # the continuation runs out
+    # The match runs into the end: the repetition goes on, period 2 and period 3.
+    assert propose_ngram([1, 2, 1, 2], 4, 2, 2) == [1, 2, 1, 2]
+    assert propose_ngram([7, 1, 2, 3, 1, 2], 5, 2, 2) == [3, 1, 2, 3, 1]
     assert propose_ngram([1, 2, 1], 0, 1, 2) == []
 
 
@@ -113,6 +119,7 @@ def test_acceptance_is_the_longest_agreeing_prefix() -> None:
     snap = counters.snapshot()
     assert (snap.num_drafts, snap.num_draft_tokens, snap.num_accepted_tokens) == (2, 7, 2)
     assert snap.accepted_per_position == (1, 1, 0, 0)
+    assert snap.proposed_per_position == (2, 2, 2, 1)
     assert snap.acceptance_rate == pytest.approx(2 / 7)
 
 
@@ -569,9 +576,14 @@ def test_metrics_count_drafts_and_accepted_tokens_by_position(tiny_llama: Path) 
         return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
     families = scrape(spec)
-    (proposed,) = families["tandem_spec_proposed_tokens"]
+    (proposed,) = families["vllm:spec_decode_num_draft_tokens"]
     assert proposed.value == stats.num_draft_tokens
-    by_position = {s.labels["position"]: s.value for s in families["tandem_spec_accepted_tokens"]}
+    by_position = {s.labels["position"]: s.value
+                   for s in families["vllm:spec_decode_num_accepted_tokens_per_pos"]}
     assert by_position == {str(i): n for i, n in enumerate(stats.accepted_per_position)}
-    assert families["tandem_spec_drafts"][0].value == stats.num_drafts > 0
-    assert "tandem_spec_proposed_tokens" not in scrape(plain)  # off: not exported
+    verified = {s.labels["position"]: s.value
+                for s in families["tandem_spec_decode_num_draft_tokens_per_pos"]}
+    assert sum(verified.values()) == stats.num_draft_tokens
+    assert all(by_position[i] <= verified[i] for i in verified)
+    assert families["vllm:spec_decode_num_drafts"][0].value == stats.num_drafts > 0
+    assert "vllm:spec_decode_num_draft_tokens" not in scrape(plain)  # off: not exported

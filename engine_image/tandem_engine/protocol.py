@@ -30,7 +30,9 @@ from tandem_engine.transfer.base import KVGeometry
 # 4: SamplingParams carries min_p, repetition_penalty, presence_penalty and
 #    frequency_penalty. A version-3 engine would decode them as unknown fields and
 #    silently sample without them, so the versions refuse each other. Output also
-#    carries num_cached_tokens and prompt_logprobs (optional, additive).
+#    carries num_cached_tokens, prompt_logprobs and num_spec_proposed /
+#    num_spec_accepted (optional, additive: a peer without them decodes 0 / None, one
+#    that does not know them ignores them).
 PROTOCOL_VERSION = 4
 
 
@@ -203,6 +205,11 @@ class Output(msgspec.Struct, frozen=True):
     # With SamplingParams.prompt_logprobs: prompt tokens 1.. (the first has none), on
     # the request's first Output with tokens; `top` holds the alternatives by rank.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Speculative decoding on this engine, over the request's life here: proposed tokens
+    # it verified and how many it accepted. Set on the final Output only (0 elsewhere,
+    # and always 0 without speculation); the router logs them per request.
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
 
 class Abort(msgspec.Struct, frozen=True):

@@ -3,8 +3,9 @@
 No I/O here: reconcile decides *whether* to create something, these functions say *what* it
 is, so the exact pod a spec produces is testable without an API server. `template_hash` names
 a pod template: pods whose hash differs from the spec's are rolled. The weights are not part of
-it (a weights change is refit in place, never a new pod), nor is the weight epoch, nor the
-drain timeout (it bounds how a pod is stopped, not what runs in it).
+it (a weights change is refit in place, never a new pod), nor is the draft checkpoint that
+travels with them, nor the weight epoch, nor the drain timeout (it bounds how a pod is
+stopped, not what runs in it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
-from tandem_engine.weights import WeightsRef
+from tandem_engine.weights import WeightsRef, checkpoint_path
 
 from tandem_operator.spec import (
     API_VERSION,
@@ -30,6 +31,7 @@ from tandem_operator.spec import (
     InitContainer,
     Placement,
     PoolSpec,
+    SpeculativeMethod,
 )
 
 ENGINE_ZMQ_PORT = 5555
@@ -45,6 +47,7 @@ TEMPLATE_HASH = "tandem.dev/template-hash"
 WEIGHTS_VERSION = "tandem.dev/weights-version"
 WEIGHTS_URI = "tandem.dev/weights-uri"
 WEIGHTS_EPOCH = "tandem.dev/weights-epoch"  # the pool-wide refit number of those weights
+DRAFT_URI = "tandem.dev/draft-uri"  # the draft checkpoint loaded with them (method Draft)
 DRAINING_SINCE = "tandem.dev/draining-since"  # set by the operator when it starts a drain
 ADMIN_TOKEN_KEY = "token"
 # The pool's ZMQ CURVE keypairs (Z85) in the same Secret: engines serve with the server's
@@ -65,8 +68,9 @@ POD_UID = 65532
 STARTUP_PERIOD_S = 2
 ROUTER_STARTUP_TIMEOUT_S = 300
 
-# What the template hash sees instead of the weights and the drain timeout.
+# What the template hash sees instead of the weights, the draft and the drain timeout.
 _HASH_WEIGHTS = WeightsRef(uri="file:///weights", version="weights")
+_HASH_DRAFT = "file:///draft"
 _HASH_DRAIN_SECONDS = 0
 
 
@@ -144,14 +148,18 @@ def _credential_env(spec: PoolSpec, names: dict[str, str]) -> list[dict[str, Any
     return [_secret_env(name, secret, key) for name, key in names.items()]
 
 
-def weights_roots(spec: PoolSpec, weights: WeightsRef) -> list[str]:
-    """The folders an engine on `weights` may refit from (`--weights-root`; the engine
-    refuses any other): `spec.engine.weightsRoots`, and the engine volume mounts that hold
-    those weights. None (weights baked into the image, or outside every mount, and no
-    weightsRoots) leaves the engine's default, the folder holding its start-up checkpoint."""
-    path = PurePosixPath(weights.path)
+def weights_roots(spec: PoolSpec, weights: WeightsRef, draft_uri: str | None = None
+                  ) -> list[str]:
+    """The folders an engine on `weights` (and the draft checkpoint `draft_uri`) may refit
+    from (`--weights-root`; the engine refuses any other): `spec.engine.weightsRoots`, and
+    the engine volume mounts that hold those checkpoints. None (weights baked into the
+    image, or outside every mount, and no weightsRoots) leaves the engine's default, the
+    folder holding its start-up checkpoint."""
+    paths = [PurePosixPath(weights.path)]
+    if draft_uri is not None:
+        paths.append(PurePosixPath(checkpoint_path(draft_uri)))
     roots = [*spec.engine.weights_roots,
-             *(str(mount["mountPath"]) for mount in spec.engine.volume_mounts
+             *(str(mount["mountPath"]) for path in paths for mount in spec.engine.volume_mounts
                if mount.get("mountPath") and path.is_relative_to(str(mount["mountPath"])))]
     return list(dict.fromkeys(roots))
 
@@ -180,16 +188,39 @@ def _positive(quantity: Any) -> bool:
         return False
 
 
+def speculative_args(spec: PoolSpec, draft_uri: str | None) -> list[str]:
+    """The engine's --speculative-* flags from spec.engine.speculative (none when unset),
+    with `draft_uri` as --speculative-model for method Draft.
+
+    Every engine gets them, prefill ones too: a prefill engine makes only a request's first
+    token, so it never speculates (nor runs a draft), but one set of flags keeps the pods of
+    a pool uniform (as `tandem serve` starts its engines) and lets every engine take the same
+    refit body, draft included."""
+    s = spec.engine.speculative
+    if s is None:
+        return []
+    args = ["--speculative-method", s.method.flag,
+            "--speculative-tokens", str(s.num_speculative_tokens)]
+    if s.method is SpeculativeMethod.NGRAM:
+        args += ["--speculative-ngram-min", str(s.prompt_lookup_min),
+                 "--speculative-ngram-max", str(s.prompt_lookup_max)]
+    if draft_uri is not None:
+        args += ["--speculative-model", checkpoint_path(draft_uri)]
+    return args
+
+
 def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: int,
-                epoch: int | None = None) -> list[str]:
-    """The engine's command line; `epoch` None leaves --weight-epoch out (the template
-    hash, which a refit never changes)."""
+                epoch: int | None = None, draft_uri: str | None = None) -> list[str]:
+    """The engine's command line, loading `weights` and the draft checkpoint `draft_uri`;
+    `epoch` None leaves --weight-epoch out (the template hash, which a refit never
+    changes)."""
     e = spec.engine
+    roots = weights_roots(spec, weights, draft_uri)
     args = ["--role", str(spec.engine_role(group)), "--model", weights.path,
             "--served-model-name", spec.model_name,
             "--host", "$(POD_IP)", "--port", str(ENGINE_ZMQ_PORT),
             "--admin-port", str(ENGINE_ADMIN_PORT), "--metrics-port", str(ENGINE_METRICS_PORT),
-            *(arg for root in weights_roots(spec, weights) for arg in ("--weights-root", root)),
+            *(arg for root in roots for arg in ("--weights-root", root)),
             "--engine-id", "$(POD_NAME)",
             "--weight-version", weights.version,
             *(("--weight-epoch", str(epoch)) if epoch is not None else ()),
@@ -203,6 +234,7 @@ def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds
         args += ["--num-blocks", str(e.kv_cache.num_blocks)]
     elif e.kv_cache.memory_mib is not None:
         args += ["--kv-cache-memory-bytes", str(e.kv_cache.memory_mib * 1024 * 1024)]
+    args += speculative_args(spec, draft_uri)
     # SIGTERM makes an engine stop admitting and finish what it runs: let it take as long as
     # an operator drain may (the pod's grace period leaves 10 s on top).
     args += ["--shutdown-grace", str(drain_seconds)]
@@ -267,7 +299,7 @@ def _probes(port: str, startup_timeout_s: int) -> dict[str, Any]:
 
 
 def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: int,
-              epoch: int | None = None) -> dict[str, Any]:
+              epoch: int | None = None, draft_uri: str | None = None) -> dict[str, Any]:
     e = spec.engine
     if group == "router":
         container: dict[str, Any] = {
@@ -287,7 +319,7 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: 
     container = {
         "name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy,
         "command": ["tandem-engine"],
-        "args": engine_args(spec, group, weights, drain_seconds, epoch),
+        "args": engine_args(spec, group, weights, drain_seconds, epoch, draft_uri),
         "env": _engine_env(spec),
         "ports": [{"name": "zmq", "containerPort": ENGINE_ZMQ_PORT, "protocol": "TCP"},
                   {"name": "admin", "containerPort": ENGINE_ADMIN_PORT, "protocol": "TCP"},
@@ -371,7 +403,8 @@ def template_hash(spec: PoolSpec, group: Group) -> str:
     security context and spec.pod's labels, annotations and fields); never the weights."""
     template = {"labels": _pod_labels(spec, group),
                 "annotations": dict(spec.pod.annotations or {}),
-                "spec": _pod_spec(spec, group, _HASH_WEIGHTS, _HASH_DRAIN_SECONDS)}
+                "spec": _pod_spec(spec, group, _HASH_WEIGHTS, _HASH_DRAIN_SECONDS,
+                                  draft_uri=_HASH_DRAFT if spec.draft_uri else None)}
     canonical = json.dumps(template, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
@@ -386,7 +419,9 @@ def _scrape_annotations(group: Group) -> dict[str, str]:
 
 def pod(spec: PoolSpec, group: Group, weights: WeightsRef, epoch: int = 0) -> dict[str, Any]:
     """A new pod of `group` (created with generateName `<pool>-<group>-`) on `weights`, whose
-    pool-wide weight epoch is `epoch` (engines start with it; routers prefer the highest)."""
+    pool-wide weight epoch is `epoch` (engines start with it; routers prefer the highest).
+    Engines load the spec's draft checkpoint, named in their DRAFT_URI annotation (where a
+    refit's rollback finds it)."""
     meta = _meta(spec, "", _pod_labels(spec, group))
     del meta["name"]
     meta["generateName"] = f"{spec.name}-{group}-"
@@ -396,9 +431,11 @@ def pod(spec: PoolSpec, group: Group, weights: WeightsRef, epoch: int = 0) -> di
                            **_scrape_annotations(group)}
     if group != "router":
         meta["annotations"][WEIGHTS_EPOCH] = str(epoch)
+        if spec.draft_uri is not None:
+            meta["annotations"][DRAFT_URI] = spec.draft_uri
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
             "spec": _pod_spec(spec, group, weights, spec.refit.drain_timeout_seconds,
-                              None if group == "router" else epoch)}
+                              None if group == "router" else epoch, spec.draft_uri)}
 
 
 # ---- the pool's other objects -------------------------------------------------------------------

@@ -46,6 +46,7 @@ class PodView:
     template_hash: str = ""
     weights: WeightsRef | None = None
     epoch: int | None = None  # the weight epoch of `weights` (tandem.dev/weights-epoch)
+    draft_uri: str | None = None  # the draft checkpoint loaded with them (tandem.dev/draft-uri)
     phase: str = "Pending"
     ready: bool = False
     deleting: bool = False
@@ -86,7 +87,7 @@ class PodView:
         return cls(name=meta.get("name", ""), group=group, uid=meta.get("uid", ""),
                    role=labels.get(m.ROLE_LABEL, ""),
                    template_hash=ann.get(m.TEMPLATE_HASH, ""), weights=weights, epoch=epoch,
-                   phase=phase,
+                   draft_uri=ann.get(m.DRAFT_URI) or None, phase=phase,
                    ready=ready and phase == "Running",
                    deleting=bool(meta.get("deletionTimestamp")),
                    draining_since=ann.get(m.DRAINING_SINCE) or None,

@@ -161,15 +161,31 @@ def settled_weights(old: Transaction | None, observed: Observed,
     return max(others, key=lambda w: (counts[w], w.version, w.uri))
 
 
+def settled_draft(old: Transaction | None, observed: Observed, previous: WeightsRef
+                  ) -> str | None:
+    """The draft checkpoint that goes with `previous` (`settled_weights`): the one the last
+    transaction loaded with it, else the one its engine pods were started or refitted with."""
+    if old is not None and old.phase is Phase.SUCCEEDED and old.target == previous:
+        return old.target_draft
+    if old is not None and old.previous == previous:
+        return old.previous_draft
+    drafts = Counter(p.draft_uri for p in observed.engine_pods()
+                     if p.weights == previous and p.draft_uri is not None)
+    return max(drafts, key=lambda d: (drafts[d], d)) if drafts else None
+
+
 def begin(spec: PoolSpec, old: Transaction | None, observed: Observed) -> Transaction:
-    """A transaction toward the spec's weights, numbered above every epoch the pool has seen."""
+    """A transaction toward the spec's weights (and the spec's draft checkpoint), numbered
+    above every epoch the pool has seen."""
     target = spec.weights
     epochs = [p.epoch for p in observed.engine_pods() if p.epoch is not None]
     epochs.append(int((observed.previous.get("weights") or {}).get("epoch") or 0))
     if old is not None:
         epochs += [old.epoch, old.rollback_epoch or 0]
-    tx = Transaction(target=target, previous=settled_weights(old, observed, target),
-                     epoch=max(epochs) + 1)
+    previous = settled_weights(old, observed, target)
+    tx = Transaction(target=target, previous=previous, epoch=max(epochs) + 1,
+                     target_draft=spec.draft_uri,
+                     previous_draft=settled_draft(old, observed, previous))
     configure(tx, spec)
     return tx
 
@@ -238,11 +254,15 @@ def annotations(tx: Transaction, engines: list[EngineObs], pods: Mapping[str, Po
         if not e.serving or (pod.weights is not None and pod.weights.version == e.version
                              and pod.epoch == e.epoch):
             continue
-        known = [w.uri for w in (tx.target, tx.previous) if w.version == e.version]
-        uri = known[0] if known else e.uri or (pod.weights.uri if pod.weights else "")
+        known = [(w.uri, draft) for w, draft in ((tx.target, tx.target_draft),
+                                                 (tx.previous, tx.previous_draft))
+                 if w.version == e.version]
+        uri = known[0][0] if known else e.uri or (pod.weights.uri if pod.weights else "")
         if uri:
             out[e.name] = {m.WEIGHTS_VERSION: e.version, m.WEIGHTS_URI: uri,
                            m.WEIGHTS_EPOCH: str(e.epoch)}
+            if known and known[0][1] is not None:  # the draft refitted with them
+                out[e.name][m.DRAFT_URI] = known[0][1]
     return out
 
 

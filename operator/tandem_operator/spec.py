@@ -28,7 +28,12 @@ from tandem_engine.config import (
     DEFAULT_KV_PIN_TTL_S,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PROMPT_LOOKUP_MAX,
+    DEFAULT_PROMPT_LOOKUP_MIN,
+    DEFAULT_SPECULATIVE_TOKENS,
     DEFAULT_THREADS,
+    MAX_PROMPT_LOOKUP,
+    MAX_SPECULATIVE_TOKENS,
 )
 from tandem_engine.lifecycle import EngineRole
 from tandem_engine.refit_policy import (
@@ -111,6 +116,38 @@ class EngineDevice(str, enum.Enum):
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
+class SpeculativeMethod(str, enum.Enum):
+    """spec.engine.speculative.method, CamelCase as the CRD's enums are; `flag` is the
+    engine's `--speculative-method` value (vLLM's name)."""
+
+    NGRAM = "Ngram"  # prompt lookup in the request's own tokens
+    DRAFT = "Draft"  # a small checkpoint, spec.model.weights.draft
+    MTP = "MTP"  # the served checkpoint's multi-token-prediction heads
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def flag(self) -> str:
+        return self.name.lower()
+
+
+# spec.engine.args the operator renders itself: refused there, with the field to use.
+SPECULATIVE_FLAG_PREFIX = "--speculative"
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """spec.engine.speculative: the engines' `--speculative-*` flags. The limits and
+    defaults are the engine's own (`tandem_engine.config`, SpeculativeConfig.validate); the
+    prompt-lookup fields mean something to Ngram only."""
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     image: str = field(default_factory=default_engine_image)
@@ -129,6 +166,7 @@ class EngineSettings:
     device: EngineDevice = EngineDevice.AUTO
     startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT_S  # the startupProbe's budget
     rdma_ipc_lock: bool = False  # spec.engine.rdma.ipcLock: adds the IPC_LOCK capability
+    speculative: Speculative | None = None  # spec.engine.speculative; None: off
 
 
 @dataclass(frozen=True)
@@ -235,6 +273,9 @@ class PoolSpec:
     generation: int
     model_name: str
     weights: WeightsRef
+    # spec.model.weights.draft.uri: the draft checkpoint of speculative method Draft (and of
+    # it only). It travels with the weights: a refit reloads it, a rollback the previous one.
+    draft_uri: str | None = None
     engine: EngineSettings = EngineSettings()
     prefill: RoleSettings = RoleSettings()
     decode: RoleSettings = RoleSettings()
@@ -581,6 +622,58 @@ def _check_tmp_mounts(mounts: tuple[Mapping[str, Any], ...], path: str) -> None:
                             "elsewhere")
 
 
+def _draft_uri(weights: Mapping[str, Any]) -> str | None:
+    """spec.model.weights.draft.uri, checked as spec.model.weights.uri is."""
+    if weights.get("draft") is None:
+        return None
+    path = "spec.model.weights.draft"
+    uri = _str(_obj(weights, "draft", "spec.model.weights"), "uri", path, None, 1024,
+               min_len=8)
+    try:
+        checkpoint_path(uri, what=f"{path}.uri")
+    except WeightsURIError as exc:
+        raise SpecError(str(exc)) from None
+    return uri
+
+
+def _engine_args(e: Mapping[str, Any]) -> tuple[str, ...]:
+    """spec.engine.args, less the flags the operator renders from fields of their own."""
+    args = tuple(str(a) for a in _list(e, "args", "spec.engine", 64))
+    for i, arg in enumerate(args):
+        if arg.startswith(SPECULATIVE_FLAG_PREFIX):
+            raise SpecError(f"spec.engine.args[{i}] {arg!r}: the operator renders the "
+                            "--speculative-* flags from spec.engine.speculative (method, "
+                            "numSpeculativeTokens, promptLookupMin/Max) and the draft "
+                            "checkpoint from spec.model.weights.draft.uri; set those instead")
+    return args
+
+
+def _speculative(e: Mapping[str, Any]) -> Speculative | None:
+    """spec.engine.speculative, within the engine's own limits (SpeculativeConfig)."""
+    if e.get("speculative") is None:
+        return None
+    d = _obj(e, "speculative", "spec.engine")
+    path = "spec.engine.speculative"
+    if d.get("method") is None:
+        raise SpecError(f"{path}.method is required: one of "
+                        f"{', '.join(choices(SpeculativeMethod))}")
+    method = SpeculativeMethod(_str(d, "method", path, None, 8, choices(SpeculativeMethod)))
+    tokens = _req_int(d, "numSpeculativeTokens", path, DEFAULT_SPECULATIVE_TOKENS, 1,
+                      MAX_SPECULATIVE_TOKENS)
+    lookup = [k for k in ("promptLookupMin", "promptLookupMax") if d.get(k) is not None]
+    if lookup and method is not SpeculativeMethod.NGRAM:
+        raise SpecError(f"{path}.{lookup[0]} applies to method Ngram only (prompt lookup); "
+                        f"remove it for method {method}")
+    low = _req_int(d, "promptLookupMin", path, DEFAULT_PROMPT_LOOKUP_MIN, 1, MAX_PROMPT_LOOKUP)
+    high = _req_int(d, "promptLookupMax", path, DEFAULT_PROMPT_LOOKUP_MAX, 1,
+                    MAX_PROMPT_LOOKUP)
+    if high < low:
+        raise SpecError(f"{path}.promptLookupMax = {high} is below promptLookupMin = {low}: "
+                        "raise promptLookupMax or lower promptLookupMin")
+    return Speculative(method=method, num_speculative_tokens=tokens, prompt_lookup_min=low,
+                       prompt_lookup_max=high)
+
+
 def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
     """The pool's spec with the CRD's defaults and rules applied (SpecError naming the
     field otherwise). One pass over the spec's sections, in the CRD's order: long on
@@ -597,6 +690,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
     except WeightsURIError as exc:
         raise SpecError(str(exc)) from None
     version = _str(weights, "version", "spec.model.weights", None, 63, min_len=1)
+    draft_uri = _draft_uri(weights)
 
     e = _obj(spec, "engine", "spec")
     kv = _obj(e, "kvCache", "spec.engine")
@@ -607,7 +701,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
                                32, ("Always", "IfNotPresent", "Never")),
         resources=_obj(e, "resources", "spec.engine") or None,
         env=_list(e, "env", "spec.engine", 64),
-        args=tuple(str(a) for a in _list(e, "args", "spec.engine", 64)),
+        args=_engine_args(e),
         volumes=volumes,
         volume_mounts=_mounts(e, "spec.engine", volumes, read_only=True),
         weights_roots=_absolute_paths(e, "weightsRoots", "spec.engine", 8),
@@ -625,7 +719,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         startup_timeout_seconds=_req_int(e, "startupTimeoutSeconds", "spec.engine",
                                          _ENGINE.startup_timeout_seconds, 10, 86400),
         rdma_ipc_lock=_bool(_obj(e, "rdma", "spec.engine"), "ipcLock", "spec.engine.rdma",
-                            _ENGINE.rdma_ipc_lock))
+                            _ENGINE.rdma_ipc_lock),
+        speculative=_speculative(e))
     _check_tmp_mounts(engine.volume_mounts, "spec.engine")
     for i, c in enumerate(engine.init_containers):
         _check_tmp_mounts(c.volume_mounts, f"spec.engine.initContainers[{i}]")
@@ -643,6 +738,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         generation=int(meta.get("generation") or 0),
         model_name=_str(model, "name", "spec.model", None, 253, min_len=1),
         weights=WeightsRef(uri=uri, version=version),
+        draft_uri=draft_uri,
         engine=engine,
         prefill=_role(spec, "prefill"),
         decode=_role(spec, "decode"),
@@ -696,3 +792,11 @@ def _check_rules(pool: PoolSpec) -> None:
     kv = pool.engine.kv_cache
     if kv.num_blocks is not None and kv.memory_mib is not None:
         raise SpecError("set kvCache.numBlocks or kvCache.memoryMiB, not both")
+    speculative = pool.engine.speculative
+    drafting = speculative is not None and speculative.method is SpeculativeMethod.DRAFT
+    if drafting and pool.draft_uri is None:
+        raise SpecError("engine.speculative.method Draft needs model.weights.draft.uri, the "
+                        "draft checkpoint")
+    if pool.draft_uri is not None and not drafting:
+        raise SpecError("model.weights.draft is read only by engine.speculative.method Draft; "
+                        "remove it or set that method")

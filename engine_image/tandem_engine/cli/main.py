@@ -344,6 +344,9 @@ def _add_refit(sub) -> None:
                        "one copy of the weights in memory instead of two (for models that "
                        "fill the GPU); a load that fails midway is rolled back by reloading "
                        "the previous checkpoint")
+    refit.add_argument("--draft", default=None, metavar="URI",
+                       help="speculative method draft: the draft checkpoint to load with the "
+                       "new weights (file:///path); default: each engine keeps its draft")
     refit.add_argument("--timeout", type=float, default=3600.0,
                        help="seconds the whole refit may take")
     refit.set_defaults(func=_refit)

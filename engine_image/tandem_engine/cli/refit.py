@@ -65,14 +65,14 @@ SUPERSEDED = 3  # exit status of a refit a newer one superseded
 SUPERSEDE_WAIT = 15.0  # seconds a superseded refit gets to stop before SIGKILL
 
 
-def checkpoint_folder(uri: str) -> Path:
-    """The checkpoint a `file://` refit target names (a folder or a .gguf file);
-    ValueError (naming the input) unless it is a local folder with a config.json or a
-    local .gguf file."""
-    path = Path(checkpoint_path(uri, what="--uri"))
+def checkpoint_folder(uri: str, what: str = "--uri") -> Path:
+    """The checkpoint a `file://` refit target (`what`: --uri, --draft) names (a folder or
+    a .gguf file); ValueError (naming the input) unless it is a local folder with a
+    config.json or a local .gguf file."""
+    path = Path(checkpoint_path(uri, what=what))
     problem = checkpoint_problem(path)
     if problem is not None:
-        raise ValueError(f"--uri {uri!r}: {problem}; give {CHECKPOINT_FORMS}")
+        raise ValueError(f"{what} {uri!r}: {problem}; give {CHECKPOINT_FORMS}")
     return path
 
 
@@ -293,7 +293,7 @@ class RefitLock:
 
 
 async def _refit(args: argparse.Namespace, stack: dict[str, Any], target: WeightsRef,
-                 out: TextIO, stop: _Stop) -> int:
+                 draft: str | None, out: TextIO, stop: _Stop) -> int:
     engines = [(e["name"], e["role"], e["admin_url"]) for e in stack["engines"]]
     admin = RecordingAdmin(stack.get("admin_token"))
     try:
@@ -310,7 +310,7 @@ async def _refit(args: argparse.Namespace, stack: dict[str, Any], target: Weight
                              max_unavailable=args.max_unavailable,
                              drain_timeout=args.drain_timeout,
                              max_perplexity_ratio=args.max_perplexity_ratio,
-                             low_memory=args.low_memory)
+                             low_memory=args.low_memory, target_draft=draft)
         _adopt_unsettled(tx, seen)
         print(f"refit of the stack at {stack['router']}: {_versions(seen)} → "
               f"{target.version} ({target.uri})", file=out, flush=True)
@@ -396,6 +396,7 @@ def _outcome(tx: Transaction, out: TextIO) -> int:
 def refit(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """`tandem refit`: ValueError for bad input (the CLI exits 2), else the exit status."""
     path = checkpoint_folder(args.uri)
+    draft = checkpoint_folder(args.draft, "--draft").as_uri() if args.draft else None
     _check_options(args)
     target = WeightsRef(path.as_uri(), args.version)
     out = out or sys.stdout
@@ -408,7 +409,7 @@ def refit(args: argparse.Namespace, out: TextIO | None = None) -> int:
     lock = RefitLock(args.port, target, out)
     try:
         lock.acquire()
-        return asyncio.run(_refit(args, stack, target, out, stop))
+        return asyncio.run(_refit(args, stack, target, draft, out, stop))
     except KeyboardInterrupt:
         # Every engine's next step is decided from what it reports, so the same command
         # picks the refit up where it stopped.

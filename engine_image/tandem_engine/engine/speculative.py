@@ -51,9 +51,14 @@ BACKOFF_MAX_PAUSE = 256
 
 
 def propose_ngram(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Prompt lookup: the up-to-`k` tokens that followed the most recent earlier
-    occurrence of the last n tokens of `tokens`, trying n from `n_max` down to `n_min`;
-    [] when none occurs (or k < 1)."""
+    """Prompt lookup: the `k` tokens that followed the most recent earlier occurrence of
+    the last n tokens of `tokens`, trying n from `n_max` down to `n_min`; [] when none
+    occurs (or k < 1).
+
+    When that continuation reaches the end of `tokens` (the match lies within the last
+    k tokens: the sequence repeats with a period shorter than k), it goes on as the
+    repetition would, the proposals themselves taken as the sequence's next tokens: in
+    ...ABCAB the match of "AB" is followed by "CAB", then "C" again, and so on."""
     size = len(tokens)
     if k < 1 or size < 2:
         return []
@@ -69,8 +74,11 @@ def propose_ngram(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list
             if at < 0:
                 break
             if at % width == 0:
-                start = at // width + n
-                return list(tokens[start:start + k])
+                draft = list(tokens[at // width + n:at // width + n + k])
+                period = size - (at // width + n)  # the match repeats this many tokens on
+                while len(draft) < k:
+                    draft.append(draft[len(draft) - period])
+                return draft
             end = at + len(pattern) - 1
     return []
 
@@ -175,19 +183,23 @@ class SpecDecodeCounters:
     num_drafts: int = 0  # decode steps that verified proposals
     num_draft_tokens: int = 0  # proposals verified
     num_accepted_tokens: int = 0
-    # accepted_per_position[i]: drafts whose proposal i was accepted
+    # [i]: drafts whose proposal i was accepted / that had a proposal i at all
     accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)
 
     def record(self, proposed: int, accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
-        if len(self.accepted_per_position) < proposed:
-            self.accepted_per_position.extend(
-                [0] * (proposed - len(self.accepted_per_position)))
+        for counts in (self.accepted_per_position, self.proposed_per_position):
+            if len(counts) < proposed:
+                counts.extend([0] * (proposed - len(counts)))
+        for i in range(proposed):
+            self.proposed_per_position[i] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
     def snapshot(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                               tuple(self.accepted_per_position))
+                               tuple(self.accepted_per_position),
+                               tuple(self.proposed_per_position))

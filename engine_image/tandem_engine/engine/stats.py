@@ -47,6 +47,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0  # proposals verified
     num_accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()  # [i]: drafts whose proposal i was accepted
+    proposed_per_position: tuple[int, ...] = ()  # [i]: drafts that had a proposal i
 
     @property
     def acceptance_rate(self) -> float:

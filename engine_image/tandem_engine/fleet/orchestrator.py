@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tandem_engine.fleet.admin import AdminError, EngineAdmin
 from tandem_engine.fleet.transaction import (
@@ -158,9 +159,7 @@ async def _step(tx: Transaction, engine: EngineObs, admin: EngineAdmin,
         await admin.call(name, url, "/v1/suspend", {"mode": suspend_mode(engine, tx.inflight)})
     elif act is Act.REFIT:
         assert goal is not None
-        await admin.call(name, url, "/v1/refit", {"uri": goal.uri, "version": goal.version,
-                                                  "epoch": tx.goal_epoch,
-                                                  "low_memory": tx.low_memory},
+        await admin.call(name, url, "/v1/refit", refit_body(tx, goal),
                          timeout=admin.refit_timeout)
     elif act is Act.RESUME:
         await admin.call(name, url, "/v1/resume")
@@ -177,6 +176,17 @@ async def _step(tx: Transaction, engine: EngineObs, admin: EngineAdmin,
                      f"(epoch {engine.epoch}), verified")
     record.step, record.since = str(act), now
     return None
+
+
+def refit_body(tx: Transaction, goal: WeightsRef) -> dict[str, Any]:
+    """The /v1/refit body that moves an engine to `goal`: its draft checkpoint (`draft_uri`)
+    only when the transaction names one, so engines without speculative decoding get the
+    body they always did."""
+    body: dict[str, Any] = {"uri": goal.uri, "version": goal.version, "epoch": tx.goal_epoch,
+                            "low_memory": tx.low_memory}
+    if tx.goal_draft is not None:
+        body["draft_uri"] = tx.goal_draft
+    return body
 
 
 async def _verify(tx: Transaction, engine: EngineObs, admin: EngineAdmin) -> None:

@@ -145,6 +145,12 @@ class Transaction:
     # instead of old + new, but a load that fails midway leaves that engine's weights
     # mixed, so its rollback reloads the previous checkpoint rather than keeping it.
     low_memory: bool = False
+    # The draft checkpoints (speculative method draft) that go with `target` and with
+    # `previous`: each engine's refit reloads the goal's draft with the goal's weights, so a
+    # rollback restores the previous draft too. None: the refit names no draft (the engine
+    # keeps whatever draft it has, or runs none).
+    target_draft: str | None = None
+    previous_draft: str | None = None
     failure: Failure | None = None
     rollback_epoch: int | None = None
     # The fleet's unavailable window: when no engine served new requests (AllAtOnce, or a
@@ -168,6 +174,11 @@ class Transaction:
     @property
     def goal(self) -> WeightsRef:
         return self.previous if self.phase is Phase.ROLLING_BACK else self.target
+
+    @property
+    def goal_draft(self) -> str | None:
+        """The draft checkpoint URI loaded with `goal`."""
+        return self.previous_draft if self.phase is Phase.ROLLING_BACK else self.target_draft
 
     @property
     def goal_epoch(self) -> int:

@@ -105,6 +105,11 @@ class Progress:
     sent_chars: int = 0  # characters of text the client has
     version: str | None = None  # the weight version that produced `generated`
     attempts: int = 0
+    engines: list[str] = field(default_factory=list)  # where each attempt was submitted
+    # Speculative decoding, summed over the engines' final outputs: proposed tokens
+    # verified for this choice and how many were accepted (for the request log).
+    spec_proposed: int = 0
+    spec_accepted: int = 0
 
     def resume(self) -> p.Resume | None:
         """What the next engine continues from (None before the first token)."""
@@ -121,6 +126,8 @@ class Progress:
         if out.token_ids:
             self.version = version
         self.generated += out.token_ids
+        self.spec_proposed += out.num_spec_proposed
+        self.spec_accepted += out.num_spec_accepted
         self.sent_chars += len(out.text)
         if not (out.token_ids or out.text or finished):
             return None

@@ -24,6 +24,10 @@ the choice continues on a decode engine of the same version (picked by load with
 that pulls the pinned KV (`Submit.pull`) and resumes after the first token. KV is never
 handed across weight versions. A prefill that fails falls back to the colocated path;
 a decode engine that fails is failed over like any engine (colocated, resumed).
+
+Each finished choice gets one INFO line in the router's log (`finished_line`): its
+engines, prompt and output tokens, finish reason, time, and with speculative decoding
+the proposals its engines accepted of those they verified.
 """
 
 from __future__ import annotations
@@ -97,6 +101,20 @@ class _Choice:
     resumed: bool = False  # failed over after tokens were streamed
 
 
+def finished_line(choice: _Choice, finish_reason: str | None) -> str:
+    """The request log's line for a finished choice: where it ran, its size, why it
+    ended, and how speculative decoding did for it (only where any was verified)."""
+    progress = choice.progress
+    line = (f"request {choice.request_id} finished ({finish_reason}) in "
+            f"{time.monotonic() - choice.latency.arrival:.3f} s on "
+            f"{' -> '.join(progress.engines)}: {len(choice.prompt)} prompt + "
+            f"{len(progress.generated)} output tokens")
+    if progress.spec_proposed:
+        line += (f", spec accepted {progress.spec_accepted}/{progress.spec_proposed} "
+                 f"({progress.spec_accepted / progress.spec_proposed:.0%})")
+    return line
+
+
 class Dispatcher:
     def __init__(self, pool: EnginePool, config: DispatchConfig = DispatchConfig(),
                  metrics: RouterMetrics | None = None) -> None:
@@ -117,6 +135,7 @@ class Dispatcher:
                          ChoiceLatency(self.metrics, arrival))
         pair = self.picker.pick_pair(choice.prompt, cache_salt)
         leg = _Leg(pair[0], decode=pair[1]) if pair is not None else None
+        finish_reason: str | None = None
         while True:
             if choice.progress.attempts >= self.config.max_attempts:
                 raise GenerationFailed(f"request {request_id} failed on "
@@ -127,6 +146,7 @@ class Dispatcher:
             async with aclosing(self._attempt(choice, leg)) as steps:
                 async for step in steps:
                     if isinstance(step, Delta):
+                        finish_reason = step.finish_reason
                         yield step
                     else:
                         outcome = step
@@ -138,6 +158,8 @@ class Dispatcher:
                     self.metrics.resumed.inc()
                 self.picker.remember(leg.client, choice.prompt + choice.progress.generated,
                                      cache_salt)
+                if log.isEnabledFor(logging.INFO):
+                    log.info("%s", finished_line(choice, finish_reason))
                 return
             leg = self._next_leg(choice, leg, outcome)
 
@@ -160,6 +182,7 @@ class Dispatcher:
         except EngineUnavailable as exc:
             yield FailOver("unavailable", str(exc))
             return
+        progress.engines.append(client.key)
         done = False
         try:  # from here every way out leaves the engine's in-flight count as it was
             if self.metrics is not None:

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, Field
 
+from tandem_engine.engine.stats import SpecDecodeStats
 from tandem_engine.errors import CheckpointError, RequestRejected
 from tandem_engine.lifecycle import EngineStateError, KVMode
 from tandem_engine.server.control import EngineControl, ShuttingDown
@@ -50,6 +51,9 @@ class RefitBody(BaseModel):
     # Stream the new weights into the serving ones tensor by tensor: device peak 1x the
     # weights plus one tensor instead of old + new (/v1/state: last_refit_peak_bytes).
     low_memory: bool = False
+    # Speculative method draft: the draft checkpoint to load with the new weights (None:
+    # the engine keeps its draft).
+    draft_uri: str | None = Field(default=None, min_length=1, max_length=4096)
 
 
 class CanaryBody(BaseModel):
@@ -139,7 +143,8 @@ def _add_lifecycle_routes(app: FastAPI, control: EngineControl, authorize) -> No
     def refit(body: RefitBody, authorization: str | None = Header(None)) -> dict[str, Any]:
         authorize(authorization)
         try:
-            control.refit(body.uri, body.version, body.epoch, body.low_memory)
+            control.refit(body.uri, body.version, body.epoch, body.low_memory,
+                          draft_uri=body.draft_uri)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
         except CheckpointError as exc:
@@ -278,14 +283,7 @@ class _EngineCollector:
         yield from self._handoff_families(labels, v)
         yield from self._device_families(labels, v)
         if s.speculative is not None:  # only with speculative decoding on
-            spec = s.speculative
-            yield counter("tandem_spec_drafts", "Decode steps that verified proposed tokens",
-                          values=spec.num_drafts)
-            yield counter("tandem_spec_proposed_tokens", "Proposed tokens verified",
-                          values=spec.num_draft_tokens)
-            yield counter("tandem_spec_accepted_tokens", "Proposed tokens accepted, by their "
-                          "position in the draft (0 = the first proposed)", "position",
-                          {str(i): n for i, n in enumerate(spec.accepted_per_position)})
+            yield from self._spec_families(labels, v, s.speculative)
 
     def _vllm_families(self, labels: list[str], v: list[str]):
         """The names vLLM v1 exports, meaning the same here (docs/metrics.md)."""
@@ -318,6 +316,30 @@ class _EngineCollector:
         yield w.stats.e2e_latency.family(
             "vllm:e2e_request_latency_seconds", "From the request's arrival at the engine to "
             "its finish there", labels, v)
+
+    def _spec_families(self, labels: list[str], v: list[str], spec: SpecDecodeStats):
+        """Speculative decoding: vLLM v1's spec_decode counters, meaning the same here,
+        and what verifying costs (docs/metrics.md)."""
+        w = self.worker
+        _, counter = _family_builders(labels, v)
+        yield counter("vllm:spec_decode_num_drafts", "Drafts verified: decode steps of a "
+                      "request that verified proposed tokens", values=spec.num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified",
+                      values=spec.num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                      values=spec.num_accepted_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens "
+                      "accepted, by their position in the draft (0 = the first proposed)",
+                      "position", {str(i): n for i, n in enumerate(spec.accepted_per_position)})
+        yield counter("tandem_spec_decode_num_draft_tokens_per_pos", "Proposed tokens "
+                      "verified, by their position in the draft: the exact acceptance rate at "
+                      "position i is accepted_per_pos / this (drafts may be shorter than k)",
+                      "position", {str(i): n for i, n in enumerate(spec.proposed_per_position)})
+        yield counter("tandem_spec_decode_steps", "Engine steps with decode tokens: kind "
+                      "verify (some request verified proposals) or plain (none did)", "kind",
+                      dict(w.stats.spec_steps))
+        yield counter("tandem_spec_decode_step_seconds", "Time in engine steps with decode "
+                      "tokens, by kind (verify, plain)", "kind", dict(w.stats.spec_step_seconds))
 
     def _handoff_families(self, labels: list[str], v: list[str]):
         """KV handoff: pins on a prefill engine, pulls on a decode engine."""

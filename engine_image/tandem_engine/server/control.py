@@ -73,19 +73,24 @@ class EngineControl:
         self.worker.announce_state()
 
     def refit(self, uri: str, version: str | None, epoch: int | None,
-              low_memory: bool = False) -> int:
-        """Load the checkpoint `uri` names (PAUSED, SUSPENDED or RESUMED). Raises
-        WeightsURIError (a ValueError) for a URI naming no local checkpoint,
-        RefitPathRefused (a ValueError) for a path outside the weights roots or no
-        checkpoint there, CheckpointError for one that does not fit the running model (the
-        old weights keep serving), EngineStateError in any other state. `low_memory`
-        streams the weights in tensor by tensor (peak 1x the weights plus one tensor)."""
+              low_memory: bool = False, draft_uri: str | None = None) -> int:
+        """Load the checkpoint `uri` names (PAUSED, SUSPENDED or RESUMED), and with it the
+        draft checkpoint `draft_uri` names (speculative method draft; None keeps the
+        engine's draft). Raises WeightsURIError (a ValueError) for a URI naming no local
+        checkpoint, RefitPathRefused (a ValueError) for a path outside the weights roots or
+        no checkpoint there (either URI: both are checked before anything loads),
+        CheckpointError for one that does not fit the running model (the old weights keep
+        serving), EngineStateError in any other state. `low_memory` streams the weights in
+        tensor by tensor (peak 1x the weights plus one tensor)."""
         try:
-            path = Path(checkpoint_path(uri, "refit uri"))
-            if self.weights_roots is not None:
-                path = self.weights_roots.admit(path)
-            epoch = self.engine.refit(path, version or uri, epoch, uri=uri,
-                                      low_memory=low_memory)
+            path = self._admit(uri, "refit uri")
+            if draft_uri is None:
+                epoch = self.engine.refit(path, version or uri, epoch, uri=uri,
+                                          low_memory=low_memory)
+            else:
+                draft = self._admit(draft_uri, "refit draft_uri")
+                epoch = self.engine.refit(path, version or uri, epoch, uri=uri,
+                                          low_memory=low_memory, draft=draft)
         except EngineStateError:
             self.refits["conflict"] += 1
             raise
@@ -95,6 +100,11 @@ class EngineControl:
         self.refits["succeeded"] += 1
         self.worker.announce_state()
         return epoch
+
+    def _admit(self, uri: str, what: str) -> Path:
+        """The local checkpoint a refit's `uri` names, inside the weights roots."""
+        path = Path(checkpoint_path(uri, what))
+        return path if self.weights_roots is None else self.weights_roots.admit(path)
 
     # ---- admission ------------------------------------------------------------------------
 

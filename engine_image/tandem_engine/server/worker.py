@@ -38,6 +38,7 @@ import zmq.asyncio
 from tandem_engine import protocol as p
 from tandem_engine.engine.llm_engine import LLMEngine
 from tandem_engine.engine.outputs import PromptScore, RequestOutput
+from tandem_engine.engine.stats import SpecDecodeStats, StepTiming
 from tandem_engine.errors import RequestRejected
 from tandem_engine.lifecycle import EngineState, EngineStateError
 from tandem_engine.sampling_params import SamplingParams
@@ -95,6 +96,21 @@ class WorkerStats:
         default_factory=lambda: LatencyHistogram(TOKEN_GAP_BUCKETS))
     e2e_latency: LatencyHistogram = field(
         default_factory=lambda: LatencyHistogram(REQUEST_BUCKETS))
+    # Speculative decoding's cost: decode steps that verified proposals ("verify") and
+    # those that verified none ("plain"), counted and timed (written by the stepping
+    # thread; steps without decode tokens are in neither).
+    spec_steps: dict[str, int] = field(default_factory=lambda: {"verify": 0, "plain": 0})
+    spec_step_seconds: dict[str, float] = field(
+        default_factory=lambda: {"verify": 0.0, "plain": 0.0})
+
+    def observe_spec_steps(self, timings: list[StepTiming], verified: bool) -> None:
+        """Count the decode steps in `timings` (one engine step's, as a rule) as steps
+        that verified proposals or not."""
+        kind = "verify" if verified else "plain"
+        for t in timings:
+            if t.num_decode_tokens:
+                self.spec_steps[kind] += 1
+                self.spec_step_seconds[kind] += t.total_s
 
     def observe_output(self, stream: _Stream, num_tokens: int, finish_reason: str | None,
                        now: float) -> None:
@@ -132,10 +148,18 @@ def stream_delta(stream: _Stream, out: RequestOutput) -> p.Output:
         num_prompt_tokens=len(out.prompt_token_ids), handoff=handoff, error=completion.error,
         num_cached_tokens=out.num_cached_tokens,
         prompt_logprobs=_prompt_logprobs(out) if stream.sent_tokens == 0 and new_ids
-        else None)
+        else None,
+        # The request's totals here, once: the router logs them when the request ends.
+        num_spec_proposed=out.num_spec_proposed if out.finished else 0,
+        num_spec_accepted=out.num_spec_accepted if out.finished else 0)
     stream.sent_tokens += len(new_ids)
     stream.sent_chars = max(stream.sent_chars, len(completion.text))
     return delta
+
+
+def _verified(before: SpecDecodeStats, after: SpecDecodeStats | None) -> bool:
+    """Whether a step between the two snapshots verified proposals."""
+    return after is not None and after.num_drafts > before.num_drafts
 
 
 def _prompt_logprobs(out: RequestOutput) -> list[p.TokenLogprobs] | None:
@@ -479,6 +503,7 @@ class EngineWorker:
             if not (s.has_unfinished_requests and s.state is EngineState.RUNNING):
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
+            spec_before = engine.stats.speculative
             try:
                 outputs = engine.step()
             except Exception as exc:
@@ -491,6 +516,9 @@ class EngineWorker:
             if timings:
                 self.stats.step_seconds.extend(t.total_s for t in timings)
                 del self.stats.step_seconds[:-10_000]
+                if spec_before is not None:
+                    self.stats.observe_spec_steps(
+                        timings, _verified(spec_before, engine.stats.speculative))
             for out in outputs:
                 self._emit(out)
 
