@@ -221,6 +221,21 @@ def test_refit_with_a_draft_needs_the_draft_method(tiny_llama: Path) -> None:
         assert engine.weight_epoch == 0  # nothing changed
 
 
+def test_sized_by_memory_fraction_both_pools_fit_where_one_did(tiny_llama: Path,
+                                                                 drafts) -> None:
+    from tandem_engine.config import ModelConfig
+    from tandem_engine.engine.draft_model import draft_kv_blocks
+
+    target = ModelConfig.from_dir(tiny_llama)
+    draft = ModelConfig.from_dir(drafts(tiny_llama))
+    per_token = target.kv_bytes_per_token(4)
+    for blocks in (7, 1000, 123_457):
+        shared = draft_kv_blocks(blocks, target, draft)
+        # 2 layers and 1 layer: two thirds of the blocks each, never more than fit.
+        assert shared * (per_token + draft.kv_bytes_per_token(4)) <= blocks * per_token
+        assert shared >= blocks * 2 // 3 - 1
+
+
 # ---- the draft-model command and bad inputs ------------------------------------------------
 
 def test_the_command_writes_a_draft_transformers_loads(tiny_qwen3: Path,

@@ -577,7 +577,8 @@ class LLMEngine:
         self._signal(Signal.UNPAUSE)
 
     def suspend(self, mode: KVMode | str = KVMode.PERSIST) -> int:
-        """Release KV memory (from PAUSED); returns the bytes of KV storage released."""
+        """Release KV memory (from PAUSED); returns the bytes of KV storage released (a
+        draft model's pool included: it is dropped, not kept, under offload too)."""
         try:
             kv_mode = KVMode(mode)
         except ValueError:
