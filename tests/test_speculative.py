@@ -42,7 +42,9 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 # ---- config ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("fields", "needles"), [
-    ({"method": "draft"}, ["method='draft'", "ngram"]),
+    ({"method": "mtp"}, ["method='mtp'", "ngram, draft"]),
+    ({"method": "draft"}, ["model=None", "--speculative-model"]),
+    ({"model": "d"}, ["model='d'", "only method draft"]),
     ({"num_speculative_tokens": 0}, ["num_speculative_tokens=0", "between 1 and 16"]),
     ({"num_speculative_tokens": 17}, ["num_speculative_tokens=17", "between 1 and 16"]),
     ({"prompt_lookup_min": 0}, ["prompt_lookup_min=0", "between 1"]),

@@ -50,8 +50,8 @@ DEFAULT_DEVICE = "auto"
 # is left of this share of the device's memory after the weights and a profiling step.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # Speculative decoding (off unless asked): proposal methods, and the n-gram method's defaults.
-# "draft" (a small draft model) and "mtp" (multi-token-prediction heads) are planned names.
-SPECULATIVE_METHODS = ("ngram",)
+# "mtp" (multi-token-prediction heads) is a planned name.
+SPECULATIVE_METHODS = ("ngram", "draft")
 DEFAULT_SPECULATIVE_TOKENS = 4
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_PROMPT_LOOKUP_MIN = 2
@@ -297,7 +297,8 @@ def add_speculative_flags(parser: argparse.ArgumentParser, whose: str = "") -> N
     parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                         help=f"{whose}speculative decoding: propose tokens by this method "
                         "and verify them all in one forward (ngram: prompt lookup in the "
-                        "request's own prompt and output); default off")
+                        "request's own prompt and output; draft: a small model of the same "
+                        "tokenizer, --speculative-model); default off")
     parser.add_argument("--speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS,
                         metavar="K", help="with --speculative-method: tokens proposed per "
                         f"step at most (1-{MAX_SPECULATIVE_TOKENS}; default %(default)s)")
@@ -309,7 +310,7 @@ def add_speculative_flags(parser: argparse.ArgumentParser, whose: str = "") -> N
                         "(default %(default)s)")
     parser.add_argument("--speculative-model", default=None, metavar="PATH",
                         help="draft: the draft checkpoint (a folder or GGUF file with the "
-                        "served model's tokenizer)")
+                        "served model's tokenizer; `tandem draft-model` makes one)")
 
 
 def speculative_from_flags(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -394,12 +395,12 @@ class SpeculativeConfig:
     guesses up to `num_speculative_tokens` next tokens, and one forward of the model
     verifies them all (engine/speculative.py).
 
-    `method` names the proposer; "ngram" (prompt lookup) is the one built: the tokens
-    that followed the most recent earlier occurrence of the request's last n tokens
-    (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and
-    output. "draft" proposes with a small checkpoint of the same tokenizer, `model` (a
-    folder or GGUF file); "mtp" with the multi-token-prediction heads of the served
-    checkpoint itself."""
+    `method` names the proposer. "ngram" (prompt lookup): the tokens that followed the
+    most recent earlier occurrence of the request's last n tokens (n from
+    `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and output.
+    "draft": the greedy tokens of a small checkpoint of the same tokenizer, `model` (a
+    folder or GGUF file; engine/draft_model.py). "mtp" (planned): the
+    multi-token-prediction heads of the served checkpoint itself."""
 
     method: str = "ngram"
     num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS

@@ -1,4 +1,4 @@
-"""The `tandem` command: models, serve, refit, generate, demo-model, bench."""
+"""The `tandem` command: models, serve, refit, generate, demo-model, draft-model, bench."""
 
 from __future__ import annotations
 
@@ -83,6 +83,17 @@ def _demo_model(args: argparse.Namespace) -> int:
                          "tandem demo-model DIR")
     path = _write_demo_model(folder, arch=args.arch, seed=args.seed, size=args.size)
     print(f"wrote {args.size} {args.arch} demo model (seed {args.seed}) to {path}")
+    return 0
+
+
+def _draft_model(args: argparse.Namespace) -> int:
+    from tandem_engine.cli.draft_model import write_draft_model
+
+    started = time.monotonic()
+    path = write_draft_model(args.target, args.out, args.layers)
+    print(f"wrote a {args.layers}-layer draft of {args.target} to {path} "
+          f"({time.monotonic() - started:.1f} s); use it with --speculative-method draft "
+          f"--speculative-model {path}")
     return 0
 
 
@@ -176,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the version of Tandem and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="run `tandem COMMAND --help` for its flags")
-    for add in (_add_demo_model, _add_generate, _add_serve, _add_models, _add_refit,
-                _add_bench):
+    for add in (_add_demo_model, _add_draft_model, _add_generate, _add_serve, _add_models,
+                _add_refit, _add_bench):
         add(sub)
     return parser
 
@@ -194,6 +205,23 @@ def _add_demo_model(sub) -> None:
     demo.add_argument("--size", choices=DEMO_MODEL_SIZES, default="tiny",
                       help="tiny: seconds to write, for tests; small and 1b: benchmark-sized")
     demo.set_defaults(func=_demo_model)
+
+
+def _add_draft_model(sub) -> None:
+    draft = sub.add_parser(
+        "draft-model", help="write a draft model for speculative decoding: the first K "
+        "layers of a checkpoint",
+        description="Cut a draft model from the served model: its first K decoder layers "
+        "with its embedding, final norm and output head, written as a HuggingFace-format "
+        "folder (config.json, model.safetensors, tokenizer files) for --speculative-method "
+        "draft --speculative-model OUT.")
+    draft.add_argument("target", metavar="TARGET", help="the served model: a checkpoint "
+                       "folder or a GGUF file")
+    draft.add_argument("out", metavar="OUT", help="folder to write the draft into (created; "
+                       "its files are overwritten)")
+    draft.add_argument("--layers", type=int, required=True, metavar="K",
+                       help="decoder layers the draft keeps: 1 to the target's count - 1")
+    draft.set_defaults(func=_draft_model)
 
 
 def _add_generate(sub) -> None:

@@ -35,6 +35,11 @@ from tandem_engine.core.kv import KVCacheManager
 from tandem_engine.core.kv.hashing import block_salt
 from tandem_engine.core.request import FinishReason, Request
 from tandem_engine.core.scheduler import Scheduler
+from tandem_engine.engine.draft_model import (
+    DraftModelProposer,
+    draft_kv_blocks,
+    load_draft_checkpoint,
+)
 from tandem_engine.engine.output_processor import OutputProcessor
 from tandem_engine.engine.outputs import PullPlan, RequestOutput
 from tandem_engine.engine.speculative import (
@@ -74,7 +79,10 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
-                 tensors: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
+                 tensors: dict[str, torch.Tensor], tokenizer: Tokenizer,
+                 source: str | Path | None = None) -> None:
+        """`source` is where the checkpoint came from (named in errors about a draft
+        model that does not match it)."""
         engine_config.validate()
         # From here on the config names a concrete device (auto resolved, a GPU checked).
         engine_config = dataclasses.replace(
@@ -90,6 +98,14 @@ class LLMEngine:
                 f"engine option max_model_len={engine_config.max_model_len} exceeds the "
                 f"model's context of {context} tokens (max_position_embeddings): lower it")
         self.model_context = engine_config.max_model_len or context
+        spec = engine_config.speculative
+        # The draft method's checkpoint, validated against this model before any sizing:
+        # its weights and pool share the memory the KV pool is sized from.
+        draft = None
+        if spec is not None and spec.method == "draft":
+            assert spec.model is not None  # SpeculativeConfig.validate
+            draft = load_draft_checkpoint(spec.model, source or "the served model",
+                                          model_config, tokenizer, dtype)
         runner: ModelRunner | None = None
         if kv_sized_by_memory_fraction(engine_config):
             # Load the weights beside a scratch pool, profile the largest step, then size
@@ -97,9 +113,14 @@ class LLMEngine:
             # of model_context tokens fits).
             runner = ModelRunner(model_config, engine_config, tensors,
                                  profile_step_blocks(engine_config), self.model_context)
-            num_blocks = num_kv_blocks(model_config, engine_config, dtype,
-                                       profile_step_memory(runner, engine_config),
+            profile = profile_step_memory(runner, engine_config)
+            if draft is not None:  # the draft's weights and a pool of as many blocks
+                profile = dataclasses.replace(profile,
+                                              weights=profile.weights + draft.weight_bytes)
+            num_blocks = num_kv_blocks(model_config, engine_config, dtype, profile,
                                        self.model_context)
+            if draft is not None:
+                num_blocks = draft_kv_blocks(num_blocks, model_config, draft.config)
             runner.resize_kv(num_blocks)
             log.info("KV cache sized by gpu_memory_utilization=%s: %d blocks (%.2f GiB)",
                      engine_config.gpu_memory_utilization, num_blocks, runner.kv_bytes / 2**30)
@@ -118,8 +139,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(
             tokenizer, frozenset(tokenizer.eos_token_ids or model_config.eos_token_ids),
             self.max_model_len)
-        spec = engine_config.speculative
-        self.proposer = make_proposer(spec) if spec is not None else None
+        self.proposer = None if spec is None else make_proposer(
+            spec, engine_config, draft, num_blocks, self.max_model_len, dtype)
+        # The draft method's proposer again, for the lifecycle (suspend, resume, refit).
+        self.draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
         self.spec_counters = SpecDecodeCounters()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -142,7 +165,7 @@ class LLMEngine:
         (see `load_checkpoint`)."""
         dtype = None if engine_config.dtype == "auto" else engine_config.dtype
         model_config, tensors = load_checkpoint(path, dtype, progress=progress)
-        engine = cls(model_config, engine_config, tensors, Tokenizer.from_path(path))
+        engine = cls(model_config, engine_config, tensors, Tokenizer.from_path(path), path)
         engine.set_weights(WeightIdentity(Path(path).resolve().as_uri(), "initial", 0))
         return engine
 
@@ -554,7 +577,8 @@ class LLMEngine:
         self._signal(Signal.UNPAUSE)
 
     def suspend(self, mode: KVMode | str = KVMode.PERSIST) -> int:
-        """Release KV memory (from PAUSED); returns the bytes of KV storage released."""
+        """Release KV memory (from PAUSED); returns the bytes of KV storage released (a
+        draft model's pool included: it is dropped, not kept, under offload too)."""
         try:
             kv_mode = KVMode(mode)
         except ValueError:
@@ -571,14 +595,17 @@ class LLMEngine:
                 # ignored).
                 for request_id in list(self._pulling):
                     self.complete_pull(request_id, ok=False)
+            if self.draft is not None and kv_mode is not KVMode.PERSIST:
+                # The draft's pool is not kept: every request catches up after the resume.
+                released += self.draft.release_kv()
             if kv_mode is KVMode.OFFLOAD:
-                released = self.runner.offload_kv()
+                released += self.runner.offload_kv()
             elif kv_mode is KVMode.RECOMPUTE:
                 # Checkpoint every in-flight request as prompt + generated tokens; the
                 # cache's contents are gone, so nothing may match them any more.
                 self.scheduler.preempt_all()
                 self.kv.reset_prefix_cache()
-                released = self.runner.free_kv()
+                released += self.runner.free_kv()
             self._suspend_mode = kv_mode
 
         self._signal(Signal.SUSPEND, release)
@@ -592,6 +619,8 @@ class LLMEngine:
                 self.runner.restore_kv()
             elif self._suspend_mode is KVMode.RECOMPUTE:
                 self.runner.allocate_kv()
+            if self.draft is not None:
+                self.draft.restore_kv()
             self._suspend_mode = None
 
         self._signal(Signal.RESUME, restore)
@@ -619,7 +648,7 @@ class LLMEngine:
 
     def refit(self, source: str | Path, version: str | None = None,
               epoch: int | None = None, uri: str | None = None,
-              low_memory: bool = False) -> int:
+              low_memory: bool = False, draft: str | Path | None = None) -> int:
         """Swap in the weights of checkpoint `source`, a folder or a GGUF file (PAUSED,
         SUSPENDED or RESUMED only). Everything is validated before any parameter changes;
         on error the old weights keep serving. Returns the new weight epoch: `epoch` when
@@ -627,15 +656,33 @@ class LLMEngine:
         same refit has the same epoch), else the current one + 1. `uri` is how the fleet names
         the checkpoint (default: its file:// URI). `low_memory` streams the new weights into
         the serving ones tensor by tensor (device peak: 1x the weights plus one tensor,
-        instead of old + new; `runner.last_refit_peak_bytes` says what it was)."""
+        instead of old + new; `runner.last_refit_peak_bytes` says what it was). `draft`
+        (method draft only) also swaps the draft model's weights for that checkpoint's
+        (same shape and vocabulary, validated with the rest before anything changes); its
+        KV of every request is dropped, and each request catches up once."""
         with self._lock:
             if self._state not in REFIT_STATES:
                 raise EngineStateError(
                     f"refit is not allowed in state {self._state}; allowed in "
                     f"{', '.join(sorted(str(s) for s in REFIT_STATES))}: pause first")
+            if draft is not None and self.draft is None:
+                method = "off" if self.proposer is None else self.config.speculative.method
+                raise ValueError(
+                    f"refit draft={str(draft)!r}: this engine has no draft model "
+                    f"(speculative decoding: {method}); give draft only to an engine "
+                    "started with speculative method draft, or leave it out")
             dtype = str(self.runner.dtype).removeprefix("torch.")
             config, tensors = load_checkpoint(source, dtype, reference=self.model_config)
+            draft_checkpoint = None
+            if draft is not None:
+                assert self.draft is not None
+                draft_checkpoint = load_draft_checkpoint(
+                    draft, source, config, self.tokenizer, dtype,
+                    reference=self.draft.model_config)
             self.runner.load_weights(tensors, low_memory=low_memory)
+            if draft_checkpoint is not None:
+                assert self.draft is not None
+                self.draft.load_weights(draft_checkpoint)
             self.model_config = config
             new_epoch = self.weight_epoch + 1 if epoch is None else epoch
             self._weights = WeightIdentity(uri or Path(source).resolve().as_uri(),

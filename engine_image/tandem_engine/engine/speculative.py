@@ -22,7 +22,8 @@ budget or the proposals were.
 
 The n-gram proposer (prompt lookup) needs no second model. Its back-off keeps
 workloads that do not repeat themselves from paying for verification that fails: see
-`AcceptanceBackoff`.
+`AcceptanceBackoff`. The draft proposer (engine/draft_model.py) runs a small checkpoint
+of the same tokenizer, proposing its greedy tokens: q is a point mass there too.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tandem_engine.config import SpeculativeConfig
+from tandem_engine.config import EngineConfig, SpeculativeConfig
 from tandem_engine.core.request import Request
+from tandem_engine.engine.draft_model import DraftCheckpoint, DraftModelProposer
 from tandem_engine.engine.stats import SpecDecodeStats
 
 # Back-off (per request): an exponential moving average of the fraction of each
@@ -170,9 +172,21 @@ class NgramProposer:
         self._backoff.pop(request_id, None)
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def make_proposer(config: SpeculativeConfig, engine_config: EngineConfig | None = None,
+                  draft: DraftCheckpoint | None = None, num_blocks: int = 0,
+                  max_model_len: int = 0, dtype: str = "float32") -> Proposer:
+    """The proposer of `config.method`. The draft method also needs the engine's config,
+    its draft checkpoint (loaded and checked against the served model by
+    `load_draft_checkpoint`), the blocks of its KV pool, the engine's max_model_len and
+    the served model's dtype."""
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "draft":
+        if engine_config is None or draft is None or num_blocks < 1 or max_model_len < 1:
+            raise ValueError("the draft method needs the engine config, the draft "
+                             "checkpoint, num_blocks and max_model_len")
+        return DraftModelProposer(config, engine_config, draft, num_blocks, max_model_len,
+                                  dtype)
     raise ValueError(f"speculative method {config.method!r} has no proposer")
 
 

@@ -3,12 +3,15 @@
 It turns a `SchedulerOutput` into flat input tensors and attention metadata, runs the
 forward pass, and returns the logits of the rows that sample a token (with
 speculative decoding, every position of a chunk with a draft: its last token's and one
-per proposal). It knows nothing of queues or stop conditions.
+per proposal). `forward_runs` runs token runs that are no request's tokens yet (a
+draft model's proposals) and returns their last positions' logits. It knows nothing of
+queues or stop conditions.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -397,3 +400,55 @@ class ModelRunner:
         prompt_logits = [(request, first, self.model.compute_logits(hidden.index_select(0, rows)))
                          for request, first, rows in step.prompt_rows]
         return StepBatch(logits, step.requests, step.drafts, prompt_logits)
+
+    # ---- token runs that are no request's tokens (a draft model's proposals) ---------------
+
+    @torch.inference_mode()
+    def forward_runs(self, runs: Sequence[TokenRun]) -> torch.Tensor:
+        """Run each `TokenRun` through the model, writing its KV into its blocks' slots;
+        return the logits of each run's last position, [len(runs), vocab] float32, in
+        `runs` order. `prepare` reads tokens from the requests themselves, but a draft
+        model's proposals are in no request's token_ids yet. Never a CUDA graph."""
+        assert self.kv_cache is not None, "forward_runs while the KV pool is released"
+        bs = self.block_size
+        # Single tokens are laid out first, as decodes; longer runs after them.
+        order = sorted(range(len(runs)), key=lambda i: len(runs[i].token_ids) > 1)
+        decodes = [runs[i] for i in order if len(runs[i].token_ids) == 1]
+        prefills = [runs[i] for i in order if len(runs[i].token_ids) > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_rows = [0] * len(runs)
+        for i in order:
+            run = runs[i]
+            end = run.start + len(run.token_ids)
+            input_ids.extend(run.token_ids)
+            positions.extend(range(run.start, end))
+            slots.extend(run.block_table[p // bs] * bs + p % bs for p in range(run.start, end))
+            last_rows[i] = len(input_ids) - 1
+        decode_tables = [r.block_table for r in decodes]
+        decode_lens = [r.start + 1 for r in decodes]
+        prefill_specs = [(r.start, len(r.token_ids), r.block_table) for r in prefills]
+        meta = build_metadata(decode_tables=decode_tables, decode_ctx_lens=decode_lens,
+                              prefill_specs=prefill_specs, slot_mapping=slots, block_size=bs,
+                              device=self.device, buffers=self.gather_buffers,
+                              native=self.native)
+        if self.kernels == "flex":
+            meta.flex = self._flex_backend().prepare(decode_tables, decode_lens, prefill_specs)
+        dev = self.device
+        cos, sin = self.rope.lookup(torch.tensor(positions, dtype=torch.long, device=dev))
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), cos, sin,
+                            self.kv_cache, meta)
+        rows = torch.tensor(last_rows, dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+
+@dataclass(frozen=True)
+class TokenRun:
+    """Tokens at positions start.. of one sequence whose KV lives in `block_table`
+    (which covers every position up to the run's end); the positions before `start` are
+    in the cache already."""
+
+    token_ids: Sequence[int]
+    start: int
+    block_table: list[int]
