@@ -22,10 +22,9 @@ from tandem_engine.config import EngineConfig, SpeculativeConfig
 from tandem_engine.core.kv import KVCacheManager
 from tandem_engine.core.request import Request
 from tandem_engine.core.scheduler import Scheduler
+from tandem_engine.engine.backoff import BACKOFF_FIRST_PAUSE, AcceptanceBackoff
 from tandem_engine.engine.llm import LLM
 from tandem_engine.engine.speculative import (
-    BACKOFF_FIRST_PAUSE,
-    AcceptanceBackoff,
     SpecDecodeCounters,
     accepted_length,
     propose_ngram,

@@ -67,7 +67,9 @@ def test_greedy_tokens_and_logprobs_equal_without_speculation(tiny_model: Path,
     small = LLM(tiny_model, speculative_config=_spec(drafts(tiny_model)))
     _assert_same(want, small.generate(MIXED, params), logprobs=True)
     stats = small.engine.stats.speculative
-    assert stats.num_drafts > 20 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    # Rejections happen (the back-off pauses a request whose drafts keep failing, so a
+    # poor 1-layer draft verifies fewer drafts than steps; acceptances: the draft below).
+    assert stats.num_drafts > 10 and stats.num_accepted_tokens < stats.num_draft_tokens
     _assert_pools_empty(small)
     # The target as its own draft proposes exactly its greedy tokens: all accepted.
     itself = LLM(tiny_model, speculative_config=_spec(tiny_model))
@@ -166,10 +168,11 @@ def test_seeded_sampling_draws_the_same_tokens(tiny_qwen3: Path, drafts) -> None
                              ignore_eos=True, logprobs=1)
               for i, t in enumerate([0.3, 0.6, 1.0, 0.8])]
     want = LLM(tiny_qwen3).generate(prompts, params)
-    for draft in (tiny_qwen3, drafts(tiny_qwen3)):
+    for draft, accepted_at_least in ((tiny_qwen3, 10), (drafts(tiny_qwen3), 0)):
         spec = LLM(tiny_qwen3, speculative_config=_spec(draft))
         _assert_same(want, spec.generate(prompts, params), logprobs=True)
-        assert spec.engine.stats.speculative.num_accepted_tokens > 10
+        stats = spec.engine.stats.speculative
+        assert stats.num_drafts > 4 and stats.num_accepted_tokens >= accepted_at_least
         _assert_pools_empty(spec)
 
 
@@ -283,3 +286,37 @@ def test_bad_inputs_name_the_input_the_limit_and_the_fix(tiny_llama: Path, tiny_
     assert tandem_main(["draft-model", str(missing), str(tmp_path / "d"), "--layers",
                         "1"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_admin_refit_loads_the_draft_it_names_inside_the_weights_roots(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """POST /v1/refit with draft_uri (what the fleet's orchestrator sends): the draft is
+    reloaded with the weights; one outside the weights roots is refused before either
+    checkpoint loads."""
+    from fastapi.testclient import TestClient
+    from tandem_engine.server.admin import build_admin_app
+    from tandem_engine.server.control import EngineControl
+    from tandem_engine.server.weights_roots import REFUSED, WeightsRoots
+    from tandem_engine.server.worker import EngineWorker
+
+    roots = tmp_path / "weights"
+    model = Path(shutil.copytree(tiny_llama, roots / "model"))
+    first = write_draft_model(model, roots / "draft-v1", 1)
+    second = write_draft_model(model, roots / "draft-v2", 1)
+    outside = write_draft_model(model, tmp_path / "elsewhere", 1)
+    llm = LLM(model, speculative_config=_spec(first))
+    worker = EngineWorker(llm.engine, engine_id="e0", model_name="tiny")
+    control = EngineControl(worker, WeightsRoots.of([roots], model))
+    client = TestClient(build_admin_app(control))
+    assert client.post("/v1/pause").status_code == 200
+    refused = client.post("/v1/refit", json={"uri": model.as_uri(), "version": "v2",
+                                             "draft_uri": outside.as_uri()})
+    assert refused.status_code == 400 and REFUSED in refused.json()["error"]["message"]
+    assert llm.engine.weight_epoch == 0 and llm.engine.draft.path == first
+    ok = client.post("/v1/refit", json={"uri": model.as_uri(), "version": "v2",
+                                        "draft_uri": second.as_uri()})
+    assert ok.status_code == 200, ok.text
+    assert llm.engine.weight_version == "v2" and llm.engine.draft.path == second
+    assert client.post("/v1/unpause").status_code == 200
+    want = LLM(tiny_llama).generate(PROMPTS[:2], GREEDY)
+    _assert_same(want, llm.generate(PROMPTS[:2], GREEDY))

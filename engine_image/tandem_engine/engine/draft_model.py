@@ -47,6 +47,7 @@ import torch
 from tandem_engine.config import EngineConfig, ModelConfig, SpeculativeConfig
 from tandem_engine.core.kv import KVCacheManager
 from tandem_engine.core.request import Request
+from tandem_engine.engine.backoff import Backoffs
 from tandem_engine.errors import CheckpointError
 from tandem_engine.model.checkpoint import load_checkpoint
 from tandem_engine.model.runner import ModelRunner, TokenRun
@@ -166,6 +167,7 @@ class DraftModelProposer:
         # Positions past the draft's own context get no proposals.
         self.max_position = min(max_model_len, checkpoint.config.max_position_embeddings)
         self._states: dict[str, DraftState] = {}
+        self.backoffs = Backoffs()
 
     # ---- the Proposer protocol -------------------------------------------------------------
 
@@ -176,7 +178,7 @@ class DraftModelProposer:
         for i, (request, limit) in enumerate(zip(requests, limits, strict=True)):
             k = min(self.config.num_speculative_tokens, limit,
                     self.max_position - request.num_tokens)
-            if k < 1:
+            if k < 1 or not self.backoffs.allows(request):
                 continue
             state = self._state(request)
             # Slots up to proposal k-2's position: proposal k-1 is never run by the draft.
@@ -201,10 +203,12 @@ class DraftModelProposer:
         return drafts
 
     def observe(self, request: Request, proposed: int, accepted: int) -> None:
-        """Nothing to learn: the next proposal reads what was accepted from the request's
-        own tokens."""
+        """Back off a request whose drafts keep failing (what was accepted, the next
+        proposal reads from the request's own tokens)."""
+        self.backoffs.observe(request, proposed, accepted)
 
     def forget(self, request_id: str) -> None:
+        self.backoffs.forget(request_id)
         self._states.pop(request_id, None)
         self.kv.free(request_id)
 

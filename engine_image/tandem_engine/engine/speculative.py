@@ -20,9 +20,9 @@ consumed one draw per emitted token (draws at positions after a rejection are ta
 back): its tokens are the ones it draws without speculation, whatever the batch, the
 budget or the proposals were.
 
-The n-gram proposer (prompt lookup) needs no second model. Its back-off keeps
-workloads that do not repeat themselves from paying for verification that fails: see
-`AcceptanceBackoff`. The draft proposer (engine/draft_model.py) runs a small checkpoint
+The n-gram proposer (prompt lookup) needs no second model. A back-off (every method's,
+engine/backoff.py) keeps workloads a proposer cannot predict from paying for
+verification that fails. The draft proposer (engine/draft_model.py) runs a small checkpoint
 of the same tokenizer, proposing its greedy tokens: q is a point mass there too.
 """
 
@@ -35,21 +35,9 @@ from typing import Protocol
 
 from tandem_engine.config import EngineConfig, SpeculativeConfig
 from tandem_engine.core.request import Request
+from tandem_engine.engine.backoff import Backoffs
 from tandem_engine.engine.draft_model import DraftCheckpoint, DraftModelProposer
 from tandem_engine.engine.stats import SpecDecodeStats
-
-# Back-off (per request): an exponential moving average of the fraction of each
-# verified draft that was accepted, weighting the newest draft by BACKOFF_WEIGHT. When it
-# falls under BACKOFF_THRESHOLD, the request stops proposing for `pause` generated tokens,
-# then tries again with its estimate reset to BACKOFF_RETRY; each pause that follows
-# another without an accepted proposal in between doubles, up to BACKOFF_MAX_PAUSE. A
-# request whose drafts are rejected twice in a row thus pauses for 8, 16, 32, ... tokens,
-# and one with a copy-heavy stretch later comes back to proposing within its pause.
-BACKOFF_WEIGHT = 0.5
-BACKOFF_THRESHOLD = 0.3
-BACKOFF_RETRY = 0.5
-BACKOFF_FIRST_PAUSE = 8
-BACKOFF_MAX_PAUSE = 256
 
 
 def propose_ngram(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -111,28 +99,6 @@ class DraftedHistory:
         return self.request.token_ids + list(self.draft)
 
 
-@dataclass
-class AcceptanceBackoff:
-    """One request's recent acceptance and whether it may propose now (module docstring:
-    the BACKOFF_* constants)."""
-
-    rate: float = 1.0
-    pause: int = BACKOFF_FIRST_PAUSE
-    resume_at: int = 0  # the request's output-token count from which it proposes again
-
-    def allows(self, num_output_tokens: int) -> bool:
-        return num_output_tokens >= self.resume_at
-
-    def observe(self, proposed: int, accepted: int, num_output_tokens: int) -> None:
-        if accepted:
-            self.pause = BACKOFF_FIRST_PAUSE
-        self.rate += BACKOFF_WEIGHT * (accepted / proposed - self.rate)
-        if self.rate < BACKOFF_THRESHOLD:
-            self.resume_at = num_output_tokens + self.pause
-            self.pause = min(2 * self.pause, BACKOFF_MAX_PAUSE)
-            self.rate = BACKOFF_RETRY
-
-
 class Proposer(Protocol):
     """What the engine needs of a proposal method. `propose` gets the step's candidate
     decodes together (each has exactly one token not yet computed: its last) with the
@@ -149,7 +115,7 @@ class Proposer(Protocol):
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
-        self._backoff: dict[str, AcceptanceBackoff] = {}
+        self.backoffs = Backoffs()
 
     def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
         return [self.propose_one(request, limit)
@@ -158,18 +124,16 @@ class NgramProposer:
     def propose_one(self, request: Request, limit: int) -> list[int]:
         """Up to min(k, `limit`) tokens to verify after the request's last token."""
         k = min(self.config.num_speculative_tokens, limit)
-        backoff = self._backoff.get(request.request_id)
-        if k < 1 or (backoff is not None and not backoff.allows(request.num_output_tokens)):
+        if k < 1 or not self.backoffs.allows(request):
             return []
         return propose_ngram(request.token_ids, k, self.config.prompt_lookup_min,
                              self.config.prompt_lookup_max)
 
     def observe(self, request: Request, proposed: int, accepted: int) -> None:
-        backoff = self._backoff.setdefault(request.request_id, AcceptanceBackoff())
-        backoff.observe(proposed, accepted, request.num_output_tokens)
+        self.backoffs.observe(request, proposed, accepted)
 
     def forget(self, request_id: str) -> None:
-        self._backoff.pop(request_id, None)
+        self.backoffs.forget(request_id)
 
 
 def make_proposer(config: SpeculativeConfig, engine_config: EngineConfig | None = None,

@@ -84,13 +84,9 @@ class EngineControl:
         tensor by tensor (peak 1x the weights plus one tensor)."""
         try:
             path = self._admit(uri, "refit uri")
-            if draft_uri is None:
-                epoch = self.engine.refit(path, version or uri, epoch, uri=uri,
-                                          low_memory=low_memory)
-            else:
-                draft = self._admit(draft_uri, "refit draft_uri")
-                epoch = self.engine.refit(path, version or uri, epoch, uri=uri,
-                                          low_memory=low_memory, draft=draft)
+            draft = None if draft_uri is None else self._admit(draft_uri, "refit draft_uri")
+            epoch = self.engine.refit(path, version or uri, epoch, uri=uri,
+                                      low_memory=low_memory, draft=draft)
         except EngineStateError:
             self.refits["conflict"] += 1
             raise
