@@ -12,7 +12,8 @@ Three workloads on the real model (SmolLM2-135M-Instruct, GGUF, greedy):
 
 Each workload runs at batch 1 (requests one after another), 4 and 16 (that many at
 once; a workload with fewer prompts than the batch cycles through them), with
-speculation off and on, on one engine each (same weights, same process). Reported:
+speculation off and on, on one engine each (same weights, same process; each batch runs
+on one engine, then on the other, so a change in load falls on both). Reported:
 generated tokens/s, mean per-request latency, the speed-up, whether the tokens were
 identical, and for the speculative runs the acceptance rate per draft position.
 
@@ -119,24 +120,33 @@ def random_workload(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(300, vocab) for _ in range(rng.randint(16, 200))] for _ in range(n)]
 
 
-def run(llm, prompts: list[list[int]], params, batch: int) -> dict:
-    """Requests `batch` at a time; tokens/s over the whole run and mean latency."""
-    engine = llm.engine
-    before = engine.stats.speculative
-    start = time.perf_counter()
-    latencies, outputs = [], []
+def run(engines: dict, prompts: list[list[int]], params, batch: int) -> dict:
+    """Requests `batch` at a time, each batch on every engine in turn (so a change in the
+    machine's load falls on all of them alike); per engine: tokens/s over its own time
+    and the mean latency of its requests."""
+    before = {mode: llm.engine.stats.speculative for mode, llm in engines.items()}
+    elapsed = dict.fromkeys(engines, 0.0)
+    latencies: dict[str, list[float]] = {mode: [] for mode in engines}
+    outputs: dict[str, list] = {mode: [] for mode in engines}
     for i in range(0, len(prompts), batch):
-        t = time.perf_counter()
-        outs = llm.generate(prompts[i:i + batch], params)
-        latencies += [time.perf_counter() - t] * len(outs)
-        outputs += outs
-    elapsed = time.perf_counter() - start
+        for mode, llm in engines.items():
+            t = time.perf_counter()
+            outs = llm.generate(prompts[i:i + batch], params)
+            took = time.perf_counter() - t
+            elapsed[mode] += took
+            latencies[mode] += [took] * len(outs)
+            outputs[mode] += outs
+    return {mode: _summary(llm, before[mode], elapsed[mode], latencies[mode], outputs[mode])
+            for mode, llm in engines.items()}
+
+
+def _summary(llm, before, elapsed: float, latencies: list[float], outputs: list) -> dict:
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result = {"tokens": tokens, "seconds": round(elapsed, 3),
               "tokens_per_s": round(tokens / elapsed, 1),
               "mean_latency_s": round(statistics.mean(latencies), 3),
               "token_ids": [o.outputs[0].token_ids for o in outputs]}
-    after = engine.stats.speculative
+    after = llm.engine.stats.speculative
     if after is not None:
         drafts = after.num_drafts - before.num_drafts
         per_position = [a - (before.accepted_per_position[i]
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, prompts in workloads.items():
         for batch in (int(b) for b in args.batches.split(",")):
             requests = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
-            row = {mode: run(llm, requests, params, batch) for mode, llm in engines.items()}
+            row = run(engines, requests, params, batch)
             same = row["on"].pop("token_ids") == row["off"].pop("token_ids")
             speedup = row["on"]["tokens_per_s"] / row["off"]["tokens_per_s"]
             results[f"{name} batch {batch}"] = {**row, "speedup": round(speedup, 2),

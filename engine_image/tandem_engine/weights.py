@@ -95,3 +95,8 @@ class WeightIdentity:
     uri: str
     version: str
     epoch: int
+
+
+def format_bytes(n: int) -> str:
+    """A checkpoint's (or any) byte count as people read it: "97.9 MB", "1.24 GB"."""
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"

@@ -47,7 +47,7 @@ from tandem_engine.cli.progress import Status, StatusBlock, render
 from tandem_engine.errors import TandemError
 from tandem_engine.lifecycle import EngineRole, EngineState
 from tandem_engine.router.auth import API_KEY_ENV
-from tandem_engine.weights import WeightsURIError, checkpoint_path
+from tandem_engine.weights import WeightsURIError, checkpoint_path, format_bytes
 from tandem_engine.zmq_auth import ALL_VARIABLES, stack_environments
 
 _PR_SET_PDEATHSIG = 1
@@ -106,18 +106,14 @@ def engine_status(state: dict | None) -> Status:
     if total and done < total:
         files = f"{loading.get('files_done', 0)} of {loading.get('files_total', 0)} files"
         return Status(loading.get("phase", "loading the model"),
-                      f"{_size(done)} of {_size(total)}, {100 * done / total:.0f}%, {files}, "
-                      f"{seconds}")
+                      f"{format_bytes(done)} of {format_bytes(total)}, "
+                      f"{100 * done / total:.0f}%, {files}, {seconds}")
     return Status(loading.get("phase", "loading the model"), seconds)
 
 
 def phase_block(states: dict[str, dict | None]) -> list[str]:
     """The lines `tandem serve` shows for engines loading, from each one's `/v1/state`."""
     return render({name: engine_status(state) for name, state in states.items()})
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 def _drop_flags(args: list[str], flags: Sequence[str]) -> list[str]:

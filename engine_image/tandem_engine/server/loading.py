@@ -30,7 +30,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from tandem_engine.lifecycle import EngineState
 from tandem_engine.server.metric_families import engine_state_family, weights_info_family
-from tandem_engine.weights import WeightIdentity
+from tandem_engine.weights import WeightIdentity, format_bytes
 
 if TYPE_CHECKING:
     from tandem_engine.model.checkpoint import LoadProgress
@@ -120,12 +120,8 @@ class ModelLoad:
 
 def describe(p: LoadProgress) -> str:
     share = f" ({100 * p.bytes_done / p.bytes_total:.0f}%)" if p.bytes_total else ""
-    return (f"{_size(p.bytes_done)} of {_size(p.bytes_total)}{share}, "
+    return (f"{format_bytes(p.bytes_done)} of {format_bytes(p.bytes_total)}{share}, "
             f"{p.files_done} of {p.files_total} files")
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
 @dataclass(frozen=True)
@@ -191,7 +187,8 @@ def build_loading_app(engine: LoadingEngine, load: ModelLoad, *, admin: bool) ->
     @app.post("/{path:path}")
     def not_yet(path: str) -> JSONResponse:
         loading = load.as_dict()
-        done = f"{_size(loading['bytes_done'])} of {_size(loading['bytes_total'])}"
+        done = (f"{format_bytes(loading['bytes_done'])} of "
+                f"{format_bytes(loading['bytes_total'])}")
         message = (f"engine {engine.engine_id} is still loading its model ({done} after "
                    f"{loading['seconds']:.0f} s): POST /{path} is possible once GET /readyz "
                    "answers 200; GET /v1/state shows the progress")
