@@ -49,6 +49,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
     ({"prompt_lookup_min": 0}, ["prompt_lookup_min=0", "between 1"]),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2},
      ["prompt_lookup_max=2", "prompt_lookup_min (3)", "raise it"]),
+    ({"disable_by_batch_size": 0}, ["disable_by_batch_size=0", "positive integer", "unset"]),
 ])
 def test_bad_speculative_config_names_the_field_the_limit_and_the_fix(
         fields: dict, needles: list[str]) -> None:
@@ -588,3 +589,17 @@ def test_metrics_count_drafts_and_accepted_tokens_by_position(tiny_llama: Path) 
     assert all(by_position[i] <= verified[i] for i in verified)
     assert families["vllm:spec_decode_num_drafts"][0].value == stats.num_drafts > 0
     assert "vllm:spec_decode_num_draft_tokens" not in scrape(plain)  # off: not exported
+
+
+def test_no_proposals_in_steps_with_more_running_requests_than_disable_by_batch_size(
+        tiny_llama: Path) -> None:
+    """vLLM's disable_by_batch_size: four requests decoding together never propose past a
+    cap of 2 (they finish together), two do; the tokens are the same either way."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = LLM(tiny_llama)
+    capped = LLM(tiny_llama, speculative_config={**SPEC, "disable_by_batch_size": 2})
+    four = PROMPTS[:4]
+    _assert_same(plain.generate(four, params), capped.generate(four, params))
+    assert capped.engine.stats.speculative.num_drafts == 0
+    _assert_same(plain.generate(four[:2], params), capped.generate(four[:2], params))
+    assert capped.engine.stats.speculative.num_drafts > 0

@@ -308,6 +308,10 @@ def add_speculative_flags(parser: argparse.ArgumentParser, whose: str = "") -> N
     parser.add_argument("--speculative-ngram-max", type=int, default=DEFAULT_PROMPT_LOOKUP_MAX,
                         metavar="N", help="ngram: longest suffix looked up first "
                         "(default %(default)s)")
+    parser.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                        metavar="N", help="propose nothing in a step with more than N running "
+                        "requests (at large batches verification costs more than it saves); "
+                        "default: always propose")
     parser.add_argument("--speculative-model", default=None, metavar="PATH",
                         help="draft: the draft checkpoint (a folder or GGUF file with the "
                         "served model's tokenizer; `tandem draft-model` makes one)")
@@ -320,7 +324,8 @@ def speculative_from_flags(args: argparse.Namespace) -> SpeculativeConfig | None
         return None
     config = SpeculativeConfig(args.speculative_method, args.speculative_tokens,
                                args.speculative_ngram_min, args.speculative_ngram_max,
-                               args.speculative_model)
+                               args.speculative_model,
+                               args.speculative_disable_by_batch_size)
     config.validate()
     return config
 
@@ -336,6 +341,9 @@ def speculative_flags(args: argparse.Namespace) -> list[str]:
              "--speculative-ngram-max", str(args.speculative_ngram_max)]
     if args.speculative_model is not None:
         flags += ["--speculative-model", args.speculative_model]
+    if args.speculative_disable_by_batch_size is not None:
+        flags += ["--speculative-disable-by-batch-size",
+                  str(args.speculative_disable_by_batch_size)]
     return flags
 
 
@@ -407,6 +415,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     model: str | None = None  # method "draft": the draft checkpoint
+    # vLLM's name: no proposals in a step with more running requests than this (None:
+    # always propose). Verifying k proposals costs k more positions per request; at a
+    # large batch the step is compute-bound and they cost more than they save.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def of(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
@@ -446,6 +458,11 @@ class SpeculativeConfig:
               and 1 <= self.prompt_lookup_min <= MAX_PROMPT_LOOKUP,
               "prompt_lookup_min", self.prompt_lookup_min,
               f"must be an integer between 1 and {MAX_PROMPT_LOOKUP} tokens")
+        check(self.disable_by_batch_size is None or (
+              _is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
+              "disable_by_batch_size", self.disable_by_batch_size,
+              "must be a positive integer (the most running requests a step may have and "
+              "still propose), or unset to always propose")
         check(_is_int(self.prompt_lookup_max)
               and self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP,
               "prompt_lookup_max", self.prompt_lookup_max,

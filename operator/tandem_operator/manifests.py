@@ -204,6 +204,8 @@ def speculative_args(spec: PoolSpec, draft_uri: str | None) -> list[str]:
     if s.method is SpeculativeMethod.NGRAM:
         args += ["--speculative-ngram-min", str(s.prompt_lookup_min),
                  "--speculative-ngram-max", str(s.prompt_lookup_max)]
+    if s.disable_by_batch_size is not None:
+        args += ["--speculative-disable-by-batch-size", str(s.disable_by_batch_size)]
     if draft_uri is not None:
         args += ["--speculative-model", checkpoint_path(draft_uri)]
     return args

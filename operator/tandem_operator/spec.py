@@ -146,6 +146,7 @@ class Speculative:
     num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    disable_by_batch_size: int | None = None  # None: always propose
 
 
 @dataclass(frozen=True)
@@ -670,8 +671,9 @@ def _speculative(e: Mapping[str, Any]) -> Speculative | None:
     if high < low:
         raise SpecError(f"{path}.promptLookupMax = {high} is below promptLookupMin = {low}: "
                         "raise promptLookupMax or lower promptLookupMin")
+    cap = _int(d, "disableByBatchSize", path, None, 1, 1024)  # as maxNumSeqs
     return Speculative(method=method, num_speculative_tokens=tokens, prompt_lookup_min=low,
-                       prompt_lookup_max=high)
+                       prompt_lookup_max=high, disable_by_batch_size=cap)
 
 
 def parse_pool(body: Mapping[str, Any]) -> PoolSpec:

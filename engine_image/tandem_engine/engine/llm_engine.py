@@ -472,6 +472,11 @@ class LLMEngine:
         proposer sees the step's candidates together (a draft model proposes for all of
         them in one batch)."""
         assert self.proposer is not None
+        cap = self.config.speculative.disable_by_batch_size if self.config.speculative else None
+        if cap is not None and len(self.scheduler.running) > cap:
+            for request in self.scheduler.running:
+                request.spec_token_ids = []
+            return
         candidates: list[Request] = []
         limits: list[int] = []
         for request in self.scheduler.running:
