@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None,
                     help="the served checkpoint (default: the pulled SmolLM2-135M-Instruct)")
     ap.add_argument("--tokens", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--disable-by-batch-size", type=int, default=None,
+                    help="no proposals in a step with more running requests than this")
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -189,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         spec.update(prompt_lookup_min=args.ngram_min, prompt_lookup_max=args.ngram_max)
     if args.method == "draft":
         spec["model"] = args.draft_model
+    if args.disable_by_batch_size is not None:
+        spec["disable_by_batch_size"] = args.disable_by_batch_size
     engines = {"off": LLM(model), "on": LLM(model, speculative_config=spec)}
     print(f"model {model}, speculative {spec}, {args.threads} threads, "
           f"CPU {cpu()}", flush=True)
