@@ -50,10 +50,12 @@ DEFAULT_DEVICE = "auto"
 # is left of this share of the device's memory after the weights and a profiling step.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # Speculative decoding (off unless asked): proposal methods, and the n-gram method's defaults.
-# "draft" (a small draft model) and "mtp" (multi-token-prediction heads) are planned names.
-SPECULATIVE_METHODS = ("ngram",)
+# "draft" (a small draft model) is a planned name; "mtp" proposes with the served
+# checkpoint's multi-token-prediction heads (model/mtp.py, docs/mtp.md).
+SPECULATIVE_METHODS = ("ngram", "mtp")
 DEFAULT_SPECULATIVE_TOKENS = 4
 MAX_SPECULATIVE_TOKENS = 16
+MTP_HIDDEN_ACTS = ("silu", "identity")
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 4
 MAX_PROMPT_LOOKUP = 64
@@ -90,6 +92,11 @@ class ModelConfig:
     dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Multi-token-prediction heads stored beside the model (`mtp.{i}.weight`, optional
+    # `mtp.{i}.bias`; model/mtp.py): config.json's "num_mtp_heads" (0: none) and
+    # "mtp_hidden_act" (silu, Medusa's residual block; identity, a linear residual).
+    num_mtp_heads: int = 0
+    mtp_hidden_act: str = "silu"
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -165,6 +172,15 @@ class ModelConfig:
 
         attention_bias = bool(raw.get("attention_bias", False))
         qwen2 = arch == "Qwen2ForCausalLM"
+        num_mtp_heads = raw.get("num_mtp_heads", 0)
+        if not _is_int(num_mtp_heads) or num_mtp_heads < 0:
+            raise CheckpointError(f"{source}: num_mtp_heads must be a non-negative integer "
+                                  f"(the multi-token-prediction heads stored as mtp.{{i}}.weight),"
+                                  f" got {num_mtp_heads!r}")
+        mtp_act = raw.get("mtp_hidden_act", "silu")
+        if mtp_act not in MTP_HIDDEN_ACTS:
+            raise CheckpointError(f"{source}: mtp_hidden_act {mtp_act!r} is not supported; "
+                                  f"use one of {', '.join(MTP_HIDDEN_ACTS)}")
         return cls(
             architecture=arch,
             vocab_size=positive_int("vocab_size", need("vocab_size")),
@@ -188,6 +204,8 @@ class ModelConfig:
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int)
             else None,
+            num_mtp_heads=num_mtp_heads,
+            mtp_hidden_act=mtp_act,
         )
 
     def shape_fields(self) -> dict[str, Any]:
@@ -244,6 +262,15 @@ class ModelConfig:
             out["lm_head.weight"] = (self.vocab_size, h)
         return out
 
+    def mtp_tensors(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        """The multi-token-prediction heads' tensors (model/mtp.py): the required ones
+        (`mtp.{i}.weight`) and the optional ones (`mtp.{i}.bias`), with their shapes.
+        Kept out of `expected_tensors`: the heads are not part of the CausalLM."""
+        h = self.hidden_size
+        required = {f"mtp.{i}.weight": (h, h) for i in range(self.num_mtp_heads)}
+        optional = {f"mtp.{i}.bias": (h,) for i in range(self.num_mtp_heads)}
+        return required, optional
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
@@ -297,7 +324,9 @@ def add_speculative_flags(parser: argparse.ArgumentParser, whose: str = "") -> N
     parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
                         help=f"{whose}speculative decoding: propose tokens by this method "
                         "and verify them all in one forward (ngram: prompt lookup in the "
-                        "request's own prompt and output); default off")
+                        "request's own prompt and output; mtp: the checkpoint's "
+                        "multi-token-prediction heads, at most one token per head); "
+                        "default off")
     parser.add_argument("--speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS,
                         metavar="K", help="with --speculative-method: tokens proposed per "
                         f"step at most (1-{MAX_SPECULATIVE_TOKENS}; default %(default)s)")
@@ -399,7 +428,7 @@ class SpeculativeConfig:
     (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and
     output. "draft" proposes with a small checkpoint of the same tokenizer, `model` (a
     folder or GGUF file); "mtp" with the multi-token-prediction heads of the served
-    checkpoint itself."""
+    checkpoint itself (model/mtp.py; `num_speculative_tokens` at most its head count)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS

@@ -39,13 +39,15 @@ from tandem_engine.engine.output_processor import OutputProcessor
 from tandem_engine.engine.outputs import PullPlan, RequestOutput
 from tandem_engine.engine.speculative import (
     DraftedHistory,
+    MtpProposer,
     SpecDecodeCounters,
     accepted_length,
+    check_mtp_heads,
     make_proposer,
 )
 from tandem_engine.engine.stats import EngineStats, PrefixCacheStats, StepTiming
 from tandem_engine.engine.step_guard import sample_contained
-from tandem_engine.errors import RequestRejected
+from tandem_engine.errors import CheckpointError, RequestRejected
 from tandem_engine.lifecycle import (
     REFIT_STATES,
     STABLE_STATES,
@@ -57,6 +59,7 @@ from tandem_engine.lifecycle import (
 )
 from tandem_engine.model.checkpoint import LoadProgressCallback, load_checkpoint
 from tandem_engine.model.device import profile_step_blocks, profile_step_memory, resolve_device
+from tandem_engine.model.mtp import MtpHeads, take_mtp_heads
 from tandem_engine.model.runner import (
     ModelRunner,
     StepBatch,
@@ -74,7 +77,9 @@ log = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
-                 tensors: dict[str, torch.Tensor], tokenizer: Tokenizer) -> None:
+                 tensors: dict[str, torch.Tensor], tokenizer: Tokenizer,
+                 checkpoint: str = "(tensors given)") -> None:
+        """`checkpoint` names where `tensors` came from, for errors."""
         engine_config.validate()
         # From here on the config names a concrete device (auto resolved, a GPU checked).
         engine_config = dataclasses.replace(
@@ -83,6 +88,12 @@ class LLMEngine:
         self.config = engine_config
         self.tokenizer = tokenizer
         dtype = resolve_dtype(model_config, engine_config)
+        # The checkpoint's multi-token-prediction heads are not part of the model: the mtp
+        # proposer owns them (a served checkpoint's heads are unused otherwise).
+        spec = engine_config.speculative
+        mtp_heads = take_mtp_heads(model_config, tensors)
+        if spec is not None and spec.method == "mtp":
+            check_mtp_heads(spec, mtp_heads, checkpoint)
 
         context = model_config.max_position_embeddings
         if engine_config.max_model_len is not None and engine_config.max_model_len > context:
@@ -118,8 +129,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(
             tokenizer, frozenset(tokenizer.eos_token_ids or model_config.eos_token_ids),
             self.max_model_len)
-        spec = engine_config.speculative
-        self.proposer = make_proposer(spec) if spec is not None else None
+        self.proposer = None if spec is None else make_proposer(
+            spec, mtp_heads=self._heads_on_device(mtp_heads), target_logits=self._target_logits,
+            checkpoint=checkpoint)
+        self.runner.capture_hidden = isinstance(self.proposer, MtpProposer)
         self.spec_counters = SpecDecodeCounters()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -142,9 +155,17 @@ class LLMEngine:
         (see `load_checkpoint`)."""
         dtype = None if engine_config.dtype == "auto" else engine_config.dtype
         model_config, tensors = load_checkpoint(path, dtype, progress=progress)
-        engine = cls(model_config, engine_config, tensors, Tokenizer.from_path(path))
+        engine = cls(model_config, engine_config, tensors, Tokenizer.from_path(path),
+                     checkpoint=str(path))
         engine.set_weights(WeightIdentity(Path(path).resolve().as_uri(), "initial", 0))
         return engine
+
+    def _target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The serving model's lm_head (the mtp heads' output goes through it)."""
+        return self.runner.model.compute_logits(hidden)
+
+    def _heads_on_device(self, heads: MtpHeads | None) -> MtpHeads | None:
+        return None if heads is None else heads.to(self.runner.device, self.runner.dtype)
 
     # ---- what other threads read --------------------------------------------------------------
 
@@ -423,12 +444,20 @@ class LLMEngine:
         t4 = time.perf_counter()
         reasons: list[FinishReason | None] = []
         accepted: dict[str, int] = {}
+        last_rows: list[int] = []  # per request: the row that produced its last token
         first = 0
         for request, draft in zip(requests, batch.drafts, strict=True):
+            before = request.num_tokens
             reasons.append(self._emit(request, draft, first, result, accepted,
                                       seeded_states.get(request.request_id),
                                       batch.logits.shape[-1]))
+            last_rows.append(first + request.num_tokens - before - 1)
             first += 1 + len(draft)
+        if batch.hidden is not None and isinstance(self.proposer, MtpProposer):
+            going_on = [i for i, reason in enumerate(reasons) if reason is None]
+            self.proposer.remember([requests[i] for i in going_on], batch.hidden[
+                torch.tensor([last_rows[i] for i in going_on], dtype=torch.long,
+                             device=batch.hidden.device)])
         self.scheduler.advance(scheduled, accepted)
         for request, reason in zip(requests, reasons, strict=True):
             if reason is not None:
@@ -635,7 +664,18 @@ class LLMEngine:
                     f"{', '.join(sorted(str(s) for s in REFIT_STATES))}: pause first")
             dtype = str(self.runner.dtype).removeprefix("torch.")
             config, tensors = load_checkpoint(source, dtype, reference=self.model_config)
+            heads = take_mtp_heads(config, tensors)
+            if isinstance(self.proposer, MtpProposer):
+                try:
+                    check_mtp_heads(self.proposer.config, heads, str(source))
+                except ValueError as exc:
+                    raise CheckpointError(f"refit refused, the old weights keep serving: "
+                                          f"{exc}") from None
             self.runner.load_weights(tensors, low_memory=low_memory)
+            if isinstance(self.proposer, MtpProposer):
+                heads = self._heads_on_device(heads)
+                assert heads is not None
+                self.proposer.load_heads(heads)
             self.model_config = config
             new_epoch = self.weight_epoch + 1 if epoch is None else epoch
             self._weights = WeightIdentity(uri or Path(source).resolve().as_uri(),

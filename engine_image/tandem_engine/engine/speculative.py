@@ -20,21 +20,27 @@ consumed one draw per emitted token (draws at positions after a rejection are ta
 back): its tokens are the ones it draws without speculation, whatever the batch, the
 budget or the proposals were.
 
-The n-gram proposer (prompt lookup) needs no second model. Its back-off keeps
-workloads that do not repeat themselves from paying for verification that fails: see
-`AcceptanceBackoff`.
+The n-gram proposer (prompt lookup) needs no second model; nor does the mtp proposer
+(`MtpProposer`), which reads the served checkpoint's own heads. The
+back-off keeps workloads whose proposals fail from paying for verification that fails:
+see `AcceptanceBackoff`.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from tandem_engine.config import SpeculativeConfig
 from tandem_engine.core.request import Request
 from tandem_engine.engine.stats import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from tandem_engine.model.mtp import MtpHeads
 
 # Back-off (per request): an exponential moving average of the fraction of each
 # verified draft that was accepted, weighting the newest draft by BACKOFF_WEIGHT. When it
@@ -162,9 +168,105 @@ class NgramProposer:
         self._backoff.pop(request_id, None)
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def check_mtp_heads(config: SpeculativeConfig, heads: MtpHeads | None, source: str) -> None:
+    """ValueError naming `source` (the checkpoint) unless it has at least
+    `num_speculative_tokens` heads (vLLM refuses more proposals than heads too)."""
+    k = config.num_speculative_tokens
+    if heads is None:
+        raise ValueError(
+            f"speculative method mtp needs multi-token-prediction heads, and checkpoint "
+            f"{source} has no mtp heads (config.json has no num_mtp_heads): fit some with "
+            f"`tandem mtp-heads fit {source} OUT --heads {k}` and serve OUT, or write a demo "
+            f"model with `tandem demo-model DIR --mtp-heads {k}` (docs/mtp.md)")
+    if heads.num_heads < k:
+        raise ValueError(
+            f"speculative option num_speculative_tokens={k} exceeds the {heads.num_heads} "
+            f"mtp heads of checkpoint {source} (one proposal per head): lower it to at most "
+            f"{heads.num_heads} or fit more heads (`tandem mtp-heads fit ... --heads {k}`)")
+
+
+@dataclass(frozen=True)
+class _Remembered:
+    num_tokens: int  # the request's token count when the row was taken
+    hidden: torch.Tensor  # [hidden]: the state at position num_tokens - 2
+
+
+class MtpProposer:
+    """Proposals from the served checkpoint's own multi-token-prediction heads (layout
+    and position arithmetic: model/mtp.py).
+
+    The heads start from the target's final-normed hidden state at a request's last
+    computed position, which the forward that computed it already had: the engine asks
+    the runner for the sampling rows' hidden states (`ModelRunner.capture_hidden`) and
+    hands the row that produced each request's last emitted token to `remember`. A
+    request whose token count moved on without such a row (a refit clears every row)
+    proposes nothing that step. Proposal j is the argmax of head j: a point mass, so
+    acceptance stays exact; a bad head only costs verification, which the back-off
+    limits as for the n-gram method."""
+
+    def __init__(self, config: SpeculativeConfig, heads: MtpHeads,
+                 logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """`heads` already on the target's device and dtype; `logits` is the target's
+        lm_head ([M, hidden] -> [M, vocab])."""
+        self.config = config
+        self.heads = heads
+        self._logits = logits
+        self._rows: dict[str, _Remembered] = {}
+        self._backoff: dict[str, AcceptanceBackoff] = {}
+
+    def load_heads(self, heads: MtpHeads) -> None:
+        """New heads (a refit, already checked): every remembered row came from the old
+        weights, so none is used again."""
+        self.heads = heads
+        self._rows.clear()
+
+    def remember(self, requests: Sequence[Request], hidden: torch.Tensor) -> None:
+        """Row r of `hidden` is the state that produced requests[r]'s last token."""
+        for request, row in zip(requests, hidden, strict=True):
+            self._rows[request.request_id] = _Remembered(request.num_tokens, row)
+
+    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in requests]
+        picked: list[tuple[int, int]] = []  # (index in requests, proposals)
+        rows: list[torch.Tensor] = []
+        for index, (request, limit) in enumerate(zip(requests, limits, strict=True)):
+            k = min(self.config.num_speculative_tokens, self.heads.num_heads, limit)
+            remembered = self._rows.get(request.request_id)
+            backoff = self._backoff.get(request.request_id)
+            if (k < 1 or remembered is None or remembered.num_tokens != request.num_tokens
+                    or (backoff is not None and not backoff.allows(request.num_output_tokens))):
+                continue
+            picked.append((index, k))
+            rows.append(remembered.hidden)
+        if rows:
+            n = max(k for _, k in picked)
+            with torch.inference_mode():
+                tokens = self.heads.propose(torch.stack(rows), n, self._logits)
+            for (index, k), row in zip(picked, tokens, strict=True):
+                out[index] = row[:k]
+        return out
+
+    def observe(self, request: Request, proposed: int, accepted: int) -> None:
+        backoff = self._backoff.setdefault(request.request_id, AcceptanceBackoff())
+        backoff.observe(proposed, accepted, request.num_output_tokens)
+
+    def forget(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+        self._backoff.pop(request_id, None)
+
+
+def make_proposer(config: SpeculativeConfig, *, mtp_heads: MtpHeads | None = None,
+                  target_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  checkpoint: str = "(tensors given)") -> Proposer:
+    """The proposer of `config.method`. Method mtp takes the served checkpoint's heads
+    (`mtp_heads`, on the target's device and dtype), the target's lm_head
+    (`target_logits`) and the checkpoint's name for its errors."""
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "mtp":
+        check_mtp_heads(config, mtp_heads, checkpoint)
+        assert mtp_heads is not None and target_logits is not None
+        return MtpProposer(config, mtp_heads, target_logits)
     raise ValueError(f"speculative method {config.method!r} has no proposer")
 
 
