@@ -4,10 +4,11 @@ as without it, proposals from the right hidden state, clear errors for missing h
 The tiny demo models have random weights, so no head predicts their next tokens in
 general (random heads, or heads fitted on held-out text, are almost always rejected).
 To exercise accepted proposals, `tandem mtp-heads fit` is given a few prompts of our own
-and a tiny ridge: with fewer positions than unknowns it memorizes the target's greedy
-continuations of those prompts, so every proposal made on them is right if, and only if,
-the engine feeds the heads the hidden state of the row that produced the request's last
-token (an off-by-one position accepts nothing). Other prompts mix in rejections.
+and a tiny ridge (its heads read the emitted token's embedding too; the random demo
+heads do not, so both kinds run): with fewer positions than unknowns it memorizes the
+target's greedy continuations of those prompts, so every proposal made on them is right
+if, and only if, the engine feeds the heads the hidden state of the row that produced the
+request's last token (an off-by-one position accepts nothing). Other prompts mix in rejections.
 """
 
 from __future__ import annotations
@@ -195,9 +196,13 @@ def _copy_with(src: Path, dst: Path, edit_tensors=None, edit_config=None) -> Pat
 
 
 def test_bad_heads_are_refused_at_load_naming_the_tensor(mtp_llama, tmp_path: Path) -> None:
-    random, _ = mtp_llama
+    random, fitted = mtp_llama
     config, tensors = load_checkpoint(random)
     assert config.num_mtp_heads == 2 and tensors["mtp.1.weight"].shape == (64, 64)
+    assert not config.mtp_token_input and config.mtp_hidden_act == "silu"
+    config, tensors = load_checkpoint(fitted)  # what `mtp-heads fit` writes
+    assert config.mtp_token_input and config.mtp_hidden_act == "identity"
+    assert tensors["mtp.1.token_weight"].shape == (64, 64)
     cases = [
         (lambda t: t.update({"mtp.0.weight": torch.zeros(64, 32)}), None,
          ["'mtp.0.weight'", "(64, 32)", "expected (64, 64)"]),
@@ -210,6 +215,10 @@ def test_bad_heads_are_refused_at_load_naming_the_tensor(mtp_llama, tmp_path: Pa
         (None, lambda c: c.update(num_mtp_heads=-1), ["num_mtp_heads", "-1"]),
         (None, lambda c: c.update(mtp_hidden_act="gelu"), ["mtp_hidden_act 'gelu'",
                                                            "silu, identity"]),
+        (None, lambda c: c.update(mtp_token_input=True),
+         ["missing tensor 'mtp.0.token_weight'", "mtp_token_input=true"]),
+        (lambda t: t.update({"mtp.0.token_weight": torch.zeros(64, 64)}), None,
+         ["unexpected tensor 'mtp.0.token_weight'", "mtp_token_input=false"]),
     ]
     for i, (tensors_edit, config_edit, needles) in enumerate(cases):
         bad = _copy_with(random, tmp_path / f"bad{i}", tensors_edit, config_edit)

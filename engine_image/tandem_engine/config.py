@@ -97,6 +97,9 @@ class ModelConfig:
     # "mtp_hidden_act" (silu, Medusa's residual block; identity, a linear residual).
     num_mtp_heads: int = 0
     mtp_hidden_act: str = "silu"
+    # "mtp_token_input": each head also reads the embedding of the token just emitted
+    # (`mtp.{i}.token_weight`).
+    mtp_token_input: bool = False
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -181,6 +184,10 @@ class ModelConfig:
         if mtp_act not in MTP_HIDDEN_ACTS:
             raise CheckpointError(f"{source}: mtp_hidden_act {mtp_act!r} is not supported; "
                                   f"use one of {', '.join(MTP_HIDDEN_ACTS)}")
+        mtp_token_input = raw.get("mtp_token_input", False)
+        if not isinstance(mtp_token_input, bool):
+            raise CheckpointError(f"{source}: mtp_token_input must be true or false, got "
+                                  f"{mtp_token_input!r}")
         return cls(
             architecture=arch,
             vocab_size=positive_int("vocab_size", need("vocab_size")),
@@ -206,6 +213,7 @@ class ModelConfig:
             else None,
             num_mtp_heads=num_mtp_heads,
             mtp_hidden_act=mtp_act,
+            mtp_token_input=mtp_token_input,
         )
 
     def shape_fields(self) -> dict[str, Any]:
@@ -264,10 +272,14 @@ class ModelConfig:
 
     def mtp_tensors(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
         """The multi-token-prediction heads' tensors (model/mtp.py): the required ones
-        (`mtp.{i}.weight`) and the optional ones (`mtp.{i}.bias`), with their shapes.
-        Kept out of `expected_tensors`: the heads are not part of the CausalLM."""
+        (`mtp.{i}.weight`, and `mtp.{i}.token_weight` with mtp_token_input) and the
+        optional ones (`mtp.{i}.bias`), with their shapes. Kept out of
+        `expected_tensors`: the heads are not part of the CausalLM."""
         h = self.hidden_size
         required = {f"mtp.{i}.weight": (h, h) for i in range(self.num_mtp_heads)}
+        if self.mtp_token_input:
+            required.update({f"mtp.{i}.token_weight": (h, h)
+                             for i in range(self.num_mtp_heads)})
         optional = {f"mtp.{i}.bias": (h,) for i in range(self.num_mtp_heads)}
         return required, optional
 

@@ -98,7 +98,7 @@ def _mtp_heads_fit(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     report = fit_checkpoint(resolve_model(args.model), args.out, args.heads,
                             prompts=args.prompts, tokens=args.tokens, ridge=args.ridge,
-                            device=args.device)
+                            token_input=not args.hidden_only, device=args.device)
     rates = ", ".join(f"head {i}: {r:.1%}" for i, r in enumerate(report.held_out_agreement))
     print(f"wrote {report.path} with {report.num_heads} mtp heads fitted on "
           f"{report.num_positions} positions; held-out agreement with the model's own "
@@ -238,6 +238,9 @@ def _add_mtp_heads(sub) -> None:
                      help="greedy tokens generated per prompt (default %(default)s)")
     fit.add_argument("--ridge", type=float, default=DEFAULT_RIDGE,
                      help="ridge regularization (default %(default)s)")
+    fit.add_argument("--hidden-only", action="store_true",
+                     help="heads that read the hidden state alone (Medusa), not also the "
+                     "emitted token's embedding")
     fit.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     fit.add_argument("--device", type=device_arg, default="cpu",
                      help="where the model runs while fitting (default %(default)s)")

@@ -3,8 +3,9 @@
 Self-distillation in closed form: the target generates greedily from prompts cut out of
 the packaged corpus (data/corpus.txt), its final-normed hidden states over each prompt's
 last position and the generated tokens are collected, and each head is fitted by ridge
-least squares so that h_t + W_i h_t + b_i ≈ h_{t+1+i} (`model.mtp.fit_heads`, a linear
-residual head: config.json's mtp_hidden_act "identity"). The target's greedy tokens are
+least squares so that h_t + W_i h_t + U_i e(x_{t+1}) + b_i ≈ h_{t+1+i}
+(`model.mtp.fit_heads`, a linear residual head reading the emitted token's embedding too:
+config.json's mtp_hidden_act "identity", mtp_token_input true). The target's greedy tokens are
 what the heads must guess for proposals to be accepted, so they are the training text.
 A held-out eighth of the sequences measures how often head i's argmax equals the token
 the target generated there. (Given a few prompts of its own and a tiny ridge, the fit
@@ -80,9 +81,12 @@ def hidden_states(model: CausalLM, rope: RotaryEmbedding, token_ids: list[int]) 
 def fit_checkpoint(model_path: str | Path, out: str | Path, num_heads: int, *,
                    prompts: int | list[list[int]] = DEFAULT_PROMPTS,
                    tokens: int = DEFAULT_TOKENS, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
-                   ridge: float = DEFAULT_RIDGE, device: str = "cpu", log=print) -> FitReport:
+                   ridge: float = DEFAULT_RIDGE, token_input: bool = True,
+                   device: str = "cpu", log=print) -> FitReport:
     """Fit `num_heads` heads to the checkpoint at `model_path` and write the checkpoint
     with them to the folder `out` (module docstring). Existing heads are replaced.
+    `token_input`: the heads also read the emitted token's embedding (mtp_token_input;
+    on the real model it doubles head 0's agreement), else they read h alone (Medusa).
     `prompts`: how many corpus prompts of `prompt_tokens` tokens, or the prompts' token
     ids themselves. With 8 or more, an eighth of them is held out to measure agreement;
     with fewer, agreement is measured on the training sequences."""
@@ -117,7 +121,9 @@ def fit_checkpoint(model_path: str | Path, out: str | Path, num_heads: int, *,
     held = len(states) // 8
     train = states[held:]
     log(f"fitting {num_heads} heads on {len(train)} sequences")
-    heads = fit_heads(train, num_heads, ridge)
+    embeds = ([model.model.embed_tokens.weight[torch.tensor(g)].detach().cpu().float()
+               for g in generated] if token_input else None)
+    heads = fit_heads(train, num_heads, ridge, None if embeds is None else embeds[held:])
     agreement = _agreement(model, heads, states[:held] or train, generated[:held] or
                            generated, device)
     path = _write(model_path, out, config, tensors, heads)
@@ -138,7 +144,9 @@ def _agreement(model: CausalLM, heads: MtpHeads, states: list[torch.Tensor],
             n = len(toks) - 1 - i
             if n <= 0:
                 continue
-            guess = heads.propose(state[:n].to(device), i + 1, model.compute_logits)
+            e = (None if heads.token_weight is None
+                 else model.model.embed_tokens(torch.tensor(toks[:n], device=device)))
+            guess = heads.propose(state[:n].to(device), i + 1, model.compute_logits, e)
             hits += sum(g[i] == t for g, t in zip(guess, toks[1 + i:], strict=True))
             total += n
         rates.append(hits / max(total, 1))
@@ -163,7 +171,8 @@ def _write(model_path: str | Path, out: Path, config: ModelConfig,
     save_file(weights, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     config_file = out / "config.json"
     raw = json.loads(config_file.read_text(encoding="utf-8"))
-    raw.update(num_mtp_heads=heads.num_heads, mtp_hidden_act=heads.act)
+    raw.update(num_mtp_heads=heads.num_heads, mtp_hidden_act=heads.act,
+               mtp_token_input=heads.token_weight is not None)
     config_file.write_text(json.dumps(raw, indent=2, ensure_ascii=False) + "\n",
                            encoding="utf-8")
     return out

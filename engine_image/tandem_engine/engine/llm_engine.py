@@ -131,7 +131,7 @@ class LLMEngine:
             self.max_model_len)
         self.proposer = None if spec is None else make_proposer(
             spec, mtp_heads=self._heads_on_device(mtp_heads), target_logits=self._target_logits,
-            checkpoint=checkpoint)
+            target_embed=self._target_embed, checkpoint=checkpoint)
         self.runner.capture_hidden = isinstance(self.proposer, MtpProposer)
         self.spec_counters = SpecDecodeCounters()
         self.requests: dict[str, Request] = {}
@@ -163,6 +163,10 @@ class LLMEngine:
     def _target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The serving model's lm_head (the mtp heads' output goes through it)."""
         return self.runner.model.compute_logits(hidden)
+
+    def _target_embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The serving model's input embedding (heads with mtp_token_input read it)."""
+        return self.runner.model.model.embed_tokens(token_ids)
 
     def _heads_on_device(self, heads: MtpHeads | None) -> MtpHeads | None:
         return None if heads is None else heads.to(self.runner.device, self.runner.dtype)

@@ -205,12 +205,15 @@ class MtpProposer:
     limits as for the n-gram method."""
 
     def __init__(self, config: SpeculativeConfig, heads: MtpHeads,
-                 logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 logits: Callable[[torch.Tensor], torch.Tensor],
+                 embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """`heads` already on the target's device and dtype; `logits` is the target's
-        lm_head ([M, hidden] -> [M, vocab])."""
+        lm_head ([M, hidden] -> [M, vocab]), `embed` its input embedding ([M] token ids
+        -> [M, hidden]; heads with mtp_token_input read the emitted token's)."""
         self.config = config
         self.heads = heads
         self._logits = logits
+        self._embed = embed
         self._rows: dict[str, _Remembered] = {}
         self._backoff: dict[str, AcceptanceBackoff] = {}
 
@@ -240,8 +243,11 @@ class MtpProposer:
             rows.append(remembered.hidden)
         if rows:
             n = max(k for _, k in picked)
+            h = torch.stack(rows)
             with torch.inference_mode():
-                tokens = self.heads.propose(torch.stack(rows), n, self._logits)
+                e = None if self.heads.token_weight is None else self._embed(torch.tensor(
+                    [requests[index].token_ids[-1] for index, _ in picked], device=h.device))
+                tokens = self.heads.propose(h, n, self._logits, e)
             for (index, k), row in zip(picked, tokens, strict=True):
                 out[index] = row[:k]
         return out
@@ -257,16 +263,19 @@ class MtpProposer:
 
 def make_proposer(config: SpeculativeConfig, *, mtp_heads: MtpHeads | None = None,
                   target_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  target_embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
                   checkpoint: str = "(tensors given)") -> Proposer:
     """The proposer of `config.method`. Method mtp takes the served checkpoint's heads
     (`mtp_heads`, on the target's device and dtype), the target's lm_head
-    (`target_logits`) and the checkpoint's name for its errors."""
+    (`target_logits`) and input embedding (`target_embed`), and the checkpoint's name
+    for its errors."""
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "mtp":
         check_mtp_heads(config, mtp_heads, checkpoint)
         assert mtp_heads is not None and target_logits is not None
-        return MtpProposer(config, mtp_heads, target_logits)
+        assert target_embed is not None
+        return MtpProposer(config, mtp_heads, target_logits, target_embed)
     raise ValueError(f"speculative method {config.method!r} has no proposer")
 
 

@@ -310,8 +310,9 @@ def _check_tensors(
             where = folder / WEIGHTS_NAME if index_map is None else folder / INDEX_NAME
             hint = "" if index_map is None else " (not in weight_map or any shard)"
             if name in mtp_required:
-                hint += (f" (config.json says num_mtp_heads={config.num_mtp_heads}: lower it "
-                         "or add the head)")
+                hint += (f" (config.json says num_mtp_heads={config.num_mtp_heads}, "
+                         f"mtp_token_input={str(config.mtp_token_input).lower()}: fix "
+                         "config.json or add the tensor)")
             problems.append(f"{where}: missing tensor {name!r}{hint}, expected shape {shape}")
         elif header.shape != shape:
             problems.append(
@@ -330,8 +331,10 @@ def _check_tensors(
         if match and int(match.group(1)) >= config.num_layers:
             hint = f"; config.json says num_hidden_layers={config.num_layers}"
         elif name.startswith("mtp."):
-            hint = (f"; config.json says num_mtp_heads={config.num_mtp_heads} (heads are "
-                    "mtp.{i}.weight and optional mtp.{i}.bias, i from 0)")
+            hint = (f"; config.json says num_mtp_heads={config.num_mtp_heads}, "
+                    f"mtp_token_input={str(config.mtp_token_input).lower()} (heads are "
+                    "mtp.{i}.weight, optional mtp.{i}.bias and, with mtp_token_input, "
+                    "mtp.{i}.token_weight, i from 0)")
         problems.append(
             f"{header.file}: unexpected tensor {name!r} with shape {header.shape}: not part of "
             f"a {config.architecture} with this config.json{hint}"
