@@ -263,3 +263,29 @@ def test_cli_writes_heads_and_the_method_reaches_every_command(tmp_path: Path) -
     assert engine_main.engine_config(args).speculative == SpeculativeConfig("mtp", 3)
     fit = parser.parse_args(["mtp-heads", "fit", "M", "OUT", "--heads", "2", "--tokens", "8"])
     assert (fit.heads, fit.tokens, fit.model, fit.out) == (2, 8, "M", "OUT")
+
+
+def test_fit_heads_recovers_linear_dynamics_in_closed_form() -> None:
+    from tandem_engine.model.mtp import MtpHeads, fit_heads
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.linalg.qr(torch.randn(8, 8, generator=gen))[0]  # h_{t+1} = A h_t + c
+    c = torch.randn(8, generator=gen) * 0.1
+    sequences = []
+    for _ in range(6):
+        h = [torch.randn(8, generator=gen)]
+        for _ in range(30):
+            h.append(a @ h[-1] + c)
+        sequences.append(torch.stack(h))
+    heads = fit_heads(sequences, 2, ridge=1e-9)
+    eye = torch.eye(8)
+    assert torch.allclose(heads.weight[0], a - eye, atol=1e-4)
+    assert torch.allclose(heads.weight[1], a @ a - eye, atol=1e-4)
+    assert torch.allclose(heads.bias[1], a @ c + c, atol=1e-4)
+    assert heads.token_weight is None and heads.act == "identity"
+    # Applied, head i maps h_t to h_{t+1+i}; a SiLU head is h + silu(W h + b).
+    s = sequences[0]
+    assert torch.allclose(heads.hidden(s[:5], 2)[1], s[2:7], atol=1e-4)
+    silu = MtpHeads(heads.weight, heads.bias)
+    want = s[:5] + torch.nn.functional.silu(s[:5] @ heads.weight[0].t() + heads.bias[0])
+    assert torch.allclose(silu.hidden(s[:5], 1)[0], want, atol=1e-6)
