@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -82,7 +83,7 @@ def fit_checkpoint(model_path: str | Path, out: str | Path, num_heads: int, *,
                    prompts: int | list[list[int]] = DEFAULT_PROMPTS,
                    tokens: int = DEFAULT_TOKENS, prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
                    ridge: float = DEFAULT_RIDGE, token_input: bool = True,
-                   device: str = "cpu", log=print) -> FitReport:
+                   device: str = "cpu", log: Callable[[str], None] = print) -> FitReport:
     """Fit `num_heads` heads to the checkpoint at `model_path` and write the checkpoint
     with them to the folder `out` (module docstring). Existing heads are replaced.
     `token_input`: the heads also read the emitted token's embedding (mtp_token_input;
@@ -162,7 +163,10 @@ def _write(model_path: str | Path, out: Path, config: ModelConfig,
     else:
         out.mkdir(parents=True, exist_ok=True)
         for item in Path(model_path).iterdir():
-            if item.is_file() and item.suffix != ".safetensors" and item.name != INDEX_NAME:
+            # Not the weights (rewritten below), nor dot files such as a pull's stamp
+            # (this folder is no longer what it came from).
+            if (item.is_file() and item.suffix != ".safetensors" and item.name != INDEX_NAME
+                    and not item.name.startswith(".")):
                 shutil.copy2(item, out / item.name)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[config.dtype]
