@@ -224,7 +224,8 @@ def _add_mtp_heads(sub) -> None:
 
     mtp = sub.add_parser("mtp-heads", help="multi-token-prediction heads for speculative "
                          "method mtp (docs/mtp.md)")
-    what = mtp.add_subparsers(dest="mtp_command", required=True, metavar="COMMAND")
+    what = mtp.add_subparsers(dest="mtp_command", required=True, metavar="COMMAND",
+                              help="run `tandem mtp-heads COMMAND --help` for its flags")
     fit = what.add_parser("fit", help="fit heads to a checkpoint on its own greedy "
                           "generations and write a copy with them")
     fit.add_argument("model", metavar="MODEL", help="checkpoint folder, GGUF file or known "
