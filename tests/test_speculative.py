@@ -41,7 +41,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 # ---- config ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("fields", "needles"), [
-    ({"method": "mtp"}, ["method='mtp'", "ngram, draft"]),
+    ({"method": "eagle"}, ["method='eagle'", "ngram, draft, mtp"]),
     ({"method": "draft"}, ["model=None", "--speculative-model"]),
     ({"model": "d"}, ["model='d'", "only method draft"]),
     ({"num_speculative_tokens": 0}, ["num_speculative_tokens=0", "between 1 and 16"]),

@@ -50,10 +50,12 @@ DEFAULT_DEVICE = "auto"
 # is left of this share of the device's memory after the weights and a profiling step.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # Speculative decoding (off unless asked): proposal methods, and the n-gram method's defaults.
-# "mtp" (multi-token-prediction heads) is a planned name.
-SPECULATIVE_METHODS = ("ngram", "draft")
+# "mtp" proposes with the served checkpoint's multi-token-prediction heads
+# (model/mtp.py, docs/mtp.md).
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 DEFAULT_SPECULATIVE_TOKENS = 4
 MAX_SPECULATIVE_TOKENS = 16
+MTP_HIDDEN_ACTS = ("silu", "identity")
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 4
 MAX_PROMPT_LOOKUP = 64
@@ -90,6 +92,14 @@ class ModelConfig:
     dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Multi-token-prediction heads stored beside the model (`mtp.{i}.weight`, optional
+    # `mtp.{i}.bias`; model/mtp.py): config.json's "num_mtp_heads" (0: none) and
+    # "mtp_hidden_act" (silu, Medusa's residual block; identity, a linear residual).
+    num_mtp_heads: int = 0
+    mtp_hidden_act: str = "silu"
+    # "mtp_token_input": each head also reads the embedding of the token just emitted
+    # (`mtp.{i}.token_weight`).
+    mtp_token_input: bool = False
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -165,6 +175,19 @@ class ModelConfig:
 
         attention_bias = bool(raw.get("attention_bias", False))
         qwen2 = arch == "Qwen2ForCausalLM"
+        num_mtp_heads = raw.get("num_mtp_heads", 0)
+        if not _is_int(num_mtp_heads) or num_mtp_heads < 0:
+            raise CheckpointError(f"{source}: num_mtp_heads must be a non-negative integer "
+                                  f"(the multi-token-prediction heads stored as mtp.{{i}}.weight),"
+                                  f" got {num_mtp_heads!r}")
+        mtp_act = raw.get("mtp_hidden_act", "silu")
+        if mtp_act not in MTP_HIDDEN_ACTS:
+            raise CheckpointError(f"{source}: mtp_hidden_act {mtp_act!r} is not supported; "
+                                  f"use one of {', '.join(MTP_HIDDEN_ACTS)}")
+        mtp_token_input = raw.get("mtp_token_input", False)
+        if not isinstance(mtp_token_input, bool):
+            raise CheckpointError(f"{source}: mtp_token_input must be true or false, got "
+                                  f"{mtp_token_input!r}")
         return cls(
             architecture=arch,
             vocab_size=positive_int("vocab_size", need("vocab_size")),
@@ -188,6 +211,9 @@ class ModelConfig:
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int)
             else None,
+            num_mtp_heads=num_mtp_heads,
+            mtp_hidden_act=mtp_act,
+            mtp_token_input=mtp_token_input,
         )
 
     def shape_fields(self) -> dict[str, Any]:
@@ -244,6 +270,19 @@ class ModelConfig:
             out["lm_head.weight"] = (self.vocab_size, h)
         return out
 
+    def mtp_tensors(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+        """The multi-token-prediction heads' tensors (model/mtp.py): the required ones
+        (`mtp.{i}.weight`, and `mtp.{i}.token_weight` with mtp_token_input) and the
+        optional ones (`mtp.{i}.bias`), with their shapes. Kept out of
+        `expected_tensors`: the heads are not part of the CausalLM."""
+        h = self.hidden_size
+        required = {f"mtp.{i}.weight": (h, h) for i in range(self.num_mtp_heads)}
+        if self.mtp_token_input:
+            required.update({f"mtp.{i}.token_weight": (h, h)
+                             for i in range(self.num_mtp_heads)})
+        optional = {f"mtp.{i}.bias": (h,) for i in range(self.num_mtp_heads)}
+        return required, optional
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
@@ -298,7 +337,9 @@ def add_speculative_flags(parser: argparse.ArgumentParser, whose: str = "") -> N
                         help=f"{whose}speculative decoding: propose tokens by this method "
                         "and verify them all in one forward (ngram: prompt lookup in the "
                         "request's own prompt and output; draft: a small model of the same "
-                        "tokenizer, --speculative-model); default off")
+                        "tokenizer, --speculative-model; mtp: the checkpoint's "
+                        "multi-token-prediction heads, at most one token per head); "
+                        "default off")
     parser.add_argument("--speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS,
                         metavar="K", help="with --speculative-method: tokens proposed per "
                         f"step at most (1-{MAX_SPECULATIVE_TOKENS}; default %(default)s)")
@@ -407,8 +448,9 @@ class SpeculativeConfig:
     most recent earlier occurrence of the request's last n tokens (n from
     `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt and output.
     "draft": the greedy tokens of a small checkpoint of the same tokenizer, `model` (a
-    folder or GGUF file; engine/draft_model.py). "mtp" (planned): the
-    multi-token-prediction heads of the served checkpoint itself."""
+    folder or GGUF file; engine/draft_model.py). "mtp": the multi-token-prediction heads
+    of the served checkpoint itself (model/mtp.py; `num_speculative_tokens` at most its
+    head count)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS

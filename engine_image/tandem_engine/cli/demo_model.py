@@ -37,6 +37,7 @@ from tokenizers import (
 )
 
 from tandem_engine.config import DEMO_MODEL_SIZES, ModelConfig
+from tandem_engine.model.mtp import random_heads
 from tandem_engine.tokenizer import QWEN2_SPLIT
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -236,13 +237,16 @@ def demo_weights(config: ModelConfig, seed: int = 0,
 
 def write_demo_model(
     path: str | Path, arch: str = "llama", seed: int = 0, size: str = "tiny",
-    progress: ProgressCallback | None = None,
+    progress: ProgressCallback | None = None, mtp_heads: int = 0,
 ) -> Path:
     """Write a demo checkpoint folder (config.json, model.safetensors, tokenizer.json,
     tokenizer_config.json, generation_config.json) and return its path; `progress`, when
-    given, is told each step as it starts.
+    given, is told each step as it starts. `mtp_heads` > 0 adds that many random
+    multi-token-prediction heads (model/mtp.py; config.json's num_mtp_heads), drawn from a
+    generator of their own (seed + 1), so the model's own weights are those of the same
+    seed without heads.
 
-    The same (arch, seed, size) always gives byte-identical files."""
+    The same (arch, seed, size, mtp_heads) always gives byte-identical files."""
     def step(phase: str, detail: str = "") -> None:
         if progress is not None:
             progress(phase, detail)
@@ -257,8 +261,15 @@ def write_demo_model(
     step("training the tokenizer", f"{TOKENIZER_VOCAB_SIZE} tokens")
     tokenizer = train_demo_tokenizer(arch)
 
+    if mtp_heads < 0:
+        raise ValueError(f"demo model mtp_heads={mtp_heads} must be 0 or more")
+    if mtp_heads:
+        hf_config["num_mtp_heads"] = mtp_heads
     _write_json(folder / "config.json", hf_config)
     weights = demo_weights(config, seed, progress)
+    if mtp_heads:
+        gen = torch.Generator().manual_seed(seed + 1)
+        weights.update(random_heads(config.hidden_size, mtp_heads, gen).tensors())
     size_mb = sum(t.numel() * t.element_size() for t in weights.values()) / 1e6
     step("writing model.safetensors", f"{size_mb:.1f} MB")
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})

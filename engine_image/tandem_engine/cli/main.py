@@ -1,4 +1,5 @@
-"""The `tandem` command: models, serve, refit, generate, demo-model, draft-model, bench."""
+"""The `tandem` command: models, serve, refit, generate, demo-model, draft-model,
+mtp-heads, bench."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def _version() -> str:
 
 
 def _write_demo_model(folder: str | Path, *, arch: str = "llama", seed: int = 0,
-                      size: str = "tiny") -> Path:
+                      size: str = "tiny", mtp_heads: int = 0) -> Path:
     """`write_demo_model`, showing its steps on stdout (redrawn in place on a terminal)."""
     from tandem_engine.cli.demo_model import write_demo_model
     from tandem_engine.cli.progress import Status, StatusBlock
@@ -67,7 +68,8 @@ def _write_demo_model(folder: str | Path, *, arch: str = "llama", seed: int = 0,
     def show(phase: str, detail: str) -> None:
         block.show({"demo model": Status(phase, detail)})
 
-    path = write_demo_model(folder, arch=arch, seed=seed, size=size, progress=show)
+    path = write_demo_model(folder, arch=arch, seed=seed, size=size, progress=show,
+                            mtp_heads=mtp_heads)
     show("done", f"{time.monotonic() - started:.1f} s")
     block.release()
     return path
@@ -81,8 +83,27 @@ def _demo_model(args: argparse.Namespace) -> int:
     if not folder:
         raise ValueError("give the folder to write the checkpoint into: "
                          "tandem demo-model DIR")
-    path = _write_demo_model(folder, arch=args.arch, seed=args.seed, size=args.size)
-    print(f"wrote {args.size} {args.arch} demo model (seed {args.seed}) to {path}")
+    path = _write_demo_model(folder, arch=args.arch, seed=args.seed, size=args.size,
+                             mtp_heads=args.mtp_heads)
+    heads = f", {args.mtp_heads} random mtp heads" if args.mtp_heads else ""
+    print(f"wrote {args.size} {args.arch} demo model (seed {args.seed}{heads}) to {path}")
+    return 0
+
+
+def _mtp_heads_fit(args: argparse.Namespace) -> int:
+    import torch
+
+    from tandem_engine.cli.mtp_heads import fit_checkpoint
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = fit_checkpoint(resolve_model(args.model), args.out, args.heads,
+                            prompts=args.prompts, tokens=args.tokens, ridge=args.ridge,
+                            token_input=not args.hidden_only, device=args.device)
+    rates = ", ".join(f"head {i}: {r:.1%}" for i, r in enumerate(report.held_out_agreement))
+    print(f"wrote {report.path} with {report.num_heads} mtp heads fitted on "
+          f"{report.num_positions} positions; held-out agreement with the model's own "
+          f"greedy tokens: {rates}")
     return 0
 
 
@@ -188,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="run `tandem COMMAND --help` for its flags")
     for add in (_add_demo_model, _add_draft_model, _add_generate, _add_serve, _add_models,
-                _add_refit, _add_bench):
+                _add_refit, _add_bench, _add_mtp_heads):
         add(sub)
     return parser
 
@@ -204,6 +225,9 @@ def _add_demo_model(sub) -> None:
                       help="seed of the random weights (same seed: byte-identical files)")
     demo.add_argument("--size", choices=DEMO_MODEL_SIZES, default="tiny",
                       help="tiny: seconds to write, for tests; small and 1b: benchmark-sized")
+    demo.add_argument("--mtp-heads", type=int, default=0, metavar="N",
+                      help="also write N random multi-token-prediction heads (speculative "
+                      "method mtp; docs/mtp.md)")
     demo.set_defaults(func=_demo_model)
 
 
@@ -222,6 +246,35 @@ def _add_draft_model(sub) -> None:
     draft.add_argument("--layers", type=int, required=True, metavar="K",
                        help="decoder layers the draft keeps: 1 to the target's count - 1")
     draft.set_defaults(func=_draft_model)
+
+
+def _add_mtp_heads(sub) -> None:
+    from tandem_engine.cli.mtp_heads import DEFAULT_PROMPTS, DEFAULT_RIDGE, DEFAULT_TOKENS
+
+    mtp = sub.add_parser("mtp-heads", help="multi-token-prediction heads for speculative "
+                         "method mtp (docs/mtp.md)")
+    what = mtp.add_subparsers(dest="mtp_command", required=True, metavar="COMMAND",
+                              help="run `tandem mtp-heads COMMAND --help` for its flags")
+    fit = what.add_parser("fit", help="fit heads to a checkpoint on its own greedy "
+                          "generations and write a copy with them")
+    fit.add_argument("model", metavar="MODEL", help="checkpoint folder, GGUF file or known "
+                     "model name")
+    fit.add_argument("out", metavar="OUT", help="new folder for the checkpoint with heads")
+    fit.add_argument("--heads", type=int, required=True, metavar="N",
+                     help="heads to fit (proposals per step at most)")
+    fit.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS,
+                     help="corpus prompts generated from (default %(default)s)")
+    fit.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                     help="greedy tokens generated per prompt (default %(default)s)")
+    fit.add_argument("--ridge", type=float, default=DEFAULT_RIDGE,
+                     help="ridge regularization (default %(default)s)")
+    fit.add_argument("--hidden-only", action="store_true",
+                     help="heads that read the hidden state alone (Medusa), not also the "
+                     "emitted token's embedding")
+    fit.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    fit.add_argument("--device", type=device_arg, default="cpu",
+                     help="where the model runs while fitting (default %(default)s)")
+    fit.set_defaults(func=_mtp_heads_fit)
 
 
 def _add_generate(sub) -> None:

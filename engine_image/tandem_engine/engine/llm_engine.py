@@ -44,13 +44,15 @@ from tandem_engine.engine.output_processor import OutputProcessor
 from tandem_engine.engine.outputs import PullPlan, RequestOutput
 from tandem_engine.engine.speculative import (
     DraftedHistory,
+    MtpProposer,
     SpecDecodeCounters,
     accepted_length,
+    check_mtp_heads,
     make_proposer,
 )
 from tandem_engine.engine.stats import EngineStats, PrefixCacheStats, StepTiming
 from tandem_engine.engine.step_guard import sample_contained
-from tandem_engine.errors import RequestRejected
+from tandem_engine.errors import CheckpointError, RequestRejected
 from tandem_engine.lifecycle import (
     REFIT_STATES,
     STABLE_STATES,
@@ -62,6 +64,7 @@ from tandem_engine.lifecycle import (
 )
 from tandem_engine.model.checkpoint import LoadProgressCallback, load_checkpoint
 from tandem_engine.model.device import profile_step_blocks, profile_step_memory, resolve_device
+from tandem_engine.model.mtp import MtpHeads, take_mtp_heads
 from tandem_engine.model.runner import (
     ModelRunner,
     StepBatch,
@@ -81,8 +84,8 @@ class LLMEngine:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
                  tensors: dict[str, torch.Tensor], tokenizer: Tokenizer,
                  source: str | Path | None = None) -> None:
-        """`source` is where the checkpoint came from (named in errors about a draft
-        model that does not match it)."""
+        """`source` is where the checkpoint came from (named in errors: a draft model that
+        does not match it, mtp heads it lacks)."""
         engine_config.validate()
         # From here on the config names a concrete device (auto resolved, a GPU checked).
         engine_config = dataclasses.replace(
@@ -91,6 +94,13 @@ class LLMEngine:
         self.config = engine_config
         self.tokenizer = tokenizer
         dtype = resolve_dtype(model_config, engine_config)
+        # The checkpoint's multi-token-prediction heads are not part of the model: the mtp
+        # proposer owns them (a served checkpoint's heads are unused otherwise).
+        spec = engine_config.speculative
+        checkpoint = str(source) if source is not None else "(tensors given)"
+        mtp_heads = take_mtp_heads(model_config, tensors)
+        if spec is not None and spec.method == "mtp":
+            check_mtp_heads(spec, mtp_heads, checkpoint)
 
         context = model_config.max_position_embeddings
         if engine_config.max_model_len is not None and engine_config.max_model_len > context:
@@ -98,7 +108,6 @@ class LLMEngine:
                 f"engine option max_model_len={engine_config.max_model_len} exceeds the "
                 f"model's context of {context} tokens (max_position_embeddings): lower it")
         self.model_context = engine_config.max_model_len or context
-        spec = engine_config.speculative
         # The draft method's checkpoint, validated against this model before any sizing:
         # its weights and pool share the memory the KV pool is sized from.
         draft = None
@@ -140,9 +149,13 @@ class LLMEngine:
             tokenizer, frozenset(tokenizer.eos_token_ids or model_config.eos_token_ids),
             self.max_model_len)
         self.proposer = None if spec is None else make_proposer(
-            spec, engine_config, draft, num_blocks, self.max_model_len, dtype)
+            spec, engine_config, draft, num_blocks, self.max_model_len, dtype,
+            mtp_heads=self._heads_on_device(mtp_heads), target_logits=self._target_logits,
+            target_embed=self._target_embed,
+            checkpoint=checkpoint)
         # The draft method's proposer again, for the lifecycle (suspend, resume, refit).
         self.draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
+        self.runner.capture_hidden = isinstance(self.proposer, MtpProposer)
         self.spec_counters = SpecDecodeCounters()
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
@@ -168,6 +181,17 @@ class LLMEngine:
         engine = cls(model_config, engine_config, tensors, Tokenizer.from_path(path), path)
         engine.set_weights(WeightIdentity(Path(path).resolve().as_uri(), "initial", 0))
         return engine
+
+    def _target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The serving model's lm_head (the mtp heads' output goes through it)."""
+        return self.runner.model.compute_logits(hidden)
+
+    def _target_embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The serving model's input embedding (heads with mtp_token_input read it)."""
+        return self.runner.model.model.embed_tokens(token_ids)
+
+    def _heads_on_device(self, heads: MtpHeads | None) -> MtpHeads | None:
+        return None if heads is None else heads.to(self.runner.device, self.runner.dtype)
 
     # ---- what other threads read --------------------------------------------------------------
 
@@ -446,12 +470,20 @@ class LLMEngine:
         t4 = time.perf_counter()
         reasons: list[FinishReason | None] = []
         accepted: dict[str, int] = {}
+        last_rows: list[int] = []  # per request: the row that produced its last token
         first = 0
         for request, draft in zip(requests, batch.drafts, strict=True):
+            before = request.num_tokens
             reasons.append(self._emit(request, draft, first, result, accepted,
                                       seeded_states.get(request.request_id),
                                       batch.logits.shape[-1]))
+            last_rows.append(first + request.num_tokens - before - 1)
             first += 1 + len(draft)
+        if batch.hidden is not None and isinstance(self.proposer, MtpProposer):
+            going_on = [i for i, reason in enumerate(reasons) if reason is None]
+            self.proposer.remember([requests[i] for i in going_on], batch.hidden[
+                torch.tensor([last_rows[i] for i in going_on], dtype=torch.long,
+                             device=batch.hidden.device)])
         self.scheduler.advance(scheduled, accepted)
         for request, reason in zip(requests, reasons, strict=True):
             if reason is not None:
@@ -678,6 +710,13 @@ class LLMEngine:
                     "started with speculative method draft, or leave it out")
             dtype = str(self.runner.dtype).removeprefix("torch.")
             config, tensors = load_checkpoint(source, dtype, reference=self.model_config)
+            heads = take_mtp_heads(config, tensors)
+            if isinstance(self.proposer, MtpProposer):
+                try:
+                    check_mtp_heads(self.proposer.config, heads, str(source))
+                except ValueError as exc:
+                    raise CheckpointError(f"refit refused, the old weights keep serving: "
+                                          f"{exc}") from None
             draft_checkpoint = None
             if draft is not None:
                 assert self.draft is not None
@@ -688,6 +727,10 @@ class LLMEngine:
             if draft_checkpoint is not None:
                 assert self.draft is not None
                 self.draft.load_weights(draft_checkpoint)
+            if isinstance(self.proposer, MtpProposer):
+                heads = self._heads_on_device(heads)
+                assert heads is not None
+                self.proposer.load_heads(heads)
             self.model_config = config
             new_epoch = self.weight_epoch + 1 if epoch is None else epoch
             self._weights = WeightIdentity(uri or Path(source).resolve().as_uri(),

@@ -20,24 +20,31 @@ consumed one draw per emitted token (draws at positions after a rejection are ta
 back): its tokens are the ones it draws without speculation, whatever the batch, the
 budget or the proposals were.
 
-The n-gram proposer (prompt lookup) needs no second model. A back-off (every method's,
+The n-gram proposer (prompt lookup) needs no second model; nor does the mtp proposer
+(`MtpProposer`), which reads the served checkpoint's own heads. The draft proposer
+(engine/draft_model.py) runs a small checkpoint of the same tokenizer, proposing its
+greedy tokens: q is a point mass there too. A back-off (every method's,
 engine/backoff.py) keeps workloads a proposer cannot predict from paying for
-verification that fails. The draft proposer (engine/draft_model.py) runs a small checkpoint
-of the same tokenizer, proposing its greedy tokens: q is a point mass there too.
+verification that fails.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+import torch
 
 from tandem_engine.config import EngineConfig, SpeculativeConfig
 from tandem_engine.core.request import Request
 from tandem_engine.engine.backoff import Backoffs
 from tandem_engine.engine.draft_model import DraftCheckpoint, DraftModelProposer
 from tandem_engine.engine.stats import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from tandem_engine.model.mtp import MtpHeads
 
 
 def propose_ngram(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -136,13 +143,111 @@ class NgramProposer:
         self.backoffs.forget(request_id)
 
 
+def check_mtp_heads(config: SpeculativeConfig, heads: MtpHeads | None, source: str) -> None:
+    """ValueError naming `source` (the checkpoint) unless it has at least
+    `num_speculative_tokens` heads (vLLM refuses more proposals than heads too)."""
+    k = config.num_speculative_tokens
+    if heads is None:
+        raise ValueError(
+            f"speculative method mtp needs multi-token-prediction heads, and checkpoint "
+            f"{source} has no mtp heads (config.json has no num_mtp_heads): fit some with "
+            f"`tandem mtp-heads fit {source} OUT --heads {k}` and serve OUT, or write a demo "
+            f"model with `tandem demo-model DIR --mtp-heads {k}` (docs/mtp.md)")
+    if heads.num_heads < k:
+        raise ValueError(
+            f"speculative option num_speculative_tokens={k} exceeds the {heads.num_heads} "
+            f"mtp heads of checkpoint {source} (one proposal per head): lower it to at most "
+            f"{heads.num_heads} or fit more heads (`tandem mtp-heads fit ... --heads {k}`)")
+
+
+@dataclass(frozen=True)
+class _Remembered:
+    num_tokens: int  # the request's token count when the row was taken
+    hidden: torch.Tensor  # [hidden]: the state at position num_tokens - 2
+
+
+class MtpProposer:
+    """Proposals from the served checkpoint's own multi-token-prediction heads (layout
+    and position arithmetic: model/mtp.py).
+
+    The heads start from the target's final-normed hidden state at a request's last
+    computed position, which the forward that computed it already had: the engine asks
+    the runner for the sampling rows' hidden states (`ModelRunner.capture_hidden`) and
+    hands the row that produced each request's last emitted token to `remember`. A
+    request whose token count moved on without such a row (a refit clears every row)
+    proposes nothing that step. Proposal j is the argmax of head j: a point mass, so
+    acceptance stays exact; a bad head only costs verification, which the back-off
+    limits as for the n-gram method."""
+
+    def __init__(self, config: SpeculativeConfig, heads: MtpHeads,
+                 logits: Callable[[torch.Tensor], torch.Tensor],
+                 embed: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """`heads` already on the target's device and dtype; `logits` is the target's
+        lm_head ([M, hidden] -> [M, vocab]), `embed` its input embedding ([M] token ids
+        -> [M, hidden]; heads with mtp_token_input read the emitted token's)."""
+        self.config = config
+        self.heads = heads
+        self._logits = logits
+        self._embed = embed
+        self._rows: dict[str, _Remembered] = {}
+        self.backoffs = Backoffs()
+
+    def load_heads(self, heads: MtpHeads) -> None:
+        """New heads (a refit, already checked): every remembered row came from the old
+        weights, so none is used again."""
+        self.heads = heads
+        self._rows.clear()
+
+    def remember(self, requests: Sequence[Request], hidden: torch.Tensor) -> None:
+        """Row r of `hidden` is the state that produced requests[r]'s last token."""
+        for request, row in zip(requests, hidden, strict=True):
+            self._rows[request.request_id] = _Remembered(request.num_tokens, row)
+
+    def propose(self, requests: Sequence[Request], limits: Sequence[int]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in requests]
+        picked: list[tuple[int, int]] = []  # (index in requests, proposals)
+        rows: list[torch.Tensor] = []
+        for index, (request, limit) in enumerate(zip(requests, limits, strict=True)):
+            k = min(self.config.num_speculative_tokens, self.heads.num_heads, limit)
+            remembered = self._rows.get(request.request_id)
+            if (k < 1 or remembered is None or remembered.num_tokens != request.num_tokens
+                    or not self.backoffs.allows(request)):
+                continue
+            picked.append((index, k))
+            rows.append(remembered.hidden)
+        if rows:
+            n = max(k for _, k in picked)
+            h = torch.stack(rows)
+            with torch.inference_mode():
+                e = None if self.heads.token_weight is None else self._embed(torch.tensor(
+                    [requests[index].token_ids[-1] for index, _ in picked], device=h.device))
+                tokens = self.heads.propose(h, n, self._logits, e)
+            for (index, k), row in zip(picked, tokens, strict=True):
+                out[index] = row[:k]
+        return out
+
+    def observe(self, request: Request, proposed: int, accepted: int) -> None:
+        self.backoffs.observe(request, proposed, accepted)
+
+    def forget(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+        self.backoffs.forget(request_id)
+
+
 def make_proposer(config: SpeculativeConfig, engine_config: EngineConfig | None = None,
                   draft: DraftCheckpoint | None = None, num_blocks: int = 0,
-                  max_model_len: int = 0, dtype: str = "float32") -> Proposer:
+                  max_model_len: int = 0, dtype: str = "float32", *,
+                  mtp_heads: MtpHeads | None = None,
+                  target_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  target_embed: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                  checkpoint: str = "(tensors given)") -> Proposer:
     """The proposer of `config.method`. The draft method also needs the engine's config,
     its draft checkpoint (loaded and checked against the served model by
     `load_draft_checkpoint`), the blocks of its KV pool, the engine's max_model_len and
-    the served model's dtype."""
+    the served model's dtype. Method mtp takes the served checkpoint's heads
+    (`mtp_heads`, on the target's device and dtype), the target's lm_head
+    (`target_logits`) and input embedding (`target_embed`), and the checkpoint's name
+    for its errors."""
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "draft":
@@ -151,6 +256,11 @@ def make_proposer(config: SpeculativeConfig, engine_config: EngineConfig | None 
                              "checkpoint, num_blocks and max_model_len")
         return DraftModelProposer(config, engine_config, draft, num_blocks, max_model_len,
                                   dtype)
+    if config.method == "mtp":
+        check_mtp_heads(config, mtp_heads, checkpoint)
+        assert mtp_heads is not None and target_logits is not None
+        assert target_embed is not None
+        return MtpProposer(config, mtp_heads, target_logits, target_embed)
     raise ValueError(f"speculative method {config.method!r} has no proposer")
 
 

@@ -118,6 +118,9 @@ def load_checkpoint(
     value is finite (`check_finite=False` only for the benchmark that measures its cost).
 
     With tied embeddings no `lm_head.weight` is returned, even if the file holds one.
+    With `num_mtp_heads` in config.json the multi-token-prediction heads (`mtp.*`,
+    model/mtp.py) are returned too: `take_mtp_heads` splits them off before the model
+    is built. A GGUF file holds no heads.
     `progress`, when given, is called with a `LoadProgress` once the checkpoint is
     validated, after every tensor and after every file (the finiteness check follows the
     last report)."""
@@ -196,8 +199,9 @@ def _inspect(folder: Path, reference: ModelConfig | None) -> _Manifest:
         _check_same_shape(folder / "config.json", config, reference)
     found, index_map = _read_headers(folder)
     _check_tensors(folder, config, found, index_map)
-    expected = config.expected_tensors()
-    return _Manifest(folder, config, {name: found[name] for name in expected})
+    required, optional = config.mtp_tensors()
+    wanted = [*config.expected_tensors(), *required, *(n for n in optional if n in found)]
+    return _Manifest(folder, config, {name: found[name] for name in wanted})
 
 
 def _inspect_gguf(file: Path, reference: ModelConfig | None) -> GGUFCheckpoint:
@@ -295,13 +299,20 @@ def _check_tensors(
     found: dict[str, TensorHeader],
     index_map: dict[str, str] | None,
 ) -> None:
-    expected = config.expected_tensors()
+    mtp_required, mtp_optional = config.mtp_tensors()
+    expected = {**config.expected_tensors(), **mtp_required}
     problems: list[str] = []
-    for name, shape in expected.items():
+    for name, shape in {**expected, **mtp_optional}.items():
         header = found.get(name)
+        if header is None and name in mtp_optional:
+            continue
         if header is None:
             where = folder / WEIGHTS_NAME if index_map is None else folder / INDEX_NAME
             hint = "" if index_map is None else " (not in weight_map or any shard)"
+            if name in mtp_required:
+                hint += (f" (config.json says num_mtp_heads={config.num_mtp_heads}, "
+                         f"mtp_token_input={str(config.mtp_token_input).lower()}: fix "
+                         "config.json or add the tensor)")
             problems.append(f"{where}: missing tensor {name!r}{hint}, expected shape {shape}")
         elif header.shape != shape:
             problems.append(
@@ -313,12 +324,17 @@ def _check_tensors(
                 f"floating-point dtype ({', '.join(FLOAT_DTYPES)})"
             )
     for name, header in found.items():
-        if name in expected or _ignored(name, config):
+        if name in expected or name in mtp_optional or _ignored(name, config):
             continue
         hint = ""
         match = _LAYER_INDEX.match(name)
         if match and int(match.group(1)) >= config.num_layers:
             hint = f"; config.json says num_hidden_layers={config.num_layers}"
+        elif name.startswith("mtp."):
+            hint = (f"; config.json says num_mtp_heads={config.num_mtp_heads}, "
+                    f"mtp_token_input={str(config.mtp_token_input).lower()} (heads are "
+                    "mtp.{i}.weight, optional mtp.{i}.bias and, with mtp_token_input, "
+                    "mtp.{i}.token_weight, i from 0)")
         problems.append(
             f"{header.file}: unexpected tensor {name!r} with shape {header.shape}: not part of "
             f"a {config.architecture} with this config.json{hint}"

@@ -168,6 +168,9 @@ class StepBatch:
     drafts: list[tuple[int, ...]]  # per request: the proposals its rows after the first verify
     # (request, first prompt position predicted, [n, vocab] logits) per prompt_rows entry
     prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
+    # [R, hidden] final-normed hidden states of the sampling rows, only when the runner's
+    # `capture_hidden` is on (the mtp proposer's heads start from them)
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -200,6 +203,9 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(capture_sizes(engine_config.max_num_seqs),
                                            self.device)
         self._max_model_len, self._max_num_seqs = max_model_len, engine_config.max_num_seqs
+        # Return the sampling rows' hidden states (`StepBatch.hidden`; speculative method
+        # mtp). Steps then run eagerly: a captured CUDA graph returns logits only.
+        self.capture_hidden = False
         self.model: CausalLM
         self.load_weights(tensors)
 
@@ -355,6 +361,7 @@ class ModelRunner:
                 sample_drafts.append(draft)
         dev = self.device
         if (self.graphs is not None and not prefills and not prompt_rows
+                and not self.capture_hidden
                 and bucket_for(len(decodes), self.graphs.sizes) is not None):
             return PreparedStep(
                 input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -396,10 +403,12 @@ class ModelRunner:
         assert step.meta is not None
         cos, sin = self.rope.lookup(step.positions)
         hidden = self.model(step.input_ids, cos, sin, self.kv_cache, step.meta)
-        logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows))
+        sampled = hidden.index_select(0, step.sample_rows)
+        logits = self.model.compute_logits(sampled)
         prompt_logits = [(request, first, self.model.compute_logits(hidden.index_select(0, rows)))
                          for request, first, rows in step.prompt_rows]
-        return StepBatch(logits, step.requests, step.drafts, prompt_logits)
+        return StepBatch(logits, step.requests, step.drafts, prompt_logits,
+                         sampled if self.capture_hidden else None)
 
     # ---- token runs that are no request's tokens (a draft model's proposals) ---------------
 
