@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +44,7 @@ class Cluster:
     procs: list[subprocess.Popen] = field(default_factory=list)
     engines: list[subprocess.Popen] = field(default_factory=list)
     router: subprocess.Popen | None = None
+    logs: Path | None = None  # where the processes log (run_cluster)
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.router_url}/v1", api_key="x", max_retries=0,
@@ -125,8 +126,10 @@ def _router_cmd(model: Path, engines: list[str], port: int) -> list[str]:
     return cmd
 
 
-def run_cluster(model: Path, logs: Path, roles: tuple[str, ...]) -> Iterator[Cluster]:
-    """Engines with `roles` plus one router over them, torn down when the caller is done."""
+def run_cluster(model: Path, logs: Path, roles: tuple[str, ...],
+                engine_flags: Sequence[str] = ()) -> Iterator[Cluster]:
+    """Engines with `roles` (and `engine_flags`) plus one router over them, logging into
+    `logs` (`Cluster.logs`), torn down when the caller is done."""
     ports = [(_free_port(), _free_port()) for _ in roles]
     router_port = _free_port()
     c = Cluster(model, f"http://127.0.0.1:{router_port}",
@@ -135,7 +138,8 @@ def run_cluster(model: Path, logs: Path, roles: tuple[str, ...]) -> Iterator[Clu
     engine_logs = [logs / f"engine{i}-{role}.log" for i, role in enumerate(roles)]
     try:
         for (zp, ap), role, log in zip(ports, roles, engine_logs, strict=True):
-            c.engines.append(_spawn([*_engine_cmd(model, zp, ap), "--role", role], log))
+            c.engines.append(_spawn([*_engine_cmd(model, zp, ap), "--role", role,
+                                     *engine_flags], log))
         c.procs += c.engines
         c.router = _spawn(_router_cmd(model, c.engine_keys, router_port), logs / "router.log")
         c.procs.append(c.router)
@@ -144,6 +148,7 @@ def run_cluster(model: Path, logs: Path, roles: tuple[str, ...]) -> Iterator[Clu
         _wait_ready(f"{c.router_url}/readyz", c.router, logs / "router.log")
         for key in c.engine_keys:
             c.wait_view(key, "RUNNING")
+        c.logs = logs
         yield c
     finally:
         _stop(c.procs)

@@ -26,16 +26,7 @@ from reference import random_prompts
 from tandem_engine import LLM, SamplingParams
 from tandem_engine import protocol as p
 from test_router_disagg import DEC, PRE, PROMPT, TARGET, _run, colocated, scripted_dispatcher
-from test_router_e2e import (
-    MODEL,
-    Cluster,
-    _engine_cmd,
-    _free_port,
-    _router_cmd,
-    _spawn,
-    _stop,
-    _wait_ready,
-)
+from test_router_e2e import MODEL, Cluster, run_cluster
 
 VOCAB = 2048  # the demo tokenizer's
 SPEC_FLAGS = ["--speculative-method", "ngram", "--speculative-tokens", "4",
@@ -91,6 +82,30 @@ def test_the_request_log_line_reports_the_decode_engines_acceptance(
                           "67")
 
 
+def test_the_router_passes_the_prefill_engines_proposals_to_the_decode_engine() -> None:
+    seen: list[list[int]] = []
+
+    def prefill(*args: Any) -> list[Any]:
+        outs = colocated(*args)
+        handoff = outs[-1].handoff
+        assert handoff is not None
+        outs[-1] = msgspec.structs.replace(
+            outs[-1], handoff=msgspec.structs.replace(handoff, proposals=TARGET[1:3]))
+        return outs
+
+    def decode(request_id: str, prompt: list[int], sampling: SamplingParams, pin: bool,
+               resume: p.Resume | None, pull: p.PullSource | None) -> list[Any]:
+        assert pull is not None
+        seen.append(list(pull.proposals))
+        return colocated(request_id, prompt, sampling, pin, resume, pull)
+
+    dispatcher, _, _ = scripted_dispatcher({PRE: ("prefill", prefill),
+                                            DEC: ("decode", decode)})
+    deltas = _run(dispatcher, SamplingParams(max_tokens=6, temperature=0.0))
+    assert [t for d in deltas for t in d.token_ids] == TARGET
+    assert seen == [TARGET[1:3]]
+
+
 def test_no_spec_figures_without_proposals(caplog: pytest.LogCaptureFixture) -> None:
     dispatcher, _, _ = scripted_dispatcher({PRE: ("mixed", colocated)})
     with caplog.at_level(logging.INFO, logger="tandem_engine.router.dispatch"):
@@ -104,33 +119,10 @@ def test_no_spec_figures_without_proposals(caplog: pytest.LogCaptureFixture) -> 
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """1 prefill + 1 decode engine, both speculating, behind one router."""
+    """1 prefill + 1 decode engine, both speculating (ngram), behind one router."""
     pytest.importorskip("nixl_cu12")
-    logs = tmp_path_factory.mktemp("spec-disagg")
-    roles = ("prefill", "decode")
-    ports = [(_free_port(), _free_port()) for _ in roles]
-    router_port = _free_port()
-    c = Cluster(tiny_llama, f"http://127.0.0.1:{router_port}",
-                [f"127.0.0.1:{zp}" for zp, _ in ports],
-                [f"http://127.0.0.1:{ap}" for _, ap in ports])
-    engine_logs = [logs / f"{role}.log" for role in roles]
-    try:
-        for (zp, ap), role, log in zip(ports, roles, engine_logs, strict=True):
-            c.engines.append(_spawn([*_engine_cmd(tiny_llama, zp, ap), "--role", role,
-                                     "--engine-id", role, *SPEC_FLAGS], log))
-        c.procs += c.engines
-        c.router = _spawn(_router_cmd(tiny_llama, c.engine_keys, router_port),
-                          logs / "router.log")
-        c.procs.append(c.router)
-        for url, engine, log in zip(c.admin_urls, c.engines, engine_logs, strict=True):
-            _wait_ready(f"{url}/readyz", engine, log)
-        _wait_ready(f"{c.router_url}/readyz", c.router, logs / "router.log")
-        for key in c.engine_keys:
-            c.wait_view(key, "RUNNING")
-        c.logs = logs  # type: ignore[attr-defined]
-        yield c
-    finally:
-        _stop(c.procs)
+    yield from run_cluster(tiny_llama, tmp_path_factory.mktemp("spec-disagg"),
+                           ("prefill", "decode"), SPEC_FLAGS)
 
 
 def _engine_metrics(admin_url: str) -> dict[str, float]:
@@ -198,3 +190,37 @@ def test_decode_engine_speculates_after_the_handoff_with_identical_tokens(
     assert sum(a for a, _ in logged) == accepted and sum(p for _, p in logged) == proposed
     assert any(a > 0 for a, _ in logged)
     assert all(m.group(1).startswith(tuple(ids)) for m in lines)
+
+
+@pytest.mark.slow
+def test_mtp_proposals_travel_with_the_handoff(tmp_path_factory: pytest.TempPathFactory
+                                               ) -> None:
+    """Method mtp: the prefill engine proposes from its last hidden state as it hands
+    off, the proposals ride the handoff through the router, and the decode engine
+    verifies them in its first step. With max_tokens 3 that first step is the only one
+    that may propose (afterwards at most 0 tokens may follow), so the decode engine
+    verifies a draft per request only if the proposals arrived; the tokens are a
+    colocated run's either way."""
+    from test_speculative_mtp import KNOWN, _with_heads
+
+    _, fitted = _with_heads(tmp_path_factory, "llama")  # heads that memorized KNOWN
+    flags = ["--speculative-method", "mtp", "--speculative-tokens", "2"]
+    plain = LLM(fitted)
+    pytest.importorskip("nixl_cu12")
+    for c in run_cluster(fitted, tmp_path_factory.mktemp("mtp-disagg"), ("prefill", "decode"),
+                         flags):
+        client = c.client()
+        for max_tokens in (3, 20):
+            want = plain.generate(KNOWN, SamplingParams(max_tokens=max_tokens,
+                                                        temperature=0.0, ignore_eos=True))
+            for prompt, ref in zip(KNOWN, want, strict=True):
+                r = client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                    extra_body={"return_token_ids": True, "ignore_eos": True})
+                assert r.choices[0].model_extra["token_ids"] == ref.outputs[0].token_ids
+            prefill, decode = (_engine_metrics(url) for url in c.admin_urls)
+            if max_tokens == 3:
+                assert decode["vllm:spec_decode_num_drafts_total"] == len(KNOWN)
+                assert decode["vllm:spec_decode_num_accepted_tokens_total"] == len(KNOWN)
+        assert prefill["vllm:spec_decode_num_drafts_total"] == 0
+        assert decode["vllm:spec_decode_num_accepted_tokens_total"] > 2 * len(KNOWN)

@@ -289,3 +289,54 @@ def test_fit_heads_recovers_linear_dynamics_in_closed_form() -> None:
     silu = MtpHeads(heads.weight, heads.bias)
     want = s[:5] + torch.nn.functional.silu(s[:5] @ heads.weight[0].t() + heads.bias[0])
     assert torch.allclose(silu.hidden(s[:5], 1)[0], want, atol=1e-6)
+
+
+def test_a_handoff_carries_the_prefill_engines_proposals_to_the_decode_engine(
+        mtp_llama) -> None:
+    """Disaggregated: the prefill engine proposes from its last hidden state as it hands
+    off, the decode engine verifies those proposals in its first step (3 tokens at once
+    with memorized heads, k = 2), and the tokens are a colocated run's."""
+    from test_handoff_engine import _copy_blocks, _finish
+
+    _, fitted = mtp_llama
+    plain = LLM(fitted).generate(KNOWN, GREEDY)
+    prefill = LLM(fitted, speculative_config=MTP).engine
+    decode = LLM(fitted, speculative_config=MTP).engine
+    for i, (prompt, want) in enumerate(zip(KNOWN, plain, strict=True)):
+        rid = f"h{i}"
+        prefill.add_request(rid, prompt, GREEDY, pin_for_handoff=True)
+        out = _finish(prefill)[rid]
+        first, remote = out.outputs[0].token_ids[0], out.pinned_blocks
+        assert out.handoff_proposals == want.outputs[0].token_ids[1:3]
+        plan = decode.add_pulled_request(rid, prompt, GREEDY, [first],
+                                         proposals=out.handoff_proposals)
+        _copy_blocks(prefill, decode, remote, plan)
+        decode.complete_pull(rid, ok=True)
+        assert prefill.unpin(rid)
+        (step,) = decode.step()
+        assert step.outputs[0].token_ids == want.outputs[0].token_ids[:4]
+        rest = _finish(decode)[rid].outputs[0]
+        assert rest.token_ids == want.outputs[0].token_ids
+    assert prefill.stats.speculative.num_drafts == 0  # it proposes, never verifies
+    for engine in (prefill, decode):
+        assert engine.kv.pool.num_free == engine.kv.num_blocks
+
+
+def test_carried_proposals_for_other_tokens_are_not_used(mtp_llama) -> None:
+    """Proposals are verified only while the request still has the tokens they follow
+    (a stale or wrong list costs nothing but is never trusted: the target verifies)."""
+    from test_handoff_engine import _copy_blocks, _finish
+
+    _, fitted = mtp_llama
+    want = LLM(fitted).generate(KNOWN[:1], GREEDY)[0].outputs[0].token_ids
+    prefill = LLM(fitted, speculative_config=MTP).engine
+    decode = LLM(fitted, speculative_config=MTP).engine
+    prefill.add_request("w", KNOWN[0], GREEDY, pin_for_handoff=True)
+    out = _finish(prefill)["w"]
+    wrong = [(t + 1) % VOCAB for t in out.handoff_proposals]
+    plan = decode.add_pulled_request("w", KNOWN[0], GREEDY, [want[0]], proposals=wrong)
+    _copy_blocks(prefill, decode, out.pinned_blocks, plan)
+    decode.complete_pull("w", ok=True)
+    (step,) = decode.step()
+    assert step.outputs[0].token_ids == want[:2]  # both rejected: the target's own token
+    assert _finish(decode)["w"].outputs[0].token_ids == want

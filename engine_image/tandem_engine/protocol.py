@@ -123,6 +123,9 @@ class PullSource(msgspec.Struct, frozen=True):
     agent: KVTransferInfo
     pin_id: str  # the prefill engine's name for the pin, sent back when the pull is done
     block_ids: list[int]  # the prompt's blocks there, in position order
+    # The prefill engine's speculative proposals for the tokens after the first (method
+    # mtp): the decode engine verifies them in its first step.
+    proposals: list[int] = []
 
 
 class Resume(msgspec.Struct, frozen=True):
@@ -143,6 +146,7 @@ class Handoff(msgspec.Struct, frozen=True):
 
     pin_id: str  # name the pin in the decode engine's PullSource
     block_ids: list[int]  # the prompt's pinned blocks, in position order
+    proposals: list[int] = []  # speculative proposals after the first token (PullSource)
 
 
 class Welcome(msgspec.Struct, frozen=True):

@@ -83,6 +83,12 @@ class Request:
     # Totals over its life: proposals verified for it, and how many of them were accepted.
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
+    # Proposals that travel with a disaggregated handoff (method mtp): on the prefill
+    # engine the ones made from its last hidden state for the tokens after the first; on
+    # the decode engine the ones received, verified in its first step while the request
+    # still has `carried_for` tokens, then dropped.
+    carried_proposals: list[int] = field(default_factory=list)
+    carried_for: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

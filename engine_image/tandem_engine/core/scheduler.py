@@ -103,7 +103,9 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= self._take(request, n, out)
-        if budget > 0 and any(r.spec_token_ids for r in decodes):
+        # Proposals: running decodes', and a handed-over request's first decode step
+        # (admitted just now with the prefill engine's proposals).
+        if budget > 0 and any(c.request.spec_token_ids for c in out.chunks):
             self._add_drafts(out, budget)
         return out
 

@@ -165,6 +165,8 @@ class LLMEngine:
         self._weights = WeightIdentity(uri="", version="initial", epoch=0)
         self._state = EngineState.RUNNING
         self._pulling: dict[str, Request] = {}
+        # Handed-over requests with the prefill engine's proposals, until their first step.
+        self._carrying: dict[str, Request] = {}
         self.num_pull_fallbacks = 0
         self._suspend_mode: KVMode | None = None
         self._lock = threading.RLock()
@@ -348,15 +350,22 @@ class LLMEngine:
 
     def add_pulled_request(self, request_id: str, prompt_token_ids: Sequence[int],
                            params: SamplingParams, resumed_token_ids: Sequence[int],
-                           sent_chars: int = 0, cache_salt: str | None = None) -> PullPlan:
+                           sent_chars: int = 0, cache_salt: str | None = None,
+                           proposals: Sequence[int] = ()) -> PullPlan:
         """A decode engine's side of a handoff: the prompt was computed elsewhere and its
         first token (`resumed_token_ids`) sampled there. Blocks are allocated (reusing
         this engine's own prefix hits); the returned plan lists the prompt's block
         positions still to pull and the local blocks to pull them into. Call
-        `complete_pull` when the transfer ends."""
+        `complete_pull` when the transfer ends. `proposals`: the prefill engine's
+        speculative proposals for the tokens after the first, verified in this engine's
+        first step of the request (when it speculates at all)."""
         with self._lock:
             request = self._new_request(request_id, list(prompt_token_ids), params,
                                         cache_salt, resumed_token_ids, sent_chars)
+            if proposals:
+                request.carried_proposals = list(proposals)
+                request.carried_for = request.num_tokens
+                self._carrying[request_id] = request
             if self._end_at_admission(request):
                 self._publish()
                 return PullPlan(request_id, [], [], reused_blocks=0)
@@ -480,10 +489,18 @@ class LLMEngine:
             last_rows.append(first + request.num_tokens - before - 1)
             first += 1 + len(draft)
         if batch.hidden is not None and isinstance(self.proposer, MtpProposer):
-            going_on = [i for i, reason in enumerate(reasons) if reason is None]
+            # Requests going on propose from their row next step; a handoff proposes now,
+            # and its proposals travel with it to the decode engine.
+            going_on = [i for i, reason in enumerate(reasons)
+                        if reason is None or reason is FinishReason.HANDOFF]
             self.proposer.remember([requests[i] for i in going_on], batch.hidden[
                 torch.tensor([last_rows[i] for i in going_on], dtype=torch.long,
                              device=batch.hidden.device)])
+            handoffs = [requests[i] for i in going_on if reasons[i] is FinishReason.HANDOFF]
+            limits = [self._proposal_limit(request) for request in handoffs]
+            for request, draft in zip(handoffs, self.proposer.propose(handoffs, limits),
+                                      strict=True):
+                request.carried_proposals = draft
         self.scheduler.advance(scheduled, accepted)
         for request, reason in zip(requests, reasons, strict=True):
             if reason is not None:
@@ -509,15 +526,17 @@ class LLMEngine:
             for request in self.scheduler.running:
                 request.spec_token_ids = []
             return
+        carried = self._use_carried_proposals()
         candidates: list[Request] = []
         limits: list[int] = []
         for request in self.scheduler.running:
+            if request.request_id in carried:
+                continue
             request.spec_token_ids = []
             if (request.num_tokens - request.num_computed_tokens != 1
                     or request.pin_for_handoff):
                 continue
-            limit = min(request.params.max_tokens - request.num_output_tokens,
-                        self.max_model_len - request.num_tokens) - 1
+            limit = self._proposal_limit(request)
             if limit >= 1:
                 candidates.append(request)
                 limits.append(limit)
@@ -525,6 +544,30 @@ class LLMEngine:
             for request, draft in zip(candidates, self.proposer.propose(candidates, limits),
                                       strict=True):
                 request.spec_token_ids = draft
+
+    def _use_carried_proposals(self) -> set[str]:
+        """Handed-over requests ready for their first decode step (KV pulled or
+        recomputed, still running or admitted this step) get the proposals the prefill
+        engine made, for exactly the tokens they have; returns their ids. Proposals for
+        tokens the request no longer ends with are dropped."""
+        used = set()
+        for request_id, request in list(self._carrying.items()):
+            if request.finished or request.carried_for != request.num_tokens:
+                del self._carrying[request_id]
+            elif (request_id not in self._pulling
+                  and request.num_tokens - request.num_computed_tokens == 1):
+                limit = max(self._proposal_limit(request), 0)
+                request.spec_token_ids = request.carried_proposals[:limit]
+                request.carried_proposals = []
+                del self._carrying[request_id]
+                used.add(request_id)
+        return used
+
+    def _proposal_limit(self, request: Request) -> int:
+        """How many tokens may be proposed after the request's last: none past its
+        max_tokens or the context (a step emits at most proposals + 1 tokens)."""
+        return min(request.params.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens) - 1
 
     def _sample(self, batch: StepBatch) -> tuple[SampleResult, dict[str, torch.Tensor]]:
         """One token per logits row. A request verifying a draft has one row per position,

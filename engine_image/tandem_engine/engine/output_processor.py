@@ -117,4 +117,6 @@ class OutputProcessor:
                              prompt_logprobs=request.prompt_logprobs,
                              num_cached_tokens=max(request.num_cached_tokens, 0),
                              num_spec_proposed=request.num_spec_proposed,
-                             num_spec_accepted=request.num_spec_accepted)
+                             num_spec_accepted=request.num_spec_accepted,
+                             handoff_proposals=list(request.carried_proposals)
+                             if reason is FinishReason.HANDOFF else [])

@@ -42,6 +42,8 @@ class RequestOutput:
     # Speculative decoding, so far: proposals verified for this request, and accepted.
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
+    # A handoff's speculative proposals for the tokens after its first (method mtp).
+    handoff_proposals: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -238,7 +238,8 @@ def _pull_source(attempt: Attempt, out: p.Output, progress: Progress) -> p.PullS
     agent = welcome.kv_transfer if welcome is not None else None
     if out.handoff is None or agent is None or len(progress.generated) != 1:
         return None
-    return p.PullSource(agent, out.handoff.pin_id, list(out.handoff.block_ids))
+    return p.PullSource(agent, out.handoff.pin_id, list(out.handoff.block_ids),
+                        list(out.handoff.proposals))
 
 
 def _lost(item: EngineLost | Stalled) -> FailOver:

@@ -140,7 +140,9 @@ def stream_delta(stream: _Stream, out: RequestOutput) -> p.Output:
     handoff = None
     reason = completion.finish_reason
     if reason == "handoff":
-        handoff, reason = p.Handoff(out.request_id, list(out.pinned_blocks or ())), None
+        handoff = p.Handoff(out.request_id, list(out.pinned_blocks or ()),
+                            list(out.handoff_proposals))
+        reason = None
     delta = p.Output(
         request_id=stream.client_id, token_ids=list(new_ids),
         text=completion.text[stream.sent_chars:], logprobs=logprobs, finished=out.finished,
@@ -432,7 +434,8 @@ class EngineWorker:
                                           "cannot pull KV: start it with --role decode")
                 plan = self.engine.add_pulled_request(rid, msg.prompt_token_ids,
                                                       msg.sampling, resumed, sent_chars,
-                                                      cache_salt=msg.cache_salt)
+                                                      cache_salt=msg.cache_salt,
+                                                      proposals=msg.pull.proposals)
                 self.handoff.start_pull(rid, msg.pull, plan)
             else:
                 self.engine.add_request(rid, msg.prompt_token_ids, msg.sampling,
