@@ -17,7 +17,7 @@ on one engine, then on the other, so a change in load falls on both). Reported:
 generated tokens/s, mean per-request latency, the speed-up, whether the tokens were
 identical, and for the speculative runs the acceptance rate per draft position.
 
-    .venv/bin/python benchmarks/speculative.py [--method ngram] [--tokens 8]
+    .venv/bin/python benchmarks/speculative.py [--method ngram] [--tokens 12]
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-model", default=None, help="method draft: the draft checkpoint")
     ap.add_argument("--model", default=None,
                     help="the served checkpoint (default: the pulled SmolLM2-135M-Instruct)")
-    ap.add_argument("--tokens", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--tokens", type=int, default=12, help="num_speculative_tokens")
     ap.add_argument("--disable-by-batch-size", type=int, default=None,
                     help="no proposals in a step with more running requests than this")
     ap.add_argument("--ngram-min", type=int, default=2)
