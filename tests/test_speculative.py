@@ -307,6 +307,23 @@ def _oracle_pair(model: Path, prompts: list[list[int]], params: SamplingParams =
     return plain, spec
 
 
+def _with_late_arrivals(engine, prompts: list[list[int]], params, every: int = 3) -> list:
+    """Run `prompts` on `engine`, adding one every `every` steps while the ones before it
+    decode (and verify drafts); their final outputs, in prompt order. `params`: one
+    SamplingParams for all, or one each."""
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    finished, pending, step = {}, list(enumerate(prompts)), 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % every == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"late-{i}", prompt, each[i])
+        for out in engine.step():
+            if out.finished:
+                finished[int(out.request_id.removeprefix("late-"))] = out
+        step += 1
+    return [finished[i] for i in range(len(prompts))]
+
+
 def _assert_same(plain, spec, logprobs: bool = False) -> None:
     for a, b in zip(plain, spec, strict=True):
         x, y = a.outputs[0], b.outputs[0]
@@ -368,17 +385,8 @@ def test_mixed_lengths_chunked_prefill_and_arrivals_during_decode(tiny_qwen2: Pa
             timings = spec.engine.step_timings
             assert max(t.num_prefill_tokens + t.num_decode_tokens for t in timings) <= 8
     # Requests arriving while others verify drafts.
-    engine = spec.engine
-    finished, pending, step = {}, list(enumerate(prompts)), 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % 3 == 0:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"late-{i}", prompt, params[i])
-        for out in engine.step():
-            if out.finished:
-                finished[int(out.request_id.removeprefix("late-"))] = out
-        step += 1
-    _assert_same(plain.generate(prompts, params), [finished[i] for i in range(len(prompts))])
+    _assert_same(plain.generate(prompts, params),
+                 _with_late_arrivals(spec.engine, prompts, params))
 
 
 def test_preemption_prefix_hits_and_suspend_under_speculation(tiny_llama: Path) -> None:

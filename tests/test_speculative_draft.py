@@ -24,7 +24,7 @@ from tandem_engine.cli.main import main as tandem_main
 from tandem_engine.engine.llm import LLM
 from tandem_engine.errors import CheckpointError
 from tandem_engine.sampling_params import SamplingParams
-from test_speculative import PROMPTS, VOCAB, _assert_same
+from test_speculative import PROMPTS, VOCAB, _assert_same, _with_late_arrivals
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
 MIXED = [*PROMPTS, *random_prompts(VOCAB, [3, 70], seed=21)]
@@ -93,17 +93,7 @@ def test_chunked_prefill_preemption_and_arrivals_during_decode(tiny_llama: Path)
                for t in spec.engine.step_timings) <= 12
     _assert_pools_empty(spec)
     # Requests arriving while others verify drafts.
-    engine = spec.engine
-    finished, pending, step = {}, list(enumerate(prompts)), 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % 4 == 0:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"late-{i}", prompt, params)
-        for out in engine.step():
-            if out.finished:
-                finished[int(out.request_id.removeprefix("late-"))] = out
-        step += 1
-    _assert_same(want, [finished[i] for i in range(len(prompts))])
+    _assert_same(want, _with_late_arrivals(spec.engine, prompts, params, every=4))
     _assert_pools_empty(spec)
 
 

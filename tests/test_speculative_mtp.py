@@ -27,7 +27,14 @@ from tandem_engine.engine.llm import LLM
 from tandem_engine.errors import CheckpointError
 from tandem_engine.model.checkpoint import load_checkpoint
 from tandem_engine.sampling_params import SamplingParams
-from test_speculative import PROMPTS, VOCAB, _accepted, _assert_same, _repeating
+from test_speculative import (
+    PROMPTS,
+    VOCAB,
+    _accepted,
+    _assert_same,
+    _repeating,
+    _with_late_arrivals,
+)
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
 # What the memorized heads know: 3 prompts x 20 tokens = 60 positions, fewer than the
@@ -99,17 +106,8 @@ def test_mixed_batches_chunked_prefill_preemption_and_arrivals(mtp_llama) -> Non
         if "num_blocks" in options:
             assert spec.engine.num_preemptions > 0
     # Requests arriving while others verify drafts.
-    engine = spec.engine
-    finished, pending, step = {}, list(enumerate(prompts)), 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % 3 == 0:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"late-{i}", prompt, params[i])
-        for out in engine.step():
-            if out.finished:
-                finished[int(out.request_id.removeprefix("late-"))] = out
-        step += 1
-    _assert_same(plain.generate(prompts, params), [finished[i] for i in range(len(prompts))])
+    _assert_same(plain.generate(prompts, params),
+                 _with_late_arrivals(spec.engine, prompts, params))
     _no_leak(spec)
 
 
