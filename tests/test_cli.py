@@ -30,3 +30,16 @@ def test_generate_reports_a_bad_checkpoint_clearly(tmp_path: Path) -> None:
     assert run.returncode == 2
     assert "config.json" in run.stderr and "missing" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_the_tandem_command_line_does_not_import_torch() -> None:
+    """Building the `tandem` parser (every subcommand's flags) stays torch-free, so
+    `tandem refit`, `tandem serve` and `tandem bench` start in a fraction of a second;
+    only the commands that run a model import it, when they run."""
+    code = ("import sys\n"
+            "from tandem_engine.cli.main import build_parser\n"
+            "build_parser()\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'tandem' in m)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr

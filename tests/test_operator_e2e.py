@@ -111,9 +111,10 @@ def test_helm_install_apply_a_pool_and_get_disaggregated_completions(
 
     cluster.kubectl("apply", "-f", "-", input=pool_manifest(tiny_llama))
     try:
-        pool = wait_for("the pool to be Ready", lambda: (
+        # Ready means every group serves (a pod each); wait for every replica too.
+        pool = wait_for("the pool to be Ready with every replica", lambda: (
             p if condition(p := get(cluster, "inferencepool", "demo"), "Ready") == "True"
-            else None), timeout=180)
+            and p["status"]["decode"]["ready"] == 2 else None), timeout=180)
     except AssertionError:
         for p in get(cluster, "pods")["items"]:
             print(f"---- {p['metadata']['name']} ----\n"

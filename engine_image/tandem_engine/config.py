@@ -59,6 +59,10 @@ MTP_HIDDEN_ACTS = ("silu", "identity")
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 4
 MAX_PROMPT_LOOKUP = 64
+# `tandem mtp-heads fit` (cli/mtp_heads.py): corpus prompts, greedy tokens per prompt, ridge.
+DEFAULT_MTP_FIT_PROMPTS = 64
+DEFAULT_MTP_FIT_TOKENS = 96
+DEFAULT_MTP_FIT_RIDGE = 1e-3
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,9 @@ from tandem_engine.config import (
     DEFAULT_KERNELS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_MTP_FIT_PROMPTS,
+    DEFAULT_MTP_FIT_RIDGE,
+    DEFAULT_MTP_FIT_TOKENS,
     DEFAULT_THREADS,
     DEMO_MODEL_SIZES,
     KERNEL_CHOICES,
@@ -249,8 +252,6 @@ def _add_draft_model(sub) -> None:
 
 
 def _add_mtp_heads(sub) -> None:
-    from tandem_engine.cli.mtp_heads import DEFAULT_PROMPTS, DEFAULT_RIDGE, DEFAULT_TOKENS
-
     mtp = sub.add_parser("mtp-heads", help="multi-token-prediction heads for speculative "
                          "method mtp (docs/mtp.md)")
     what = mtp.add_subparsers(dest="mtp_command", required=True, metavar="COMMAND",
@@ -262,11 +263,11 @@ def _add_mtp_heads(sub) -> None:
     fit.add_argument("out", metavar="OUT", help="new folder for the checkpoint with heads")
     fit.add_argument("--heads", type=int, required=True, metavar="N",
                      help="heads to fit (proposals per step at most)")
-    fit.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS,
+    fit.add_argument("--prompts", type=int, default=DEFAULT_MTP_FIT_PROMPTS,
                      help="corpus prompts generated from (default %(default)s)")
-    fit.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+    fit.add_argument("--tokens", type=int, default=DEFAULT_MTP_FIT_TOKENS,
                      help="greedy tokens generated per prompt (default %(default)s)")
-    fit.add_argument("--ridge", type=float, default=DEFAULT_RIDGE,
+    fit.add_argument("--ridge", type=float, default=DEFAULT_MTP_FIT_RIDGE,
                      help="ridge regularization (default %(default)s)")
     fit.add_argument("--hidden-only", action="store_true",
                      help="heads that read the hidden state alone (Medusa), not also the "

@@ -29,17 +29,25 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tandem_engine.config import ModelConfig
+from tandem_engine.config import (
+    DEFAULT_MTP_FIT_PROMPTS as DEFAULT_PROMPTS,
+)
+from tandem_engine.config import (
+    DEFAULT_MTP_FIT_RIDGE as DEFAULT_RIDGE,
+)
+from tandem_engine.config import (
+    DEFAULT_MTP_FIT_TOKENS as DEFAULT_TOKENS,
+)
+from tandem_engine.config import (
+    ModelConfig,
+)
 from tandem_engine.model.attention import GatherBuffers, build_metadata
 from tandem_engine.model.checkpoint import INDEX_NAME, WEIGHTS_NAME, load_checkpoint
 from tandem_engine.model.llama import CausalLM, RotaryEmbedding, build_model
 from tandem_engine.model.mtp import MtpHeads, fit_heads, take_mtp_heads
 from tandem_engine.weights import is_gguf_path
 
-DEFAULT_PROMPTS = 64
 DEFAULT_PROMPT_TOKENS = 16
-DEFAULT_TOKENS = 96
-DEFAULT_RIDGE = 1e-3
 _KV_BLOCK = 16
 
 
