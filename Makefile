@@ -26,8 +26,11 @@ VERSION ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$$/\1/p' $
 REGISTRY ?= localhost
 ENGINE_IMAGE := $(REGISTRY)/tandem/engine:$(VERSION)
 OPERATOR_IMAGE := $(REGISTRY)/tandem/operator:$(VERSION)
-# podman where present, else docker.
-CONTAINER ?= $(if $(shell command -v podman),podman,docker)
+# docker only where its daemon answers, else podman (installed by image-tools when absent):
+# scripts/builder.sh. Chosen once per make run; CONTAINER=docker|podman forces one.
+ifeq ($(origin CONTAINER),undefined)
+CONTAINER := $(or $(shell scripts/builder.sh choose),podman)
+endif
 # The images' Python base. With podman the default is the local Debian 12 base that
 # `make base-image` builds (scripts/base-image.sh), for machines that cannot pull from a
 # registry; PYTHON_IMAGE=python:3.11-slim-bookworm (the Dockerfiles' own default, and docker's
@@ -64,17 +67,10 @@ push:
 	$(CONTAINER) push $(OPERATOR_IMAGE)
 	$(CONTAINER) push $(ENGINE_IMAGE)
 
-# A clean CI machine (Debian/Ubuntu, root) may lack the builders: install them once.
+# A clean CI machine (Debian/Ubuntu, root) may lack the builder: install podman (and mmdebstrap
+# for the local base) when absent; where nothing can build, one message says why and the fix.
 image-tools:
-	@need=""; \
-	command -v podman >/dev/null || command -v docker >/dev/null || need="podman"; \
-	if [ "$(PYTHON_IMAGE)" = "$(LOCAL_BASE)" ]; then \
-	    command -v podman >/dev/null || need="podman"; \
-	    command -v mmdebstrap >/dev/null || need="$$need mmdebstrap"; \
-	fi; \
-	if [ -n "$$need" ]; then \
-	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$need; \
-	fi
+	@scripts/builder.sh ensure $(CONTAINER) $(if $(filter $(LOCAL_BASE),$(PYTHON_IMAGE)),local-base)
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
