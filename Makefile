@@ -4,7 +4,8 @@
 #                 make run DEMO=1: the tiny random-weight demo model instead (offline, fast)
 #                 make run MODEL=/path/to/checkpoint: any other model
 #   make test  -> set up .venv with dev tools, lint, check architecture, build the images,
-#                 install the test tools (Prometheus), run the tests
+#                 install the test tools (Prometheus), run the tests, then the numerics-
+#                 sensitive ones again as on another kind of CPU
 #   make images -> the engine and operator images, REGISTRY/tandem/{engine,operator}:VERSION
 #                 (VERSION: the chart's appVersion); REGISTRY=ghcr.io/me make images push
 PY ?= python3
@@ -101,8 +102,12 @@ test-tools:
 	@command -v prometheus >/dev/null || { apt-get update -q && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }
 
+# Then the numerics-sensitive tests again, as on another kind of CPU (scripts/other-isa.sh:
+# AVX2 on an AVX-512/AMX machine, SSE4.1 on an AVX2 one): a comparison that holds on one
+# CPU only fails on every machine.
 test: lint images test-tools
 	$(BIN)/python -m pytest
+	env $$(scripts/other-isa.sh) $(BIN)/python -m pytest -m numerics -q
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR)
