@@ -6,12 +6,16 @@ SmolLM2 one, and the context-limit rule. The other half runs one real engine (th
 demo llama, max_model_len 1024) behind a real router and asks through the `openai`
 client: every refused parameter is a 400 naming it, and every implemented one changes
 the output as it should (checked against the offline engine, `LLM`, where it has an
-answer: generate for the penalties and min_p, score for prompt logprobs).
+answer: generate for the penalties and min_p, score for prompt logprobs), and what a
+request leaves out takes the model's defaults (its generation_config.json; vLLM's
+`--generation-config` and `--override-generation-config`).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -349,3 +353,89 @@ def test_chat_generation_prompt_continuation_and_role_injection(cluster: Cluster
     assert injected.count(start) == 2  # the template's user and assistant turns
     # chat_template_kwargs reach the template (this one ignores an unknown variable).
     assert prompt_ids(messages=user, extra={"chat_template_kwargs": {"x": 1}}) == with_gen
+
+
+# ---- the model's sampling defaults (--generation-config) -----------------------------------------
+
+
+def test_the_model_s_defaults_fill_only_what_the_request_leaves_out() -> None:
+    from tandem_engine.generation_config import GenerationDefaults
+
+    defaults = GenerationDefaults(temperature=0.2, top_p=0.9, top_k=5, source="test")
+    bare = ap.parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    params = ap.engine_sampling(bare.options, 8, 0, defaults)
+    assert (params.temperature, params.top_p, params.top_k) == (0.2, 0.9, 5)
+    assert ap.engine_sampling(bare.options, 8, 0) == SamplingParams(max_tokens=8)
+    # A value the request sets wins, even the neutral one.
+    own = ap.parse_completion({"model": "m", "prompt": "x", "temperature": 1.0, "top_k": 0})
+    params = ap.engine_sampling(own.options, 8, 0, defaults)
+    assert (params.temperature, params.top_p, params.top_k) == (1.0, 0.9, 0)
+
+
+@pytest.fixture(scope="module")
+def tuned_cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[Cluster]:
+    """The tiny llama whose generation_config.json asks for top_k 1: greedy by default."""
+    root = tmp_path_factory.mktemp("tuned")
+    model = root / "model"
+    shutil.copytree(tiny_llama, model)
+    file = model / "generation_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), "temperature": 0.7,
+                                "top_k": 1}))
+    yield from run_cluster(model, root, ("mixed",))
+
+
+def test_a_router_samples_with_the_model_s_generation_config(tuned_cluster: Cluster,
+                                                              llm) -> None:
+    client = tuned_cluster.client()
+    (entry,) = client.models.list().data
+    assert entry.model_extra["default_sampling_params"] == {"temperature": 0.7, "top_k": 1}
+    assert entry.model_extra["generation_config"].endswith("model/generation_config.json")
+    log = (tuned_cluster.logs / "router.log").read_text()
+    assert "Default sampling parameters have been overridden by the model's" in log
+    assert "{'temperature': 0.7, 'top_k': 1}" in log
+    prompt = "Once upon a time"
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                   ignore_eos=True))[0].outputs[0].token_ids
+
+    def tokens(**kw) -> list[int]:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                      extra_body={"return_token_ids": True,
+                                                  "ignore_eos": True, **kw})
+        return r.choices[0].model_extra["token_ids"]
+
+    # No sampling parameters: the model's top_k=1, greedy whatever the seed.
+    assert all(tokens(seed=s) == greedy for s in range(3))
+    # The request's own top_k (even the neutral 0) wins: it samples at temperature 0.7.
+    assert any(tokens(seed=s, top_k=0) != greedy for s in range(3))
+
+
+def test_generation_config_vllm_keeps_the_neutral_defaults(tuned_cluster: Cluster,
+                                                            llm, tmp_path: Path) -> None:
+    from test_router_e2e import _free_port, _router_cmd, _spawn, _stop, _wait_ready
+
+    port = _free_port()
+    log = tmp_path / "router.log"
+    router = _spawn([*_router_cmd(tuned_cluster.model_dir, tuned_cluster.engine_keys, port),
+                     "--generation-config", "vllm",
+                     "--override-generation-config", '{"repetition_penalty": 1.5}'], log)
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}/readyz", router, log)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0, timeout=60)
+        (entry,) = client.models.list().data
+        assert entry.model_extra["default_sampling_params"] == {"repetition_penalty": 1.5}
+        assert "--generation-config vllm" in entry.model_extra["generation_config"]
+        prompt = "the the the the the"
+        want = llm.generate([prompt], SamplingParams(max_tokens=12, repetition_penalty=1.5,
+                                                     seed=4, ignore_eos=True))[0]
+        greedy = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0,
+                                                       repetition_penalty=1.5,
+                                                       ignore_eos=True))[0]
+        assert want.outputs[0].token_ids != greedy.outputs[0].token_ids  # top_k=1 would show
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, seed=4,
+                                      extra_body={"return_token_ids": True,
+                                                  "ignore_eos": True})
+        assert r.choices[0].model_extra["token_ids"] == want.outputs[0].token_ids
+    finally:
+        _stop([router])

@@ -238,6 +238,36 @@ def test_normalize_base_url() -> None:
         normalize_base_url("localhost:8000")
 
 
+def _bench_args(*flags: str):
+    from tandem_engine.cli.main import build_parser
+
+    return build_parser().parse_args(["bench", "--base-url", "http://127.0.0.1:1",
+                                      "--model", "m", *flags])
+
+
+@pytest.mark.parametrize(("vllm", "tandem"), [
+    (["--num-prompts", "5", "--request-rate", "2.5"], ["--num-requests", "5", "--rate", "2.5"]),
+    (["--request-rate", "inf"], ["--burst"]),
+    (["--request-rate", "inf", "--max-concurrency", "3"], ["--burst", "--max-concurrency", "3"]),
+])
+def test_vllm_bench_serve_flag_names_mean_the_same(vllm: list[str], tandem: list[str]) -> None:
+    """`vllm bench serve --num-prompts N --request-rate R` (R = inf: all at once) works
+    as written: the same workload size and arrivals as Tandem's own flags."""
+    from tandem_engine.bench.cli import _arrivals
+
+    theirs, ours = _bench_args(*vllm), _bench_args(*tandem)
+    assert theirs.num_requests == ours.num_requests
+    assert _arrivals(theirs) == _arrivals(ours)
+
+
+def test_bench_help_names_the_vllm_spellings(capsys) -> None:
+    with pytest.raises(SystemExit):
+        _bench_args("--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--num-requests N, --num-prompts N" in text
+    assert "--rate R, --request-rate R" in text and "inf: every request at once" in text
+
+
 # ---- the command against `tandem serve --demo` -----------------------------------------
 
 
@@ -409,3 +439,14 @@ def test_model_not_served_is_named(demo_server: str) -> None:
     assert got.returncode == 2
     assert "--model 'gpt-9' is not served at" in got.stderr
     assert "demo-model" in got.stderr
+
+
+@slow
+def test_a_vllm_style_burst_runs(demo_server: str, tmp_path: Path) -> None:
+    got = _bench("--base-url", demo_server, "--model", "demo-model", "--num-prompts", "3",
+                 "--request-rate", "inf", "--output-len", "4", "--output-spread", "0",
+                 "--warmup", "0", "--quiet", "--json", str(tmp_path / "r.json"))
+    assert got.returncode == 0, got.stderr
+    (run,) = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert run["arrivals"]["kind"] == "burst"
+    assert run["summary"]["requests"] == {"sent": 3, "completed": 3, "failed": 0}

@@ -82,6 +82,47 @@ def test_refit_help_documents_the_old_spelling() -> None:
     assert "--version is an older spelling of the same flag" in text
 
 
+@pytest.mark.parametrize(("argv", "usage", "error"), [
+    (["serve", "--prot", "9000"], "usage: tandem serve [-h]",
+     "tandem serve: error: unrecognized arguments: --prot 9000 (did you mean --port?)"),
+    (["chat", "m", "--temprature", "0"], "usage: tandem chat [-h]",
+     "unrecognized arguments: --temprature 0 (did you mean --temperature?)"),
+    (["generate", "--model", "m", "--max-tokns=3", "hi"], "usage: tandem generate [-h]",
+     "unrecognized arguments: --max-tokns=3 (did you mean --max-tokens?)"),
+    (["bench", "--base-url", "u", "--model", "m", "--num-promts", "3"],
+     "usage: tandem bench [-h]",
+     "unrecognized arguments: --num-promts 3 (did you mean --num-prompts?)"),
+    (["models", "pull", "x", "--formt", "hf"], "usage: tandem models pull [-h]",
+     "tandem models pull: error: unrecognized arguments: --formt hf (did you mean "
+     "--format?)"),
+    (["mtp-heads", "fit", "a", "b", "--heads", "1", "--tokns", "3"],
+     "usage: tandem mtp-heads fit [-h]",
+     "unrecognized arguments: --tokns 3 (did you mean --tokens?)"),
+    (["serve", "--prot", "1", "--hots", "h"], "usage: tandem serve [-h]",
+     "--prot 1 --hots h (--prot: did you mean --port?; --hots: did you mean --host?)"),
+    (["serv", "--demo"], "usage: tandem [-h]",
+     "argument COMMAND: invalid choice: 'serv' (did you mean 'serve'? choose from serve, "
+     "chat, generate,"),
+    (["refit", "--uri", "u", "--version", "v", "--strategy", "rolling"],
+     "usage: tandem refit [-h]", "invalid choice: 'rolling' (did you mean 'Rolling'?"),
+])
+def test_a_mistyped_flag_gets_its_commands_usage_and_a_suggestion(
+        argv: list[str], usage: str, error: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    assert error in err.strip().splitlines()[-1]
+
+
+def test_an_unknown_argument_without_a_close_flag_gets_no_guess(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["models", "list", "--zzzzzz", "extra"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "tandem models list: error: unrecognized arguments: --zzzzzz extra"
+
+
 def test_demo_model_prints_a_line_per_phase_when_stdout_is_not_a_terminal(
         tmp_path: Path, capsys) -> None:
     assert cli.main(["demo-model", str(tmp_path / "m")]) == 0

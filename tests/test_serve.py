@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tandem_engine import LLM, SamplingParams
 from tandem_engine.cli.serve import LocalStack, free_port
 
@@ -140,8 +141,10 @@ def test_serve_disaggregated_prefill_and_decode(tiny_llama: Path, tmp_path: Path
 
 
 def test_serve_restarts_a_killed_engine_while_the_router_fails_over(tmp_path: Path) -> None:
-    """kill -9 of one engine: no request fails (failover), `serve` keeps running and
-    restarts the engine (same id and ports), records it in stack.json, and serves on."""
+    """kill -9 of one engine: no request fails (failover), and every answer, streamed
+    across the kill or served after the restart, is the greedy answer the stack gave the
+    same request before it; `serve` keeps running and restarts the engine (same id and
+    ports), records it in stack.json, and serves on."""
     port = free_port()
     proc, _ = start_serve(tmp_path, "--demo", "--demo-dir", str(tmp_path / "demo"),
                            "--engines", "2", "--port", str(port))
@@ -159,13 +162,24 @@ def test_serve_restarts_a_killed_engine_while_the_router_fails_over(tmp_path: Pa
                                                max_tokens=24, temperature=0, stream=True)
             return "".join(c.choices[0].text for c in chunks if c.choices)
 
+        def once(prompt: str, max_tokens: int) -> str:
+            return client.completions.create(model="demo-model", prompt=prompt,
+                                             max_tokens=max_tokens,
+                                             temperature=0).choices[0].text
+
+        # The reference: each request's greedy text from the healthy stack.
+        with ThreadPoolExecutor(4) as pool:
+            expected = list(pool.map(lambda i: once(f"Hello {i}", 24), range(24)))
+        again = once("Again", 8)
+        assert all(expected) and again
+
         with ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(stream, i) for i in range(16)]
             time.sleep(0.3)
             os.kill(pid, signal.SIGKILL)
             futures += [pool.submit(stream, i) for i in range(16, 24)]
             texts = [f.result(timeout=120) for f in futures]
-        assert all(texts)
+        assert texts == expected  # failed over mid-stream, resumed: the same tokens
         assert proc.poll() is None  # still serving
 
         deadline = time.monotonic() + 60
@@ -182,10 +196,22 @@ def test_serve_restarts_a_killed_engine_while_the_router_fails_over(tmp_path: Pa
         assert child["last_exit"] == "SIGKILL"
         assert child["pid"] in _children(proc.pid)
         assert stack["engines"] == json.loads(stack_file.read_text())["engines"]
-        for _ in range(3):
-            got = client.completions.create(model="demo-model", prompt="Again", max_tokens=8,
-                                            temperature=0)
-            assert got.choices[0].text
+        # The restarted engine serves the same greedy answers (requests reach it).
+        address = next(e["address"] for e in httpx.get(
+            f"http://127.0.0.1:{port}/v1/engines", timeout=10).json()["engines"]
+            if e["engine_id"] == victim["name"])
+
+        def served_by_victim() -> float:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            return sum(s.value for f in text_string_to_metric_families(text)
+                       if f.name == "tandem_router_engine_requests" for s in f.samples
+                       if s.labels.get("engine") == address)
+
+        before = served_by_victim()
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(lambda i: once(f"Hello {i}", 24), range(24))) == expected
+        assert once("Again", 8) == again
+        assert served_by_victim() > before
         assert proc.poll() is None
 
         proc.send_signal(signal.SIGINT)

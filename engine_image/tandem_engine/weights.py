@@ -9,6 +9,7 @@ the user typed; the rule itself lives here once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -39,6 +40,16 @@ def checkpoint_problem(path: str | Path) -> str | None:
     if not (path / "config.json").is_file():
         return f"{path} has no config.json"
     return None
+
+
+def weights_root_problem(path: str | Path, roots: Sequence[str | Path]) -> str | None:
+    """Why a refit may not load `path` from the weights roots `roots` (`--weights-root`
+    folders), or None when it may: the path, resolved (symlinks and `..` followed), must
+    lie inside one of them and be a checkpoint there."""
+    resolved = Path(path).resolve()
+    if not any(resolved.is_relative_to(Path(root).resolve()) for root in roots):
+        return f"{resolved} is outside the weights roots {', '.join(map(str, roots))}"
+    return checkpoint_problem(resolved)
 
 
 class WeightsURIError(ValueError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 from pathlib import Path
 
@@ -56,8 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="random: lengths drawn per --length-dist; fixed: every request "
                    "--input-len/--output-len; shared-prefix: --prefix-groups system prompts "
                    "shared by the requests; sharegpt: --dataset; trace: --trace")
-    w.add_argument("--num-requests", type=int, default=64,
-                   help="requests measured (a trace or sweep point sends this many too)")
+    w.add_argument("--num-requests", "--num-prompts", dest="num_requests", type=int,
+                   default=64, metavar="N",
+                   help="requests measured (a trace or sweep point sends this many too); "
+                   "--num-prompts is vLLM's name for it")
     w.add_argument("--input-len", type=int, default=128,
                    help="prompt tokens (mean); shared-prefix: each unique suffix")
     w.add_argument("--input-spread", type=int, default=64,
@@ -82,8 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("arrivals (one of; default: a closed loop of "
                              f"{DEFAULT_CONCURRENCY}, or a trace's own times)")
     which = a.add_mutually_exclusive_group()
-    which.add_argument("--rate", type=float, default=None,
-                       help="open loop: Poisson arrivals at this many requests/s")
+    which.add_argument("--rate", "--request-rate", dest="rate", type=float, default=None,
+                       metavar="R",
+                       help="open loop: Poisson arrivals at R requests/s; inf: every "
+                       "request at once, as --burst (--request-rate is vLLM's name for it)")
     which.add_argument("--concurrency", type=int, default=None,
                        help="closed loop: keep this many requests in flight")
     which.add_argument("--burst", action="store_true",
@@ -120,9 +125,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _arrivals(args: argparse.Namespace) -> Arrivals:
-    if args.rate is not None:
+    if args.rate is not None and args.rate != math.inf:
         return Arrivals("poisson", rate=args.rate, max_concurrency=args.max_concurrency)
-    if args.burst:
+    if args.burst or args.rate == math.inf:  # vLLM's --request-rate inf
         return Arrivals("burst", max_concurrency=args.max_concurrency)
     if args.concurrency is not None:
         if args.max_concurrency is not None:

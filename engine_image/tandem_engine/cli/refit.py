@@ -8,6 +8,12 @@ weights, verified; 1 when the refit failed and was rolled back or halted (the re
 engine, step, the engine's own message — goes to stderr); 2 for bad input; 3 when a newer
 `tandem refit` of the same stack superseded it.
 
+Pre-flight, before any engine is touched: the target (and `--draft`) must be a readable
+checkpoint inside the weights roots the stack recorded in its `stack.json` (the folder
+holding its `--model` and each `tandem serve --weights-root`), the rule the engines
+themselves apply. A refusal names the path, the allowed folders and the flag that adds
+one, and no engine drains, pauses or suspends.
+
 One refit at a time: `tandem refit` holds a lock file (`refit.pid`: its pid and target) in
 the stack's log dir. A second `tandem refit` started meanwhile — a second edit — supersedes
 the first: it sends it SIGTERM, which stops it between passes, waits for it to exit (then
@@ -38,6 +44,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tandem_engine.cli.serve import default_log_dir, read_stack
+from tandem_engine.errors import TandemError
 from tandem_engine.fleet import (
     EngineAdmin,
     EngineObs,
@@ -56,6 +63,7 @@ from tandem_engine.weights import (
     WeightsRef,
     checkpoint_path,
     checkpoint_problem,
+    weights_root_problem,
 )
 
 # Calls that take a serving engine out of service (no new requests reach it).
@@ -65,15 +73,24 @@ SUPERSEDED = 3  # exit status of a refit a newer one superseded
 SUPERSEDE_WAIT = 15.0  # seconds a superseded refit gets to stop before SIGKILL
 
 
-def checkpoint_folder(uri: str, what: str = "--uri") -> Path:
+def checkpoint_folder(uri: str, what: str = "--uri", roots: list[str] | None = None,
+                      port: int | None = None) -> Path:
     """The checkpoint a `file://` refit target (`what`: --uri, --draft) names (a folder or
-    a .gguf file); ValueError (naming the input) unless it is a local folder with a
-    config.json or a local .gguf file."""
+    a .gguf file); ValueError (naming the input) unless it is a readable local folder with
+    a config.json or a local .gguf file — and, with `roots` (the weights roots of the
+    stack on `port`), inside one of them (the message then names them and the flag)."""
     path = Path(checkpoint_path(uri, what=what))
     problem = checkpoint_problem(path)
-    if problem is not None:
+    if problem is None and roots is not None:
+        problem = weights_root_problem(path, roots)
+    if problem is None:
+        return path
+    if roots is None:
         raise ValueError(f"{what} {uri!r}: {problem}; give {CHECKPOINT_FORMS}")
-    return path
+    raise ValueError(f"{what} {uri!r}: {problem}. The stack on port {port} loads "
+                     f"checkpoints only from inside {' or '.join(roots)}: give {CHECKPOINT_FORMS} "
+                     "there, or restart the stack with `tandem serve --weights-root DIR` "
+                     "(repeatable) to allow the folder DIR holding it; no engine was touched")
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -393,14 +410,37 @@ def _outcome(tx: Transaction, out: TextIO) -> int:
     return 1
 
 
-def refit(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """`tandem refit`: ValueError for bad input (the CLI exits 2), else the exit status."""
-    path = checkpoint_folder(args.uri)
-    draft = checkpoint_folder(args.draft, "--draft").as_uri() if args.draft else None
+def _weights_roots(stack: dict[str, Any] | None) -> list[str] | None:
+    """The folders the stack's engines may load refits from, as its stack.json records
+    them; None when it records none (a stack started by an older `tandem serve`: its
+    engines still check)."""
+    roots = None if stack is None else stack.get("weights_roots")
+    if not isinstance(roots, list) or not all(isinstance(r, str) for r in roots):
+        return None
+    return roots
+
+
+def _checked_input(args: argparse.Namespace, roots: list[str] | None) -> tuple[Path, str | None]:
+    """(the target's checkpoint, the draft's URI or None), checked against the stack's
+    weights `roots` when it has them; ValueError naming the input otherwise."""
+    path = checkpoint_folder(args.uri, roots=roots, port=args.port)
+    draft = (checkpoint_folder(args.draft, "--draft", roots, args.port).as_uri()
+             if args.draft else None)
     _check_options(args)
+    return path, draft
+
+
+def refit(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """`tandem refit`: ValueError for bad input (the CLI exits 2), else the exit status.
+    Every check of the input comes before any engine is touched."""
+    try:
+        stack = read_stack(args.port)
+    except TandemError:
+        _checked_input(args, None)  # the input's own problems are said first
+        raise
+    path, draft = _checked_input(args, _weights_roots(stack))
     target = WeightsRef(path.as_uri(), args.version)
     out = out or sys.stdout
-    stack = read_stack(args.port)
     stop = _Stop()
     previous = None
     with contextlib.suppress(ValueError):  # not the main thread: no superseding signal

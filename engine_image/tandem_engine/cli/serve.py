@@ -15,9 +15,18 @@ keeps its port. Only a child that crash-loops (more than `restart_limit` restart
 `restart_window` s) stops the stack.
 
 While it serves, `<log dir>/stack.json` describes the stack (router URL, each engine's
-name, role and admin URL; the engines' admin token; per child its pid, restarts and last
-exit cause), so other commands (`tandem refit`) find it by its port. It holds a secret,
-so only the user can read it (mode 0600).
+name, role and admin URL; the engines' admin token; the weights roots; per child its pid,
+restarts and last exit cause), so other commands (`tandem refit`) find it by its port. It
+holds a secret, so only the user can read it (mode 0600).
+
+A stack never touches another. Before it starts anything it checks that its router port
+is free and takes its log dir (`$TMPDIR/tandem-PORT`) with a lock (`serve.lock`, an
+flock held until it stops): a port in use, or a folder a live stack holds, is refused at
+once, naming the port and `--port`; a folder a dead stack left is reused. The engines'
+ports are picked together, all free and distinct. Its router gets a fresh id in its
+environment ($TANDEM_ROUTER_ID), and the stack is ready only when the router on its
+port reports that id, so another router that answers there is never taken for its own.
+Its router's `/metrics` also serves the engines' series (`--engine-metrics-url`).
 
 The stack is authenticated by default: each `tandem serve` makes fresh CURVE keypairs
 for the engines' ZMQ sockets (only its router can connect to them) and a fresh admin
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import secrets
@@ -52,6 +62,7 @@ from tandem_engine.zmq_auth import ALL_VARIABLES, stack_environments
 
 _PR_SET_PDEATHSIG = 1
 STACK_FILE = "stack.json"
+LOCK_FILE = "serve.lock"  # flock'ed by the live `tandem serve` that owns the log dir
 
 
 def default_log_dir(port: int) -> Path:
@@ -75,6 +86,60 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_ports(host: str, count: int, besides: Sequence[int] = ()) -> list[int]:
+    """`count` distinct ports free on `host` now, none of `besides`: all held open while
+    they are picked, so none repeats."""
+    sockets: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            s = socket.socket(_family(host))
+            sockets.append(s)
+            s.bind((host, 0))
+            if (port := s.getsockname()[1]) not in besides:
+                ports.append(port)
+        return ports
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port now (another process does, or the
+    address is not this machine's), or None. Binds as uvicorn does (SO_REUSEADDR), so a
+    port that only has connections closing (TIME_WAIT) counts as free."""
+    try:
+        with socket.socket(_family(host)) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def folder_holder(log_dir: Path) -> int | None:
+    """The pid of the live `tandem serve` holding `log_dir` (its `serve.lock`), or None
+    when none does (no lock, or one a dead stack left)."""
+    try:
+        fd = os.open(log_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            return int(os.pread(fd, 32, 0).split()[0])
+        except (OSError, ValueError, IndexError):
+            return -1  # held, pid not written yet
+    finally:
+        os.close(fd)
+    return None
 
 
 def die_with_parent() -> None:
@@ -213,6 +278,9 @@ class LocalStack:
         self.router_env.pop(API_KEY_ENV, None)
         if self.api_keys:
             self.router_env[API_KEY_ENV] = ",".join(self.api_keys)
+        # The id the router reports in /v1/engines: readiness counts only from it.
+        self.router_id = f"router-{secrets.token_hex(6)}"
+        self._lock_fd: int | None = None  # the log dir's lock, held from `claim` to `stop`
 
     @property
     def url(self) -> str:
@@ -283,9 +351,39 @@ class LocalStack:
                 self._describe()
         return None
 
+    def claim(self) -> None:
+        """Make sure this stack can start without touching another: its router port is
+        free and its log dir is held by no live stack; then hold the log dir until `stop`.
+        TandemError (naming the port and `--port`) otherwise, with nothing changed."""
+        if self._lock_fd is not None:
+            return
+        fix = (f"nothing was started; give this stack another port with `tandem serve "
+               f"--port N` (or stop the one on {self.port} first)")
+        if (why := port_problem(self.host, self.port)) is not None:
+            holder = folder_holder(self.log_dir)
+            whose = ("" if holder is None else
+                     f": another `tandem serve` (pid {holder}) serves there, its logs and "
+                     f"stack.json in {self.log_dir}")
+            raise TandemError(f"port {self.port} on {self.host} is not free ({why}){whose}; "
+                              f"{fix}")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.log_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = folder_holder(self.log_dir)
+            raise TandemError(f"port {self.port}: its log folder {self.log_dir} is held by "
+                              f"another `tandem serve` (pid {holder}) that is still running "
+                              f"(its router restarting?); {fix}") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
     def start(self, timeout: float = 300.0) -> None:
         """Start engines and router; return once the router is ready. Raises on failure
         (after stopping whatever was started)."""
+        self.claim()  # raises before anything starts
         try:
             self._start(timeout)
             self._describe()
@@ -296,8 +394,10 @@ class LocalStack:
     def _describe(self) -> None:
         """Write stack.json (atomically: a reader never sees half of it; only the user
         can read it: it holds the admin token)."""
-        description = {"router": self.url, "port": self.port, "engines": self.engines,
+        description = {"router": self.url, "port": self.port, "pid": os.getpid(),
+                       "router_id": self.router_id, "engines": self.engines,
                        "admin_token": self.admin_token,
+                       "weights_roots": [str(r.resolve()) for r in self.weights_roots],
                        "children": {c.name: c.describe() for c in self.children}}
         tmp = self.log_dir / f".{STACK_FILE}.tmp"
         tmp.unlink(missing_ok=True)
@@ -347,9 +447,10 @@ class LocalStack:
     def _start(self, timeout: float) -> None:
         engines = []
         self.engines = []
+        ports = iter(free_ports(self.host, 3 * self.num_engines, besides=[self.port]))
         for i, role in enumerate(self.roles):
-            zmq_port, admin_port = free_port(self.host), free_port(self.host)
-            metrics_port = free_port(self.host)  # read-only /metrics: scrapers need no token
+            zmq_port, admin_port = next(ports), next(ports)
+            metrics_port = next(ports)  # read-only /metrics: scrapers need no token
             name = f"engine-{i}" if role is EngineRole.MIXED else f"{role}-{i}"
             self.engines.append({"name": name, "role": role,
                                  "admin_url": f"http://{self.host}:{admin_port}",
@@ -369,13 +470,21 @@ class LocalStack:
                        "--port", str(self.port)]
         for zmq_port, _ in engines:
             router_args += ["--engine", f"{self.host}:{zmq_port}"]
+        for engine in self.engines:  # one /metrics for the stack (docs/metrics.md)
+            router_args += ["--engine-metrics-url", engine["metrics_url"]]
+        # router.main brings the HTTP stack: imported only once the ports are ours, so a
+        # refused `tandem serve` answers at once.
+        from tandem_engine.router.main import ROUTER_ID_ENV
+
         router = self._spawn("router", router_args, f"http://{self.host}:{self.port}/readyz",
-                             self.router_env)
+                             {**self.router_env, ROUTER_ID_ENV: self.router_id})
         self._wait([router], timeout, "connecting to the engines")
         self._wait_router_sees_all(timeout)
 
     def _wait_router_sees_all(self, timeout: float) -> None:
-        """The router is ready with one engine; the stack is ready when it has them all."""
+        """The router is ready with one engine; the stack is ready when it has them all.
+        Only its own router counts: one reporting another id (or refusing our API key)
+        is another stack's, and starting fails at once."""
         deadline = time.monotonic() + timeout
         request = urllib.request.Request(f"http://{self.host}:{self.port}/v1/engines")
         if self.api_keys:
@@ -383,16 +492,28 @@ class LocalStack:
         while True:
             try:
                 with urllib.request.urlopen(request, timeout=1) as r:
-                    engines = json.loads(r.read())["engines"]
+                    seen = json.loads(r.read())
+                if seen.get("router_id") != self.router_id:
+                    raise RuntimeError(self._foreign_router(f"router {seen.get('router_id')}"))
+                engines = seen["engines"]
                 if len(engines) == self.num_engines and all(
                         e.get("alive") and e.get("state") == EngineState.RUNNING for e in engines):
                     return
-            except (urllib.error.URLError, OSError, ValueError, KeyError):
+            except urllib.error.HTTPError as exc:
+                if exc.code in (401, 403):
+                    raise RuntimeError(self._foreign_router(
+                        f"a server that refuses this stack's API key ({exc.code})")) from None
+            except (urllib.error.URLError, OSError, ValueError, KeyError, AttributeError):
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the router does not see all {self.num_engines} engines "
                                    f"running after {timeout:.0f} s; logs in {self.log_dir}")
             time.sleep(0.1)
+
+    def _foreign_router(self, what: str) -> str:
+        return (f"port {self.port} is answered by {what}, not this stack's router "
+                f"({self.router_id}): another server took the port; give this stack "
+                f"another with `tandem serve --port N`. Logs in {self.log_dir}")
 
     def _wait(self, children: list[Child], timeout: float, what: str) -> None:
         """Until every child answers /readyz, showing what each is doing (an engine: its
@@ -450,9 +571,11 @@ class LocalStack:
         return next((c for c in self.children if c.process.poll() is not None), None)
 
     def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM every child (router first), SIGKILL whatever outlives the grace."""
-        with contextlib.suppress(OSError):
-            (self.log_dir / STACK_FILE).unlink(missing_ok=True)
+        """SIGTERM every child (router first), SIGKILL whatever outlives the grace; then
+        let go of the log dir (its stack.json removed) if this stack holds it."""
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                (self.log_dir / STACK_FILE).unlink(missing_ok=True)
         for child in reversed(self.children):
             if child.process.poll() is None:
                 child.process.terminate()
@@ -465,6 +588,9 @@ class LocalStack:
                 child.process.kill()
                 child.process.wait()
         self.children.clear()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock; the file stays (no unlink race)
+            self._lock_fd = None
 
 
 def run(stack: LocalStack) -> int:
@@ -479,6 +605,7 @@ def run(stack: LocalStack) -> int:
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT,
                                                                    signal.SIGTERM)}
     try:
+        stack.claim()  # a busy port or a live stack's folder: refused before any output
         roles = ", ".join(stack.roles)
         print(f"starting {stack.num_engines} engine(s) ({roles}) for {stack.model} "
               f"(logs in {stack.log_dir})", file=stack.out, flush=True)

@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 
 from tandem_engine.config import ModelConfig, normalize_dtype
 from tandem_engine.errors import CheckpointError, list_problems
+from tandem_engine.generation_config import generation_defaults
 from tandem_engine.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from tandem_engine.tokenizer import Tokenizer
 
@@ -142,7 +143,9 @@ def export_hf_folder(gguf_path: str | Path, out_dir: str | Path,
     """Write the model of a GGUF file as a HuggingFace checkpoint folder and return it:
     model.safetensors (dequantized to `dtype`; no lm_head when tied), config.json
     (LlamaForCausalLM, no quantization config), tokenizer.json, tokenizer_config.json
-    (special tokens, chat template) and generation_config.json (EOS/BOS ids).
+    (special tokens, chat template) and generation_config.json (EOS/BOS ids, and for a
+    model known to `tandem models` its recommended sampling, so the folder serves with the
+    same defaults as the GGUF).
 
     Validates the whole file first; `out_dir` is created if needed and the five files in
     it are overwritten."""
@@ -157,6 +160,9 @@ def export_hf_folder(gguf_path: str | Path, out_dir: str | Path,
     hf_config = {**checkpoint.hf_config, "torch_dtype": dtype}
     _write_json(folder / "config.json", hf_config)
     generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config}
+    sampling = generation_defaults(checkpoint.path).sampling_kwargs()
+    if sampling:  # transformers samples with them only when do_sample is set
+        generation.update(do_sample=True, **sampling)
     _write_json(folder / "generation_config.json", generation)
     tokenizer.save_pretrained(folder, model_max_length=checkpoint.config.max_position_embeddings)
     return folder

@@ -16,6 +16,10 @@ Implemented vLLM-style extensions (through the openai client's `extra_body`): `t
 `chat_template_kwargs` (chat), and `return_token_ids`, which adds each choice's
 generated token ids to the response.
 
+A sampling parameter the request leaves out takes the served model's default
+(`generation_config`, vLLM's `--generation-config auto`: e.g. its temperature), applied
+in `engine_sampling`; one the request sets always wins.
+
 Completions accept batches (a list of prompts): choice `i * n + j` is prompt `i`'s
 `j`-th sample. With a seed, sample `j` of every prompt uses `seed + j`.
 
@@ -36,6 +40,7 @@ from typing import Any
 
 from tandem_engine.config import context_room
 from tandem_engine.errors import RequestRejected
+from tandem_engine.generation_config import GenerationDefaults
 from tandem_engine.sampling_params import (
     MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
@@ -144,8 +149,9 @@ class Options:
     seed: int | None
     logprobs: int | None  # top alternatives per token; None: no logprobs
     cache_salt: str | None
-    # The other SamplingParams fields the body set, by name (the rest keep SamplingParams'
-    # defaults); `engine_sampling` turns them into each choice's SamplingParams.
+    # The other SamplingParams fields the body set, by name (the rest take the model's
+    # defaults, else SamplingParams'); `engine_sampling` turns them into each choice's
+    # SamplingParams.
     sampling_args: dict[str, Any]
     return_token_ids: bool = False
     prompt_logprobs: int | None = None  # top alternatives per prompt token, vLLM's shape
@@ -339,16 +345,21 @@ def resolve_max_tokens(options: Options, prompt_len: int, max_model_len: int, *,
     return options.max_tokens
 
 
-def engine_sampling(options: Options, max_tokens: int, sample_index: int) -> SamplingParams:
+def engine_sampling(options: Options, max_tokens: int, sample_index: int,
+                    defaults: GenerationDefaults | None = None) -> SamplingParams:
     """The SamplingParams of one choice (its `Submit.sampling`, for its whole generation),
     validated here, at the edge: a problem is an InvalidRequest naming the parameter.
+    `defaults` (the model's, `--generation-config`) fill the sampling fields the request
+    left out; a field the request set, even to its neutral value, keeps the request's.
     The prompt's logprobs are computed for `prompt_logprobs`, and for `echo` with
     `logprobs` (as many alternatives as the larger of the two asks)."""
     seed = options.seed + sample_index if options.seed is not None else None
     asked = [n for n in (options.prompt_logprobs,
                          options.logprobs if options.echo else None) if n is not None]
+    sampling = {**defaults.sampling_kwargs(), **options.sampling_args} if defaults \
+        else options.sampling_args
     try:
-        return SamplingParams(**options.sampling_args, max_tokens=max_tokens,
+        return SamplingParams(**sampling, max_tokens=max_tokens,
                               logprobs=options.logprobs, seed=seed,
                               prompt_logprobs=max(asked) if asked else None)
     except RequestRejected as exc:

@@ -6,11 +6,18 @@
 The engines are a static list (`--engine`), or the engine pods of an InferencePool,
 followed through the Kubernetes API (`--discover-pool`, see `router/discovery.py`).
 
-`--model` (a checkpoint folder or GGUF file) is read for the tokenizer and the chat
-template only (no weights, no torch).
+`--model` (a checkpoint folder or GGUF file) is read for the tokenizer, the chat
+template and the sampling defaults only (no weights, no torch). As in vLLM, a request's
+left-out sampling parameters take the model's defaults (`--generation-config auto`: its
+generation_config.json, or a known GGUF's registry entry; `generation_config.py`), and
+`--override-generation-config JSON` lays values over them.
 `--api-key` (repeatable) and $TANDEM_API_KEY (comma-separated) set the keys clients must
 send (`router/auth.py`); without any, the API is open to anyone who reaches the port.
 A client gets `--header-timeout` seconds to send a request's headers (slowloris).
+`--engine-metrics-url` (repeatable; `tandem serve` sets it) makes `/metrics` also carry
+those engines' series (`router/metrics.py`). $TANDEM_ROUTER_ID names the router to its
+engines and in `/v1/engines` (`tandem serve` sets a fresh one per stack and trusts only
+the router that reports it); default: a random one.
 SIGTERM or SIGINT stops accepting connections, gives open requests
 `--shutdown-grace` seconds, then closes the engine connections and exits 0.
 """
@@ -21,6 +28,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator, Sequence
@@ -32,6 +40,12 @@ import uvicorn
 from tandem_engine import zmq_auth
 from tandem_engine.cli_help import ArgumentParser
 from tandem_engine.errors import TandemError
+from tandem_engine.generation_config import (
+    GENERATION_CONFIG_MODES,
+    SAMPLING_KEYS,
+    GenerationDefaults,
+    serving_defaults,
+)
 from tandem_engine.router import auth
 from tandem_engine.router.api_params import (
     DEFAULT_MAX_BODY_BYTES,
@@ -41,10 +55,13 @@ from tandem_engine.router.api_params import (
 from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
 from tandem_engine.router.engines import EnginePool
 from tandem_engine.router.header_timeout import DEFAULT_HEADER_TIMEOUT, protocol_class
+from tandem_engine.router.metrics import RouterMetrics
 from tandem_engine.router.openai_api import build_app
 from tandem_engine.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem_engine.router")
+
+ROUTER_ID_ENV = "TANDEM_ROUTER_ID"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint folder or GGUF file: its tokenizer and chat template are used")
     p.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the folder name, as the engines)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="where the default sampling parameters (what a request leaves out) "
+                        f"come from ({', '.join(SAMPLING_KEYS)}): auto, the model's "
+                        "generation_config.json (for a GGUF known to `tandem models`, its "
+                        "recommended values); vllm, the neutral defaults (temperature 1, "
+                        "top_p 1); or a folder holding a generation_config.json. vLLM's "
+                        f"flag and values ({', '.join(GENERATION_CONFIG_MODES)})")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="default sampling parameters laid over --generation-config's, as a "
+                        "JSON object, e.g. '{\"temperature\": 0.5}'")
     p.add_argument("--host", default="127.0.0.1", help="address the OpenAI API listens on")
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI API")
     p.add_argument("--heartbeat-deadline", type=float, default=2.0,
@@ -96,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokenize chat message content that spells a special token "
                         "(<|im_start|>, say) as that control token. Unsafe: a user can then "
                         "forge turns and roles (role injection). Default: content is text")
+    p.add_argument("--engine-metrics-url", action="append", default=[], metavar="URL",
+                   help="an engine's read-only /metrics (its --metrics-port) whose series "
+                        "this router's /metrics also serves, fetched at each scrape (repeat "
+                        "for every engine; `tandem serve` sets it). Default: none, the "
+                        "router's own series only (in Kubernetes Prometheus scrapes each pod)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds open requests get after SIGTERM")
     p.add_argument("--log-level", default="info",
@@ -113,6 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prometheus_client.disable_created_metrics()  # no `_created` series (docs/metrics.md)
     try:
         tokenizer = Tokenizer.from_path(args.model)
+        defaults = serving_defaults(args.model, args.generation_config,
+                                    args.override_generation_config)
         pool, engines = _engine_pool(args)
         config = DispatchConfig(first_output_timeout=args.first_output_timeout,
                                 output_timeout=args.output_timeout,
@@ -125,9 +159,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tandem-router: error: {exc}", file=sys.stderr)
         return 2
     served = args.served_model_name or args.model.name or args.model.resolve().name
-    dispatcher = Dispatcher(pool, config)
+    dispatcher = Dispatcher(pool, config, RouterMetrics(args.engine_metrics_url))
     app = build_app(pool, tokenizer, served, dispatcher, limits, api_keys,
-                    args.allow_special_tokens_in_content)
+                    args.allow_special_tokens_in_content, generation_defaults=defaults)
+    _log_defaults(defaults, args.generation_config)
     if not api_keys:
         log.warning("the API is open to anyone who reaches port %d: no API key configured "
                     "(--api-key or $%s)", args.port, auth.API_KEY_ENV)
@@ -143,6 +178,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _log_defaults(defaults: GenerationDefaults, mode: str) -> None:
+    """Say at start which defaults requests get, in vLLM's words."""
+    if not defaults.sampling_kwargs():
+        log.info("default sampling parameters: the neutral ones (%s)", defaults.source)
+        return
+    if mode == "auto":
+        log.warning("Default sampling parameters have been overridden by the model's "
+                    "generation config recommended from the model creator. If this is not "
+                    "intended, please relaunch with `--generation-config vllm`.")
+    log.info("Using default sampling params from %s: %s", defaults.source,
+             defaults.sampling_kwargs())
+
+
 def _engine_pool(args: argparse.Namespace) -> tuple[EnginePool, str]:
     """The pool the flags ask for, and how to name its engines in the log."""
     curve = zmq_auth.router_curve()  # ZmqAuthError (a ValueError): exit 2 naming the variable
@@ -151,7 +199,8 @@ def _engine_pool(args: argparse.Namespace) -> tuple[EnginePool, str]:
                     "router; set $%s and $%s to authenticate", zmq_auth.SERVER_PUBLIC_KEY,
                     zmq_auth.CLIENT_SECRET_KEY)
     timing = {"heartbeat_deadline": args.heartbeat_deadline,
-              "handshake_timeout": args.handshake_timeout, "curve": curve}
+              "handshake_timeout": args.handshake_timeout, "curve": curve,
+              "router_id": os.environ.get(ROUTER_ID_ENV) or None}
     if args.engine:
         return EnginePool(args.engine, **timing), ", ".join(args.engine)
     # Only a discovering router needs the Kubernetes client (0.5 s of every start).

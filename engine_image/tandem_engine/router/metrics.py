@@ -4,17 +4,30 @@ Latencies are what a client sees (time to first token, the gap between streamed
 tokens, the whole request), so they are measured here rather than in the engines. Its
 own registry keeps two routers in one test process, or a router beside an engine,
 from colliding in prometheus_client's global one.
+
+Opt-in (`tandem-router --engine-metrics-url`, which `tandem serve` sets): the router's
+`/metrics` also carries its engines' own series (`vllm:*`, `tandem_*`), fetched from each
+engine's read-only metrics port at every scrape, so one scrape of a local stack sees
+what a scrape of `vllm serve` sees. Each fetch has a short deadline; an engine that does
+not answer in time is left out of that scrape and counted, never an error. In Kubernetes
+the router does not do this: Prometheus scrapes every pod itself (docs/metrics.md).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
 
 # The same bounds as the engine's request histograms (server/metric_families.py), so the
 # router's and the engines' latencies line up on one dashboard (docs/metrics.md).
@@ -29,10 +42,19 @@ OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
 # Outcomes of an HTTP generation request.
 OUTCOMES = ("success", "invalid", "unavailable", "failed", "cancelled")
 
+# Seconds one scrape of the router waits for its engines' /metrics (all fetched at once):
+# well inside Prometheus' default 10 s scrape timeout, even with an engine frozen.
+ENGINE_SCRAPE_TIMEOUT = 1.0
+
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    """The router's own metrics; with `engine_metrics_urls`, its engines' too (`scrape`)."""
+
+    def __init__(self, engine_metrics_urls: Sequence[str] = (),
+                 engine_scrape_timeout: float = ENGINE_SCRAPE_TIMEOUT) -> None:
         self.registry = CollectorRegistry()
+        self.engine_metrics_urls = tuple(engine_metrics_urls)
+        self.engine_scrape_timeout = engine_scrape_timeout
         r = self.registry
         self.time_to_first_token = Histogram(
             "tandem_router_time_to_first_token_seconds",
@@ -83,13 +105,98 @@ class RouterMetrics:
             "tandem_router_generated_tokens", "Tokens streamed back to clients", registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
+        self.engine_scrape_errors = Counter(
+            "tandem_router_engine_metrics_scrape_errors", "Fetches of an engine's /metrics "
+            "(--engine-metrics-url) that failed or missed their deadline: that engine's "
+            "series were left out of the router's answer", ["url"], registry=r)
+        for url in self.engine_metrics_urls:
+            self.engine_scrape_errors.labels(url)
 
     def watch_engines(self, views: Callable[[], Iterable[Any]]) -> None:
         """Export per-engine gauges from `views()` (EngineView snapshots) at scrape time."""
         self.registry.register(_EngineCollector(views))
 
     def render(self) -> bytes:
+        """The router's own series."""
         return generate_latest(self.registry)
+
+    async def scrape(self) -> bytes:
+        """What `GET /metrics` answers: the router's own series, then (opt-in) those of
+        every engine that answered within the deadline, each family once."""
+        if not self.engine_metrics_urls:
+            return self.render()
+        texts = await self._fetch_engines()
+        return await asyncio.to_thread(self._merge, texts)
+
+    async def _fetch_engines(self) -> list[str]:
+        """The engines' /metrics texts, fetched concurrently; one that fails or is late is
+        left out (and counted)."""
+        timeout = self.engine_scrape_timeout
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            async def fetch(url: str) -> str | None:
+                try:
+                    async with asyncio.timeout(timeout):
+                        reply = await client.get(url)
+                    reply.raise_for_status()
+                    return reply.text
+                except (httpx.HTTPError, TimeoutError) as exc:
+                    self.engine_scrape_errors.labels(url).inc()
+                    log.debug("engine metrics %s left out of this scrape: %r", url, exc)
+                    return None
+
+            texts = await asyncio.gather(*(fetch(u) for u in self.engine_metrics_urls))
+        return [t for t in texts if t is not None]
+
+    def _merge(self, texts: list[str]) -> bytes:
+        # Render the router's own registry first: its scrape errors counted just now show.
+        own = self.render()
+        families = merge_families(texts, reserved=_family_names(self.registry))
+        return own + generate_latest(_Families(families))
+
+
+def merge_families(texts: Iterable[str], reserved: set[str] = frozenset()) -> list[Metric]:
+    """The families of several Prometheus text expositions as one: a family's samples from
+    every text under its first HELP and TYPE. A family of another type under the same
+    name, a family in `reserved` (the router's own) and a repeated sample (same name and
+    labels) are dropped, so the result is always a valid exposition. Engines' series
+    carry their own `engine_id` and `role` labels, so two engines never repeat one."""
+    merged: dict[str, Metric] = {}
+    seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    for text in texts:
+        try:
+            parsed = list(text_string_to_metric_families(text))
+        except ValueError as exc:
+            log.warning("an engine's /metrics does not parse, left out: %s", exc)
+            continue
+        for family in parsed:
+            if family.name in reserved:
+                continue
+            into = merged.get(family.name)
+            if into is None:
+                into = merged[family.name] = Metric(family.name, family.documentation,
+                                                    family.type, family.unit)
+            elif into.type != family.type:
+                continue
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if key not in seen:
+                    seen.add(key)
+                    into.samples.append(sample)
+    return list(merged.values())
+
+
+def _family_names(registry: CollectorRegistry) -> set[str]:
+    return {family.name for family in registry.collect()}
+
+
+class _Families(Collector):
+    """Already collected families, for `generate_latest`."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
 
 
 class ChoiceLatency:

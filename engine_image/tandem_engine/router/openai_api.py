@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from tandem_engine.generation_config import GenerationDefaults
 from tandem_engine.router import openai_format as fmt
 from tandem_engine.router import openapi_schema as docs
 from tandem_engine.router.api_params import (
@@ -157,8 +158,11 @@ class RouterApi:
     def __init__(self, pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
                  dispatcher: Dispatcher, metrics: RouterMetrics,
                  limits: RequestLimits | None = None,
-                 allow_special_tokens_in_content: bool = False) -> None:
+                 allow_special_tokens_in_content: bool = False,
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         self.pool = pool
+        # The model's sampling defaults: what a request leaves out (`--generation-config`).
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.limits = limits or RequestLimits()
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -189,7 +193,8 @@ class RouterApi:
             prompt_tokens += len(ids)
             echo = "" if not options.echo else prompt if isinstance(prompt, str) \
                 else await asyncio.to_thread(self.tokenizer.decode, prompt, False)
-            jobs += [Job(i * options.n + j, i, ids, engine_sampling(options, max_tokens, j),
+            jobs += [Job(i * options.n + j, i, ids,
+                         engine_sampling(options, max_tokens, j, self.generation_defaults),
                          echo) for j in range(options.n)]
         return await self._serve(request, "cmpl", jobs, options, prompt_tokens, arrival)
 
@@ -207,7 +212,8 @@ class RouterApi:
             req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
         max_tokens = resolve_max_tokens(options, len(ids), limit, default=None,
                                         prompt_param="messages")
-        jobs = [Job(j, 0, ids, engine_sampling(options, max_tokens, j))
+        jobs = [Job(j, 0, ids, engine_sampling(options, max_tokens, j,
+                                                self.generation_defaults))
                 for j in range(options.n)]
         return await self._serve(request, "chatcmpl", jobs, options, len(ids), arrival)
 
@@ -440,9 +446,13 @@ class RouterApi:
     # ---- the router's own endpoints -----------------------------------------------------------
 
     async def models(self) -> dict[str, Any]:
+        """The served model; `default_sampling_params` are what a request that leaves a
+        sampling parameter out gets, and `generation_config` says where they came from."""
         return {"object": "list", "data": [{
             "id": self.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "tandem", "max_model_len": self.dispatcher.picker.max_model_len()}]}
+            "owned_by": "tandem", "max_model_len": self.dispatcher.picker.max_model_len(),
+            "default_sampling_params": self.generation_defaults.sampling_kwargs(),
+            "generation_config": self.generation_defaults.source}]}
 
     async def engines(self) -> dict[str, Any]:
         return {"router_id": self.pool.router_id,
@@ -456,14 +466,16 @@ class RouterApi:
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
     async def render_metrics(self) -> Response:
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        """The router's series, and its engines' with `--engine-metrics-url` (metrics.py)."""
+        return Response(await self.metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
 
 def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
               dispatcher: Dispatcher | None = None,
               limits: RequestLimits | None = None,
               api_keys: Sequence[str] = (),
-              allow_special_tokens_in_content: bool = False) -> FastAPI:
+              allow_special_tokens_in_content: bool = False,
+              generation_defaults: GenerationDefaults | None = None) -> FastAPI:
     """The router app; its lifespan starts and closes the pool's connections. With
     `api_keys`, every path but `auth.OPEN_PATHS` needs one of them."""
     if dispatcher is None:
@@ -473,7 +485,7 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
     metrics = dispatcher.metrics
     metrics.watch_engines(pool.views)
     api = RouterApi(pool, tokenizer, served_model_name, dispatcher, metrics, limits,
-                    allow_special_tokens_in_content)
+                    allow_special_tokens_in_content, generation_defaults)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -119,7 +119,9 @@ MODELS: Schema = {"type": "object", "required": ["object", "data"], "properties"
         "type": "object", "required": ["id", "object", "created", "owned_by"],
         "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                        "created": {"type": "integer"}, "owned_by": {"type": "string"},
-                       "max_model_len": {"type": ["integer", "null"]}}}}}}
+                       "max_model_len": {"type": ["integer", "null"]},
+                       "default_sampling_params": {"type": "object"},
+                       "generation_config": {"type": "string"}}}}}}
 TOKENIZE: Schema = {"type": "object", "required": ["count", "max_model_len", "tokens"],
                     "properties": {"count": {"type": "integer", "minimum": 0},
                                    "max_model_len": {"type": ["integer", "null"]},

@@ -5,6 +5,8 @@ routers, and a refit reads whatever the engine can see. So the path is resolved
 (symlinks, `..`) and must lie inside one of the roots, and be a checkpoint there.
 Every refusal answers the same text (`REFUSED`), so the error is no oracle for what
 exists on the engine's filesystem; the precise reason goes to the engine's log only.
+(`tandem refit` checks the same rule, `weights_root_problem`, against the roots a local
+stack records, before it touches any engine, and tells its user the reason.)
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem_engine.weights import checkpoint_problem
+from tandem_engine.weights import weights_root_problem
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +51,8 @@ class WeightsRoots:
     def admit(self, path: str | Path) -> Path:
         """The resolved checkpoint `path` names, if it lies inside a root and looks like a
         checkpoint; else RefitPathRefused (the reason is logged here only)."""
-        resolved = Path(path).resolve()
-        if not any(resolved.is_relative_to(root) for root in self.roots):
-            reason = (f"{resolved} is outside the weights roots "
-                      f"{', '.join(map(str, self.roots))}")
-        else:
-            reason = checkpoint_problem(resolved)
+        reason = weights_root_problem(path, self.roots)
         if reason is not None:
             log.warning("refit to %s refused: %s", path, reason)
             raise RefitPathRefused()
-        return resolved
+        return Path(path).resolve()
