@@ -27,6 +27,7 @@ from tandem_engine.fleet.transaction import (
 )
 from tandem_engine.lifecycle import TRANSIENT_STATES, EngineState, KVMode
 from tandem_engine.refit_policy import InFlight, OnFailure, RefitStrategy
+from tandem_engine.router.routing import EngineView, serving_version
 from tandem_engine.weights import WeightsRef
 
 V1 = WeightsRef("file:///models/v1", "v1")
@@ -272,6 +273,77 @@ def test_rollback_replans_waves_toward_the_previous_weights() -> None:
     assert choose_wave(tx, engines) == ["decode-0", "prefill-0"]
     tx.engines.clear()
     assert all_waves(tx, engines) == [["decode-0", "prefill-0"]]
+
+
+
+# ---- a superseded refit: a third version in the fleet -------------------------------------------
+
+V3 = WeightsRef("file:///models/v3", "v3")
+EPOCHS = {"v1": 1, "v2": 2, "v3": 3}  # v2: the target of a refit that v3's superseded
+
+
+def fleet(versions: dict[str, str]) -> list[EngineObs]:
+    """Serving engines by name (prefill-*, decode-*) -> version, each under its epoch."""
+    return [engine(n, n.split("-")[0], version=v, epoch=EPOCHS[v]) for n, v in versions.items()]
+
+
+def routed(engines: list[EngineObs]) -> str | None:
+    """The router's own rule over the same fleet (router/routing.py `serving_version`)."""
+    return serving_version([EngineView(e.name, True, str(e.state), e.version, e.epoch, 0, 0,
+                                       0.0, 0, 16, 512, e.draining) for e in engines])
+
+
+def test_a_superseded_target_is_kept_like_the_previous_weights() -> None:
+    """A refit to v2 was superseded by one to v3 after its first wave: v2 serves a prefill
+    and a decode engine and, the newest epoch, gets the router's new requests. The wave
+    takes the v1 pair, not v2's last engines: a v2 request between its prefill and its
+    decode engine (or failing over) still finds a v2 engine to continue on."""
+    tx = Transaction(target=V3, previous=V1, epoch=3, max_unavailable=1)
+    engines = fleet({"prefill-0": "v2", "prefill-1": "v1", "decode-0": "v2", "decode-1": "v1"})
+    assert routed(engines) == "v2"
+    assert choose_wave(tx, engines) == ["decode-1", "prefill-1"]
+    # v3 then serves both roles and gets the new requests: v2 goes like any old version.
+    engines = fleet({"prefill-0": "v2", "prefill-1": "v3", "decode-0": "v2", "decode-1": "v3"})
+    tx.engines = {"decode-1": EngineRecord(verified=True), "prefill-1": EngineRecord(verified=True)}
+    assert routed(engines) == "v3"
+    assert choose_wave(tx, engines) == ["decode-0", "prefill-0"]
+
+
+def test_a_version_keeps_each_role_serving_until_the_goal_serves_that_role() -> None:
+    """The first refit's wave was half done: v2 serves one prefill engine only."""
+    tx = Transaction(target=V3, previous=V1, epoch=3, max_unavailable=2)
+    engines = fleet({"prefill-0": "v2", "prefill-1": "v1", "decode-0": "v1", "decode-1": "v1"})
+    assert choose_wave(tx, engines) == ["decode-0"]  # each version keeps its last prefill
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(2, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize("max_unavailable", [1, 2])
+def test_no_wave_takes_the_routed_versions_last_engine_of_a_role(
+        prefill: int, decode: int, max_unavailable: int) -> None:
+    """Every mix of v1 (previous), v2 (a superseded target) and v3 (the goal) over a pool
+    with at least two engines per role: while a wave is away, the version new requests
+    were just sent to keeps a serving engine of each role it had, until the goal serves
+    that role; and the waves end with every engine on the goal."""
+    names = [f"prefill-{i}" for i in range(prefill)] + [f"decode-{i}" for i in range(decode)]
+    for versions in itertools.product(("v1", "v2", "v3"), repeat=len(names)):
+        tx = Transaction(target=V3, previous=V1, epoch=3, max_unavailable=max_unavailable)
+        engines = fleet(dict(zip(names, versions, strict=True)))
+        for _ in range(len(names) + 1):
+            wave = choose_wave(tx, engines)
+            if not wave:
+                break
+            before, left = routed(engines), [e for e in engines if e.name not in wave]
+            for role in ("prefill", "decode"):
+                had = [e for e in engines if e.role == role and e.version == before]
+                on_goal = [e for e in engines if e.role == role and e.version == "v3"]
+                if had and not on_goal:
+                    assert any(e.role == role and e.version == before for e in left), (
+                        versions, wave)
+            for name in wave:
+                tx.engines[name] = EngineRecord(verified=True)
+            engines = [engine(e.name, e.role, version="v3", epoch=3) if e.name in wave else e
+                       for e in engines]
+        assert all(e.version == "v3" for e in engines), (versions, max_unavailable)
 
 
 def test_halting_targets_no_version() -> None:

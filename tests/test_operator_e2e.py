@@ -8,13 +8,17 @@ kubectl, and the test kubelet starts real `tandem-engine` / `tandem-router` proc
 their own 127.x addresses. Then the `openai` client gets disaggregated completions
 (prefill → NIXL → decode) through the router pod's address that equal the offline
 engine's, a scale-down under streaming load drains its engine and fails no request,
-and deleting the pool removes every pod.
+and deleting the pool under streaming load lets every stream in flight finish before the
+pods go, then removes every pod.
 """
 
 from __future__ import annotations
 
 import base64
+import itertools
 import json
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -186,7 +190,94 @@ def test_helm_install_apply_a_pool_and_get_disaggregated_completions(
     story = cluster.kubectl("describe", "inferencepool", "demo").stdout
     assert "Draining" in story and "Deleted" in story, story
 
-    cluster.kubectl("delete", "inferencepool", "demo", "--wait=false")
+    # Delete the pool under streaming load: every stream in flight when `kubectl delete`
+    # is issued runs to its length before the pods go (the operator drains the engines).
+    assert_deleting_the_pool_finishes_its_streams(cluster, kubelet, client, token, prompts)
     wait_for("every pod of the pool to be gone", lambda: not get(
         cluster, "pods", "-l", "tandem.dev/pool=demo")["items"], timeout=90)
+    story = [e for e in get(cluster, "events")["items"]
+             if e["involvedObject"]["kind"] == "InferencePool"]
+    assert any(e["reason"] == "Drained" for e in story), [e["message"] for e in story]
     helm(cluster, "uninstall", "tandem")
+
+
+DELETE_TOKENS = 48  # tokens of each stream in flight across the deletion
+FROZEN_S = 1.0  # the longest the prefill engine stays frozen (the router's heartbeat: 2 s)
+
+
+def assert_deleting_the_pool_finishes_its_streams(
+        cluster: TestCluster, kubelet: PodRunner, client: openai.OpenAI, token: str,
+        prompts: list[str], streams: int = 6) -> None:
+    """Streams back to back from `streams` threads, and `kubectl delete inferencepool`
+    while they are in flight (no thread starts another once the delete is issued). So that
+    some of them are surely between their prefill and their decode engine when the drain
+    begins, the prefill engine is frozen (SIGSTOP) for a moment around the delete, with one
+    more stream sent to it: every stream in flight at the delete completes with all its
+    tokens and finish reason `length`."""
+    prefill = live_pods(cluster, "prefill")[0]["metadata"]["name"]
+    decode = live_pods(cluster, "decode")[0]["metadata"]["name"]
+    decode_state = f"http://{kubelet.pod_ip(decode)}:8080/v1/state"
+    deleting = threading.Event()
+    lock = threading.Lock()
+    records: list[tuple[int, str | None, str | None]] = []  # (tokens, finish, error)
+    in_flight = [0]
+
+    def stream(prompt: str) -> None:
+        tokens, finish, error = 0, None, None
+        try:
+            for c in client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=DELETE_TOKENS, temperature=0,
+                    stream=True, extra_body={"ignore_eos": True, "return_token_ids": True}):
+                if c.choices:
+                    tokens += len(c.choices[0].model_extra.get("token_ids") or [])
+                    finish = c.choices[0].finish_reason or finish
+        except Exception as exc:  # every failure is reported below
+            error = f"{type(exc).__name__}: {exc}"
+        with lock:
+            in_flight[0] -= 1
+            records.append((tokens, finish, error))
+
+    def stream_until_deleted(i: int) -> None:
+        for n in itertools.count():
+            with lock:
+                if deleting.is_set():
+                    return
+                in_flight[0] += 1
+            stream(f"{prompts[i % 2]} {i}.{n}")
+
+    threads = [threading.Thread(target=stream_until_deleted, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    frozen = kubelet.pids(prefill)
+    try:
+        wait_for("a stream in flight on every thread, after a first one completed", lambda:
+                 records and in_flight[0] == streams, timeout=60, every=0.01)
+        for pid in frozen:
+            os.killpg(pid, signal.SIGSTOP)
+        with lock:
+            in_flight[0] += 1
+        threads.append(threading.Thread(target=stream, args=("Sent to a frozen engine",)))
+        threads[-1].start()
+        time.sleep(0.1)  # the router has submitted it to the frozen prefill engine
+        with lock:
+            deleting.set()
+            done_before, across_delete = len(records), in_flight[0]
+        cluster.kubectl("delete", "inferencepool", "demo", "--wait=false")
+        # Drained at once with the prefill engine, the decode engine would refuse the
+        # frozen engine's handoffs: wait to see whether it does.
+        thaw_at = time.monotonic() + FROZEN_S
+        while time.monotonic() < thaw_at and not httpx.get(
+                decode_state, headers={"Authorization": f"Bearer {token}"},
+                timeout=5).json()["draining"]:
+            time.sleep(0.05)
+    finally:
+        for pid in frozen:
+            os.killpg(pid, signal.SIGCONT)
+        deleting.set()
+        for t in threads:
+            t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert across_delete > streams // 2, across_delete
+    assert len(records) - done_before == across_delete  # those in flight at the delete
+    bad = [r for r in records if r != (DELETE_TOKENS, "length", None)]
+    assert not bad, bad

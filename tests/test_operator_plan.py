@@ -26,6 +26,8 @@ from tandem_operator.plan import (
     PatchObject,
     PodView,
     RefitReport,
+    deletion_deadline,
+    deletion_drains,
     invalid_status,
     plan,
     scale_down_order,
@@ -623,3 +625,33 @@ def test_invalid_status_keeps_what_was_observed() -> None:
     assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "InvalidSpec")
     assert "threads" in c["Degraded"]["message"]
     assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "InvalidSpec")
+
+
+# ---- a deleted pool's drain ---------------------------------------------------------------------
+
+
+def test_a_deleted_pools_engines_drain_prefill_first_then_decode() -> None:
+    """A draining engine refuses a decode engine's pull, so the engines that hand requests
+    on go first and the decode engines, which hand nothing on, last; routers and engines
+    that run nothing have nothing to drain."""
+    spec = make_spec(prefill={"replicas": 2}, decode={"replicas": 2})
+    prefill = [pod(spec, "prefill", name=f"p{i}") for i in range(2)]
+    decode = [pod(spec, "decode", name=f"d{i}") for i in range(2)]
+    idle = [pod(spec, "router"), pod(spec, "decode", ready=False), pod(spec, "prefill",
+                                                                        deleting=True)]
+    stages = deletion_drains([*decode, *idle, *prefill])
+    assert [[p.name for p in stage] for stage in stages] == [["p0", "p1"], ["d0", "d1"]]
+    # Mixed engines only (no prefill pool): the last one serves until the others are idle.
+    mixed = make_spec(prefill={"replicas": 0}, decode={"replicas": 3})
+    engines = [pod(mixed, "decode", name=f"m{i}") for i in (2, 0, 1)]
+    assert [[p.name for p in s] for s in deletion_drains(engines)] == [["m0", "m1"], ["m2"]]
+    assert [[p.name for p in s] for s in deletion_drains(engines[:1])] == [["m2"]]
+    assert deletion_drains(idle) == []
+
+
+def test_a_deleted_pools_grace_period_counts_from_the_deletion() -> None:
+    """An operator restarted mid-drain does not start the drain timeout over."""
+    at = 1748779200.0  # NOW
+    assert deletion_deadline(NOW, 30, now=at + 100) == at + 30
+    assert deletion_deadline(None, 30, now=at) == at + 30
+    assert deletion_deadline("yesterday", 30, now=at) == at + 30

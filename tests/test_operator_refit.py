@@ -628,29 +628,28 @@ def handoff_versions(pool: Pool) -> set[tuple[str, str]]:
     return {(lb["prefill_version"], lb["decode_version"]) for lb, n in pairs if n > 0}
 
 
-# Where the operator is killed: "drain" (no engine changed yet) and "refit" (weights
-# loading: the engine is paused and suspended), two of the four steps, for the suite's time
-# (each costs a whole refit under load). A restarted operator acts from what it observes
-# (test_fleet_transaction's next_act for every state/goal combination), so suspend and
-# verify recover the same way.
-KILL_STEPS = ("drain", "refit")
+# Where the operator is killed, by the phase an engine is in and the step the transaction
+# recorded for it last: draining (no engine changed yet), suspended (its weights may be
+# loading), refitted (new weights, still suspended) and awaiting verification (unpaused,
+# refusing traffic until its canary passes).
+KILL_PHASES = {"drain": "drain", "suspend": "suspend", "refit": "refit", "verify": "unpause"}
 
 
 @pytest.mark.slow
 def test_an_operator_killed_in_each_phase_of_a_rolling_refit_finishes_it(
         pool: Pool, checkpoints: dict[str, Path]) -> None:
-    """Rolling, draining under load: the operator is SIGKILLed as soon as an engine's
-    recorded step is drain, then refit (KILL_STEPS; a fresh refit each time, the weights
-    alternating between v1 and v2); each restarted operator finishes the refit and
-    leaves no engine paused, suspended or draining, with no request failed."""
+    """Rolling, draining under load: the operator is SIGKILLed as soon as an engine is in
+    each phase of KILL_PHASES in turn (a fresh refit each time, the weights alternating
+    between v1 and v2); each restarted operator finishes the refit and leaves no engine
+    paused, suspended or draining, with no request failed."""
     quiet(pool)
     pool.patch_spec({"refit": {"strategy": "Rolling", "inflight": "Drain",
                                "onFailure": "Rollback"}})
     caught: dict[str, tuple[list[str], dict[str, str]]] = {}
     with Load(pool.router_url(), threads=4) as load:
         time.sleep(0.5)
-        for step in KILL_STEPS:
-            target = f"killed-at-{step}"
+        for phase_name, step in KILL_PHASES.items():
+            target = f"killed-at-{phase_name}"
             pool.patch_weights(other_checkpoint(pool, checkpoints), target)
             deadline = time.monotonic() + 60
             while True:
@@ -660,11 +659,11 @@ def test_an_operator_killed_in_each_phase_of_a_rolling_refit_finishes_it(
                     break
                 time.sleep(0.05)
             if not at_step:
-                pytest.fail(f"never saw an engine at step {step} (refit {phase}): the "
-                            f"phase passed between two polls")
+                pytest.fail(f"never saw an engine at step {step} ({phase_name}; refit "
+                            f"{phase}): the step passed between two polls")
             pool.operator.kill()
             frozen = (pool.status().get("refit") or {}).get("engines") or {}
-            caught[step] = (at_step, {n: r.get("step", "") for n, r in frozen.items()})
+            caught[phase_name] = (at_step, {n: r.get("step", "") for n, r in frozen.items()})
             pool.operator = pool.start_operator()
             pool.settle(target)
             assert not pool.out_of_service()

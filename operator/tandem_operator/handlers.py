@@ -6,8 +6,9 @@ reconciles, then sleeps until woken or until the resync interval passes (sooner 
 runs: the reconcile asks for it). Everything else only wakes it: the pool's
 create/update/resume handlers and any event on a pod or object labelled with the pool's name.
 A burst of events while a reconcile runs costs one more reconcile, not one each. Deleting a
-pool stops its daemon; the finalizer (the delete handler) drains the engines, best effort,
-then garbage collection removes the pods.
+pool stops its daemon; the finalizer (the delete handler) drains the engines until the
+requests in flight have finished or the pool's drain timeout has passed, then garbage
+collection removes the pods.
 
 kopf watches the pools' pods and objects (server-side filtered by the pool label) into two
 indexes, and hands the daemon the pool's live body: a steady pool is reconciled without a
@@ -19,16 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+from tandem_engine.refit_policy import DEFAULT_DRAIN_TIMEOUT_S
 
 from tandem_operator import metrics
 from tandem_operator.kube import KINDS, POOL_OBJECT_KINDS, Kube, KubeError, login_credentials
 from tandem_operator.manifests import POOL_LABEL
+from tandem_operator.plan import deletion_deadline
 from tandem_operator.reconcile import Context, Watched, drain_pool, reconcile
-from tandem_operator.spec import GROUP, PLURAL, VERSION
+from tandem_operator.spec import GROUP, PLURAL, VERSION, PoolSpec, SpecError
 
 log = logging.getLogger("tandem_operator.handlers")
 
@@ -202,11 +206,23 @@ async def _sleep(waker: asyncio.Event, stopped: Any, settings: Settings,
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
 async def finalize_pool(body: Any, memo: Any, **_: Any) -> None:
-    """Drain every engine (best effort, bounded by drainTimeoutSeconds) before the pool and
-    its pods go."""
+    """Let the engines' requests in flight finish (`drain_pool`, within the pool's drain
+    timeout after the deletion) before the pool and its pods go. A failed read of the
+    cluster is retried while the grace period lasts; nothing keeps a pool past it."""
+    pool = dict(body)
+    meta = pool.get("metadata") or {}
+    where = f"{meta.get('namespace')}/{meta.get('name')}"
     try:
-        await drain_pool(dict(body), _runtime(memo).ctx)
-    except Exception:  # best effort: never keep a pool from going away
-        log.exception("drain of deleted pool %s/%s failed",
-                      body.get("metadata", {}).get("namespace"),
-                      body.get("metadata", {}).get("name"))
+        await drain_pool(pool, _runtime(memo).ctx)
+    except KubeError as exc:
+        try:
+            timeout = PoolSpec.from_body(pool).refit.drain_timeout_seconds
+        except SpecError:
+            timeout = DEFAULT_DRAIN_TIMEOUT_S
+        deadline = deletion_deadline(meta.get("deletionTimestamp"), timeout, time.time())
+        if time.time() < deadline:
+            raise kopf.TemporaryError(f"drain of the deleted pool {where}: {exc}",
+                                      delay=1) from exc
+        log.warning("drain of the deleted pool %s given up: %s", where, exc)
+    except Exception:  # a bug must not keep a pool from going away
+        log.exception("drain of the deleted pool %s failed", where)

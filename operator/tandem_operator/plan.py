@@ -31,6 +31,7 @@ from typing import Any
 from tandem_engine.weights import WeightsRef
 
 from tandem_operator import manifests as m
+from tandem_operator.kube import parse_time
 from tandem_operator.spec import ENGINE_GROUPS, GROUPS, Group, PoolSpec
 
 # ---- what is observed ---------------------------------------------------------------------------
@@ -231,6 +232,36 @@ def refitting(observed: Observed) -> frozenset[str]:
         return frozenset()
     return frozenset(name for name, record in (refit.get("engines") or {}).items()
                      if isinstance(record, Mapping) and not record.get("verified"))
+
+
+def deletion_drains(pods: list[PodView]) -> list[list[PodView]]:
+    """The stages a deleted pool's engines drain in, each only once the one before is idle.
+
+    A draining engine refuses every new submission, a decode engine's pull of a prompt
+    prefilled elsewhere and a failover included: drained all at once, a request between its
+    prefill and its decode engine would find no engine to continue on. So the engines that
+    hand requests on (prefill, and mixed ones, which may prefill for others) go first, and
+    finish with no KV left pinned for a pull; the decode engines go last (they hand nothing
+    on: their requests end where they run). A pool of mixed engines only keeps its last one
+    serving until the others are idle. Engines not running (no address, not Running, being
+    deleted already) have nothing to drain."""
+    engines = sorted((p for p in pods if p.group in ENGINE_GROUPS and p.ip and not p.deleting
+                      and p.phase == "Running"), key=lambda p: p.name)
+    last = [p for p in engines if p.role == "decode"] or engines[-1:]
+    first = [p for p in engines if p not in last]
+    return [stage for stage in (first, last) if stage]
+
+
+def deletion_deadline(deletion_timestamp: str | None, drain_timeout_seconds: int,
+                      now: float) -> float:
+    """When a deleted pool's drain ends (wall clock): its drain timeout after the deletion
+    (so an operator restarted mid-drain does not start the grace period over); from `now`
+    when the timestamp is missing or not one the API server writes."""
+    try:
+        start = parse_time(deletion_timestamp or "").timestamp()
+    except ValueError:
+        start = now
+    return start + drain_timeout_seconds
 
 
 def _neg(s: str) -> tuple[int, ...]:

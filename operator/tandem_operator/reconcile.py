@@ -47,6 +47,8 @@ from tandem_operator.plan import (
     Observed,
     PatchObject,
     PodView,
+    deletion_deadline,
+    deletion_drains,
     invalid_status,
     plan,
     status,
@@ -396,29 +398,68 @@ async def _drain_then_delete(ctx: Context, spec: PoolSpec, pool: Mapping[str, An
 
 
 async def drain_pool(pool: Mapping[str, Any], ctx: Context) -> None:
-    """Before a pool goes: drain every running engine at once, best effort, bounded by the
-    pool's drain timeout. Pods are left to garbage collection afterwards."""
+    """Before a deleted pool's pods go: every engine stops admitting new requests and the
+    ones in flight finish, within the pool's `refit.drainTimeoutSeconds` counted from the
+    deletion (the grace period; the engines' `--shutdown-grace` and the pods'
+    terminationGracePeriodSeconds derive from the same field). The engines drain in the
+    stages of `plan.deletion_drains`, so that a request between its prefill and its decode
+    engine always finds one that admits it. Then the finalizer lets garbage collection
+    remove the pods: the routers, whose streams have ended, with them.
+
+    Raises KubeError when the pool's pods or Secret cannot be read (the handler retries
+    until the grace period is over). An engine that does not answer has nothing left to
+    wait for."""
     try:
         spec = PoolSpec.from_body(pool)
     except SpecError:
         return
+    meta = pool.get("metadata") or {}
+    deadline = deletion_deadline(meta.get("deletionTimestamp"),
+                                 spec.refit.drain_timeout_seconds, time.time())
     pods = await ctx.kube.list("Pod", spec.namespace, {m.POOL_LABEL: spec.name})
     views = [v for p in pods if _owned(p, spec.uid) if (v := PodView.from_body(p)) is not None]
-    engines = [v for v in views if v.group in ENGINE_GROUPS and v.ip and v.phase == "Running"
-               and not v.deleting]
-    if not engines:
+    stages = deletion_drains(views)
+    if not stages:
         return
-    admin = await _admin(ctx, spec)
-    await _event(ctx, pool, "Draining",
-                 f"pool deleted: draining {len(engines)} engines (at most "
-                 f"{spec.refit.drain_timeout_seconds} s)")
-    results = await asyncio.gather(
-        *(admin.drain(v.name, admin_url(v.ip or "", m.ENGINE_ADMIN_PORT),
-                      spec.refit.drain_timeout_seconds) for v in engines),
-        return_exceptions=True)
-    for v, r in zip(engines, results, strict=True):
-        if isinstance(r, BaseException):
-            log.info("%s/%s: drain of %s: %s", spec.namespace, spec.name, v.name, r)
+    secret = await ctx.kube.get("Secret", spec.namespace, m.admin_secret_name(spec.name))
+    # Its own client: the pool's daemon, stopping now, closes the pool's shared one.
+    admin = EngineAdmin(m.secret_token(secret) if secret else None)
+    started, left = time.monotonic(), []
+    try:
+        names = " then ".join(", ".join(v.name for v in stage) for stage in stages)
+        await _event(ctx, pool, "Draining",
+                     f"pool deleted: draining its engines ({names}) so that requests in "
+                     f"flight finish, for at most {max(0.0, deadline - time.time()):.0f} s "
+                     f"more (refit.drainTimeoutSeconds {spec.refit.drain_timeout_seconds})")
+        for i, stage in enumerate(stages):
+            hands_on = i < len(stages) - 1  # its handoffs must be done before the next goes
+            results = await asyncio.gather(*(
+                admin.drain(v.name, admin_url(v.ip or "", m.ENGINE_ADMIN_PORT),
+                            max(0.0, deadline - time.time()), pins=hands_on)
+                for v in stage), return_exceptions=True)
+            for v, r in zip(stage, results, strict=True):
+                if isinstance(r, AdminError):
+                    log.info("%s/%s: drain of %s: %s", spec.namespace, spec.name, v.name, r)
+                    metrics.DRAINS.labels("failed").inc()
+                    continue
+                if isinstance(r, BaseException):
+                    raise r
+                if r.supported and not r.drained:
+                    left.append(f"{v.name} ({r.num_running} running, {r.num_waiting} "
+                                f"waiting, {r.pinned_blocks} KV blocks pinned)")
+                metrics.DRAINS.labels("delegated" if not r.supported else "drained"
+                                      if r.drained else "timeout").inc()
+    finally:
+        await admin.close()
+    took = time.monotonic() - started
+    if left:
+        await _event(ctx, pool, "DrainTimedOut",
+                     f"pool deleted: the grace period ended after {took:.1f} s with "
+                     f"{'; '.join(left)}; the pods go now (each engine's SIGTERM grace "
+                     "then finishes or aborts what is left)", "Warning")
+    else:
+        await _event(ctx, pool, "Drained", f"pool deleted: every engine drained in "
+                     f"{took:.1f} s; the pods go now")
 
 
 # ---- status -------------------------------------------------------------------------------------

@@ -31,10 +31,11 @@ class AdminError(Exception):
 @dataclass(frozen=True)
 class DrainResult:
     supported: bool  # the engine has POST /v1/drain
-    drained: bool  # nothing ran or waited when the drain ended
+    drained: bool  # nothing ran or waited (nor stayed pinned, when asked) when the drain ended
     num_running: int = 0
     num_waiting: int = 0
     seconds: float = 0.0
+    pinned_blocks: int = 0
 
 
 def admin_url(ip: str, port: int) -> str:
@@ -97,11 +98,14 @@ class EngineAdmin:
         """POST `path` (a lifecycle signal: /v1/pause, /v1/drain, /v1/refit ...)."""
         return await self._request("POST", engine, url, path, body, timeout)
 
-    async def drain(self, engine: str, url: str, timeout: float) -> DrainResult:
+    async def drain(self, engine: str, url: str, timeout: float, *, pins: bool = False
+                    ) -> DrainResult:
         """Stop admitting (`POST /v1/drain`), then wait at most `timeout` seconds until
-        nothing runs or waits. A drain must not pause: a paused engine stops stepping and its
-        requests would wait with it. An engine without the endpoint reports
-        `supported=False`: it drains itself on SIGTERM (`--shutdown-grace`)."""
+        nothing runs or waits — and with `pins`, until no KV stays pinned for a decode
+        engine's pull either (a prefill engine's handoffs are done). A drain must not pause:
+        a paused engine stops stepping and its requests would wait with it. An engine
+        without the endpoint reports `supported=False`: it drains itself on SIGTERM
+        (`--shutdown-grace`)."""
         started = time.monotonic()
         try:
             await self.call(engine, url, "/v1/drain")
@@ -113,8 +117,10 @@ class EngineAdmin:
         while True:
             state = await self.state(url, engine)
             running, waiting = int(state.get("num_running", 0)), int(state.get("num_waiting", 0))
-            if running == 0 and waiting == 0:
+            pinned = int(state.get("pinned_blocks", 0)) if pins else 0
+            if running == 0 and waiting == 0 and pinned == 0:
                 return DrainResult(True, True, 0, 0, time.monotonic() - started)
             if time.monotonic() >= deadline:
-                return DrainResult(True, False, running, waiting, time.monotonic() - started)
+                return DrainResult(True, False, running, waiting, time.monotonic() - started,
+                                   pinned)
             await asyncio.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))

@@ -258,10 +258,15 @@ def choose_wave(tx: Transaction, engines: list[EngineObs]) -> list[str]:
     """Engines to start now (none while a wave is in progress).
 
     Rolling: up to `max_unavailable` per role, prefill and decode together, never taking
-    a role's last serving engine of the old weights while the goal weights have no
-    serving engine of that role — so each version keeps a prefill and a decode serving
-    while both exist. When no wave keeps that (a 1 prefill + 1 decode pool), one engine
-    per role goes anyway: the router waits out the short window instead of failing.
+    the last serving engine of a role from any version behind the goal — the previous
+    weights, or the target of a superseded refit (`intermediate` weights some engines were
+    verified on) — while the goal has no serving engine of that role. So every version
+    keeps a prefill and a decode serving while it serves: requests that already have
+    tokens of a version continue only on an engine of it, and an intermediate version may
+    be the one the router sends new requests to (the newest epoch that serves). Older
+    versions go first. When no wave keeps that (a 1 prefill + 1 decode pool), the smallest
+    wave that makes progress goes anyway, sparing the version routed to when another can
+    go: the router waits out the short window instead of failing.
     AllAtOnce: every engine not on the goal."""
     goal = tx.goal
     behind = [e for e in engines if e.state is not None and e.version != goal.version
@@ -270,20 +275,48 @@ def choose_wave(tx: Transaction, engines: list[EngineObs]) -> list[str]:
         return []
     if tx.strategy == RefitStrategy.ALL_AT_ONCE:
         return sorted(e.name for e in behind)
+    epochs = version_epochs(engines)
+
+    def oldest_first(e: EngineObs) -> tuple[int, str]:
+        return epochs.get(e.version, e.epoch), e.name
+
     wave: list[str] = []
     roles = sorted({e.role for e in behind})
     for role in roles:
-        old = sorted((e for e in behind if e.role == role and e.serving), key=lambda e: e.name)
-        goal_serving = sum(1 for e in engines if e.role == role and e.serving
-                           and e.version == goal.version)
-        keep = 0 if goal_serving else 1
-        n = max(0, min(max(1, tx.max_unavailable), len(old) - keep))
-        wave += [e.name for e in old[:n]]
+        goal_serving = any(e.role == role and e.serving and e.version == goal.version
+                           for e in engines)
+        takeable: list[EngineObs] = []
+        for version in sorted({e.version for e in behind if e.role == role}):
+            same = sorted((e for e in behind if e.role == role and e.version == version
+                           and e.serving), key=lambda e: e.name)
+            takeable += same if goal_serving else same[:-1]  # its last one serves on
+        takeable.sort(key=oldest_first)
+        wave += [e.name for e in takeable[:max(1, tx.max_unavailable)]]
     if not wave:  # nothing keeps the invariant: the smallest wave that makes progress
-        for role in roles:
-            first = min((e for e in behind if e.role == role), key=lambda e: e.name)
-            wave.append(first.name)
+        forced = [min((e for e in behind if e.role == role), key=oldest_first)
+                  for role in roles]
+        routed = routed_version(engines)
+        spared = [e for e in forced if e.version != routed]
+        wave = [e.name for e in spared or forced]
     return wave
+
+
+def version_epochs(engines: list[EngineObs]) -> dict[str, int]:
+    """Each weight version's newest epoch among the engines serving it."""
+    epochs: dict[str, int] = {}
+    for e in engines:
+        if e.serving:
+            epochs[e.version] = max(epochs.get(e.version, -1), e.epoch)
+    return epochs
+
+
+def routed_version(engines: list[EngineObs]) -> str | None:
+    """The version routers send new requests to: the same rule as the router's
+    `routing.serving_version` (the newest epoch among serving engines; ties to the
+    version with more of them, then the larger name), over the admin API's view."""
+    epochs = version_epochs(engines)
+    counts = {v: sum(1 for e in engines if e.serving and e.version == v) for v in epochs}
+    return max(epochs, key=lambda v: (epochs[v], counts[v], v)) if epochs else None
 
 
 def _settled(tx: Transaction, engine: EngineObs) -> bool:
