@@ -167,7 +167,9 @@ def serve_engine_args(args: argparse.Namespace) -> list[str]:
 def _serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tandem_engine.cli.serve import LocalStack, run
+    from tandem_engine.cli.serve import LocalStack, check_port_free, run
+
+    check_port_free(args.host, args.port)  # before pulling a model or starting anything
     from tandem_engine.router.auth import resolve_api_keys
 
     if args.demo:

@@ -357,15 +357,8 @@ class LocalStack:
         TandemError (naming the port and `--port`) otherwise, with nothing changed."""
         if self._lock_fd is not None:
             return
-        fix = (f"nothing was started; give this stack another port with `tandem serve "
-               f"--port N` (or stop the one on {self.port} first)")
-        if (why := port_problem(self.host, self.port)) is not None:
-            holder = folder_holder(self.log_dir)
-            whose = ("" if holder is None else
-                     f": another `tandem serve` (pid {holder}) serves there, its logs and "
-                     f"stack.json in {self.log_dir}")
-            raise TandemError(f"port {self.port} on {self.host} is not free ({why}){whose}; "
-                              f"{fix}")
+        fix = _busy_fix(self.port)
+        check_port_free(self.host, self.port, self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.log_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -591,6 +584,24 @@ class LocalStack:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock; the file stays (no unlink race)
             self._lock_fd = None
+
+
+def _busy_fix(port: int) -> str:
+    return (f"nothing was started; give this stack another port with `tandem serve "
+            f"--port N` (or stop the one on {port} first)")
+
+
+def check_port_free(host: str, port: int, log_dir: Path | None = None) -> None:
+    """TandemError naming the port, whoever holds it and `--port` when `port` on `host`
+    cannot be bound; `tandem serve` asks before anything else (even pulling its model)."""
+    if (why := port_problem(host, port)) is None:
+        return
+    log_dir = log_dir or default_log_dir(port)
+    holder = folder_holder(log_dir)
+    whose = ("" if holder is None else
+             f": another `tandem serve` (pid {holder}) serves there, its logs and "
+             f"stack.json in {log_dir}")
+    raise TandemError(f"port {port} on {host} is not free ({why}){whose}; {_busy_fix(port)}")
 
 
 def run(stack: LocalStack) -> int:
