@@ -28,7 +28,7 @@ import openai
 import pytest
 from tandem_engine.cli import main as cli
 from tandem_engine.cli.serve import free_port
-from test_serve import spawn_serve, wait_for_url
+from test_serve import spawn_serve, stop_serve, wait_for_url
 
 MODEL = "t"
 PROMPTS = ["Once upon a time", "The harbour at night", "Seven bridges cross",
@@ -224,13 +224,7 @@ def stack(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
         wait_for_url(proc, timeout=240)
         yield Stack(proc, port, tmp)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_serve(proc)
 
 
 def uri(path: Path) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tandem_engine.cli.serve import free_port
-from test_serve import spawn_serve, wait_for_url
+from test_serve import spawn_serve, stop_serve, wait_for_url
 
 pytestmark = pytest.mark.slow
 
@@ -55,12 +54,7 @@ def stack(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         wait_for_url(proc)
         yield Stack(proc, port, tmp, model)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_serve(proc)
 
 
 @dataclass

@@ -59,6 +59,18 @@ def start_serve(tmp_path: Path, *args: str, timeout: float = 180
         raise
 
 
+def stop_serve(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Ctrl-C a `tandem serve` still running and wait for it (killed after `timeout`)."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def test_serve_answers_openai_and_stops_cleanly(tiny_qwen3: Path, tmp_path: Path) -> None:
     port = free_port()
     proc, lines = start_serve(tmp_path, "--model", str(tiny_qwen3), "--engines", "2",

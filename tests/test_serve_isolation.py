@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import openai
 import pytest
 from tandem_engine.cli.serve import LOCK_FILE, STACK_FILE, LocalStack, free_port
 from tandem_engine.errors import TandemError
-from test_serve import start_serve
+from test_serve import start_serve, stop_serve
 
 T = TypeVar("T")
 
@@ -147,10 +146,4 @@ def test_a_second_serve_on_a_busy_port_fails_at_once_and_the_first_serves_on(
         assert "refit succeeded: every engine serves v2" in refit.stdout
         assert answer()
     finally:
-        if first.poll() is None:
-            first.send_signal(signal.SIGINT)
-            try:
-                first.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                first.kill()
-                first.wait()
+        stop_serve(first)

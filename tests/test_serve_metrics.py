@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tandem_engine.cli.serve import free_port
 from tandem_engine.router.metrics import ENGINE_SCRAPE_TIMEOUT, RouterMetrics, merge_families
-from test_serve import start_serve
+from test_serve import start_serve, stop_serve
 
 ENGINE_TEXT = """# HELP vllm:num_requests_running Requests in the running batch
 # TYPE vllm:num_requests_running gauge
@@ -83,12 +83,7 @@ def stack(tiny_llama: Path, tmp_path: Path) -> Iterator[tuple[subprocess.Popen, 
     try:
         yield proc, port, json.loads((tmp_path / f"tandem-{port}" / "stack.json").read_text())
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_serve(proc)
 
 
 @pytest.mark.slow
