@@ -219,10 +219,18 @@ def test_serve_restarts_a_killed_engine_while_the_router_fails_over(tmp_path: Pa
                        if f.name == "tandem_router_engine_requests" for s in f.samples
                        if s.labels.get("engine") == address)
 
-        before = served_by_victim()
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(lambda i: once(f"Hello {i}", 24), range(24))) == expected
         assert once("Again", 8) == again
+        # Those prompts' KV sits on the survivor (it served them all after the kill), so
+        # prefix-aware routing rightly keeps them there. Prompts no engine has seen go by
+        # load: some reach the restarted engine, and answer as the offline engine does.
+        before = served_by_victim()
+        fresh = [f"Fresh words {i}" for i in range(16)]
+        offline = [o.outputs[0].text for o in LLM(tmp_path / "demo").generate(
+            fresh, SamplingParams(max_tokens=24, temperature=0.0))]
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(lambda p: once(p, 24), fresh)) == offline
         assert served_by_victim() > before
         assert proc.poll() is None
 
