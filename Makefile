@@ -106,11 +106,11 @@ test-tools:
 # AVX2 on an AVX-512/AMX machine, SSE4.1 on an AVX2 one): a comparison that holds on one
 # CPU only fails on every machine.
 # Two workers (pytest-xdist): most end-to-end tests wait on processes, pods and deadlines, so
-# the suite used about 40 % of two cores run one test at a time. Tests sharing the built
-# images (xdist_group "images") stay on one worker. Off by default (TEST_WORKERS=0, one
-# process, in order) until the operator refit tests hold under two workers.
-TEST_WORKERS ?= 0
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadgroup)
+# the suite used about 40 % of two cores run one test at a time. A module's tests stay on one
+# worker, in order, and the modules that build and run the images share one
+# (tests/conftest.py). TEST_WORKERS=0: one process, in collection order.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
 test: lint images test-tools
 	$(BIN)/python -m pytest $(XDIST)
 	env $$(scripts/other-isa.sh) $(BIN)/python -m pytest -m numerics -q $(XDIST)

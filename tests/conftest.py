@@ -29,6 +29,30 @@ NUMERICS_FILES = frozenset({
 })
 
 
+# Under pytest-xdist (`make test`'s two workers, --dist loadfile) a module's tests stay on one
+# worker, in order: many modules share one cluster, pool or stack per module, and some tests
+# go on from the state the one before left (a refit to v3, then one to v5). The modules that
+# build and run the container images share one worker, so two builds never race in podman's
+# store. (pytest-xdist's `xdist_group` marker does nothing under pytest 9.2, which keeps a
+# node's id where xdist 3.8 no longer reaches it; so the groups are named here.)
+SHARED_WORKER = {name: "images" for name in (
+    "test_images.py", "test_podrunner.py", "test_images_e2e.py")}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return SHARED_WORKER.get(Path(path).name, path)
+
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.name in NUMERICS_FILES:

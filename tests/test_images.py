@@ -27,7 +27,6 @@ import pytest
 import yaml
 
 # The built images are mounted once per worker: their tests share one (make test: -n 2).
-pytestmark = pytest.mark.xdist_group("images")
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 

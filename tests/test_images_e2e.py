@@ -43,7 +43,7 @@ from test_images import built_images
 from test_operator_cluster import wait_for
 from test_operator_e2e import condition, get, helm, live_pods, run_deployment
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("images")]
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Hello there", "Once upon a time in a land far away"]
 SEEDS = {"v1": 0, "v2": 1}

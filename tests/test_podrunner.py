@@ -21,7 +21,6 @@ from kcluster.fixtures import test_cluster  # noqa: F401
 from kcluster.podrunner import PodRunner, expand, field_ref
 
 # The built images are mounted once per worker: their tests share one (make test: -n 2).
-pytestmark = pytest.mark.xdist_group("images")
 NS = "default"
 
 # Answers every GET with its environment, argv and working directory as JSON.
