@@ -10,6 +10,8 @@ copy one first.
 
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -29,14 +31,23 @@ NUMERICS_FILES = frozenset({
 })
 
 
-# Under pytest-xdist (`make test`'s two workers, --dist loadfile) a module's tests stay on one
-# worker, in order: many modules share one cluster, pool or stack per module, and some tests
-# go on from the state the one before left (a refit to v3, then one to v5). The modules that
-# build and run the container images share one worker, so two builds never race in podman's
-# store. (pytest-xdist's `xdist_group` marker does nothing under pytest 9.2, which keeps a
-# node's id where xdist 3.8 no longer reaches it; so the groups are named here.)
+# Under pytest-xdist (`make test`'s two workers, --dist loadfile) each test is a unit of its
+# own, sent to whichever worker is free, except where tests share state: a module with a
+# module- or class-scoped fixture (one cluster, pool or stack for the module, and tests
+# that go on from the state the one before left: a refit to v3, then one to v5) keeps its
+# tests on one worker, in order; the modules that build and run the container images share
+# one worker, so two builds never race in podman's store. Units with more tests go first
+# (xdist's --loadscope-reorder). (pytest-xdist's `xdist_group` marker does nothing under
+# pytest 9.2, which keeps a node's id where xdist 3.8 no longer reaches it; so the units
+# are chosen here, from the node ids.)
 SHARED_WORKER = {name: "images" for name in (
     "test_images.py", "test_podrunner.py", "test_images_e2e.py")}
+_SHARED_FIXTURE = re.compile(r"""@pytest\.fixture\([^)]*scope\s*=\s*["'](?:module|class)["']""")
+
+
+@functools.cache
+def _shares_state(path: Path) -> bool:
+    return _SHARED_FIXTURE.search(path.read_text()) is not None
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -45,12 +56,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class ModuleScheduling(LoadFileScheduling):
+    class Scheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return SHARED_WORKER.get(Path(path).name, path)
+            if Path(path).name in SHARED_WORKER:
+                return SHARED_WORKER[Path(path).name]
+            return path if _shares_state(config.rootpath / path) else nodeid
 
-    return ModuleScheduling(config, log)
+    return Scheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

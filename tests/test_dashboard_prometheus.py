@@ -146,6 +146,13 @@ class Prometheus:
         return float(counts[0]["value"][1]) if counts else 0.0
 
     def wait_all_up(self) -> None:
+        def ready() -> bool:  # its API answers 503 until the TSDB has started
+            try:
+                return httpx.get(f"{self.url}/-/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_for(f"Prometheus ready (log: {self.log})", ready, timeout=30)
+
         def up() -> bool:
             try:
                 found = self.query("up == 1")
