@@ -34,7 +34,10 @@ router-kill, router-stop (2 routers over 2 mixed engines, clients spread over bo
 client whose router failed moves to the other); serve-engine-kill, serve-router-kill
 (`tandem serve --engines 2`: it restarts the child; stack.json must record the restart);
 operator-kill, operator-stop (1 mixed engine + router pods run by the test kubelet; after
-the fault the operator reconciles with no action taken and no pod replaced); nixl-frozen-read
+the fault the operator reconciles with no action taken and no pod replaced); refit-kill-drain,
+refit-kill-refit, refit-kill-last (`tandem serve --engines 2` under a Rolling `tandem refit`:
+kill -9 of engine-1 while wave 1 drains engine-0, while engine-0 loads the new weights, or
+while wave 2 drains engine-1, the old version's last engine); nixl-frozen-read
 (1 prefill + 1 decode: SIGSTOP the prefill engine as a stream's first token arrives, i.e.
 while the decode engine pulls its KV; the pull's deadline fires and the request completes by
 recompute); log-disk-full (`tandem serve` whose log folder is a 1 MiB tmpfs filled up
@@ -579,6 +582,97 @@ def serve_child_kill(model: Path, folder: Path, child: str, duration: float,
                tally.ok, tally.failed, resumed, promise, held, note)
 
 
+REFIT_TOKENS = 128  # per request: long enough that a drain lasts a while
+REFIT_PHASES = {  # when engine-1 is killed, by engine-0's (and engine-1's) admin state
+    # wave 1 took engine-0: it drains (engine-1 is the other engine of the old version)
+    "drain": lambda s0, s1, v: s0["state"] == "RUNNING" and s0["draining"]
+    and s0["weight_version"] != v,
+    # engine-0 is out of RUNNING: paused, suspended, loading the new weights
+    "refit": lambda s0, s1, v: s0["state"] != "RUNNING",
+    # engine-0 serves the target; wave 2 drains engine-1, the old version's last engine
+    "last": lambda s0, s1, v: s0["weight_version"] == v and not s0["draining"]
+    and s1["draining"],
+}
+
+
+def refit_engine_kill(serve: Serve, target: Path, version: str, phase: str,
+                      streams: int) -> Row:
+    """kill -9 of engine-1 of a running `tandem serve --engines 2` during a Rolling
+    `tandem refit` to `target` (as `version`), at `phase` (`REFIT_PHASES`), under load.
+    serve restarts engine-1; the refit either waits for it (re-planning a wave that would
+    strand the old version's requests) and ends with every engine on `version`, or refuses
+    honestly; the load runs until both are over."""
+    stack = serve.stack()
+    token = stack.get("admin_token")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    e0, e1 = stack["engines"][:2]
+    pid = stack["children"][e1["name"]]["pid"]
+
+    def state(e: dict) -> dict:
+        return httpx.get(f"{e['admin_url']}/v1/state", headers=headers, timeout=2).json()
+
+    due = REFIT_PHASES[phase]
+    cmd = [sys.executable, "-m", "tandem_engine.cli.main", "refit", "--port", str(serve.port),
+           "--uri", target.resolve().as_uri(), "--weights-version", version]
+    resumed0 = serve.resumed()
+    load = Load([serve.url], streams, max_tokens=REFIT_TOKENS)
+    with load:
+        time.sleep(0.5)  # streams in flight on both engines
+        refit = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, env={**os.environ, **ENV, "TMPDIR": str(serve.folder)})
+        try:
+            wait_for(f"the refit's {phase} phase", lambda: due(state(e0), state(e1), version),
+                     timeout=90, every=0.01)
+            os.kill(pid, signal.SIGKILL)
+            out, _ = refit.communicate(timeout=240)
+        finally:
+            if refit.poll() is None:
+                refit.kill()
+                refit.wait(10)
+
+        def back() -> bool:
+            child = serve.stack()["children"][e1["name"]]
+            return child["pid"] != pid and httpx.get(f"{e1['admin_url']}/readyz",
+                                                     timeout=1).status_code == 200
+        wait_for(f"{e1['name']} restarted and ready", back, timeout=90)
+        time.sleep(0.5)  # requests after it
+    tally = load.total()
+    versions = [state(e)["weight_version"] for e in (e0, e1)]
+    serving = serve.proc is not None and serve.proc.poll() is None
+    resumed = serve.resumed() - resumed0
+    replanned = "RefitWaveReplanned" in out
+    waited = "RefitWaiting" in out
+    succeeded = refit.returncode == 0 and versions == [version, version]
+    # Honest refusal: exit 1 with the reason, never a success that stranded requests.
+    refused = refit.returncode == 1 and "failed and was" in out
+    held = serving and tally.failed == 0 and (succeeded or refused)
+    return Row(f"engine kill -9 during a Rolling refit ({phase})", "serve --engines 2",
+               tally.sent, tally.ok, tally.failed, resumed,
+               "0 failed; the refit succeeds after the engine is back, or refuses", held,
+               join_notes(f"refit exit {refit.returncode}", f"engines on {versions}",
+                          "wave re-planned" if replanned else "",
+                          "waited for the engine" if waited else "", errors_note(tally)),
+               {"refit_rc": refit.returncode, "refit_out": out, "versions": versions,
+                "errors": tally.errors, "serving": serving})
+
+
+def serve_refit_kill(model: Path, folder: Path, phase: str, duration: float,
+                     streams: int) -> Row:
+    """`refit_engine_kill` on a fresh `tandem serve --engines 2`, refitting to a second
+    demo checkpoint (`duration` unused: the row lasts as long as the refit)."""
+    from tandem_engine.cli.demo_model import write_demo_model
+
+    target = write_demo_model(folder / "weights" / "v2", arch="llama", size="tiny", seed=1)
+    serve = Serve(model, folder)
+    serve.cmd += ["--weights-root", str(target.parent)]
+    serve.start()
+    try:
+        warm_up([serve.url])
+        return refit_engine_kill(serve, target, "v2", phase, streams)
+    finally:
+        serve.stop()
+
+
 @contextlib.contextmanager
 def full_log_folder(log_dir: Path, names: list[str]) -> Iterator[Callable[[], str]]:
     """The log folder on a 1 MiB tmpfs (mounted before `serve` starts); yields `fill()`,
@@ -761,6 +855,8 @@ ROWS: dict[str, RowFn] = {
     "router-stop": lambda m, f, d, s: router_fault(m, f, False, d, s),
     "serve-engine-kill": lambda m, f, d, s: serve_child_kill(m, f, "engine", d, s),
     "serve-router-kill": lambda m, f, d, s: serve_child_kill(m, f, "router", d, s),
+    **{f"refit-kill-{phase}": lambda m, f, d, s, phase=phase: serve_refit_kill(m, f, phase, d, s)
+       for phase in REFIT_PHASES},
     "operator-kill": lambda m, f, d, s: operator_fault(m, f, True, d, s),
     "operator-stop": lambda m, f, d, s: operator_fault(m, f, False, d, s),
     "nixl-frozen-read": nixl_frozen_read,

@@ -18,6 +18,7 @@ import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -59,6 +60,167 @@ def test_neutral_values_of_refused_parameters_pass(parse) -> None:
         for value in neutral:
             parse({**body, name: value})
     parse({**body, **dict.fromkeys(ap.INFORMATIONAL_PARAMS, "x")})
+
+
+# Values no integer parameter takes: past 2**64 - 1 msgpack cannot send them, past a float's
+# range no float holds them, and a float or a bool is no integer.
+HUGE = [2**64, 2**64 - 1, 2**63, -2**63 - 1, 10**30, -10**30, 1e308, -1e308, 2.0**64, 1e19,
+        math.inf, -math.inf, math.nan, 0.5]
+
+
+def int_param_body(name: str, value: Any) -> tuple[str, dict[str, Any]]:
+    """(path, body): a request that is valid but for integer parameter `name` = `value`
+    (a list parameter gets `[value]`), generating at most one token."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    completion = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    if name == "tokens":
+        return "/detokenize", {"tokens": [value]}
+    if name in ("prompt", "stop_token_ids"):
+        return "/v1/completions", {**completion, name: [value]}
+    if name == "top_logprobs":
+        return "/v1/chat/completions", {**chat, "logprobs": True, name: value}
+    if name == "max_completion_tokens":
+        return "/v1/chat/completions", {**chat, name: value}
+    return "/v1/completions", {**completion, name: value}
+
+
+def in_range(value: Any, bound: ap.IntRange) -> bool:
+    """Whether `value` is one of the integers `bound` admits (2.0 counts as 2)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) \
+        and math.isfinite(value) and float(value).is_integer() \
+        and bound.low <= value <= bound.high
+
+
+def _parse(path: str, body: dict[str, Any]) -> None:
+    from tandem_engine.router.tokenize_params import parse_detokenize
+
+    if path == "/detokenize":
+        parse_detokenize(body, ap.MAX_TOKEN_ID + 1)
+    elif path == "/v1/chat/completions":
+        ap.parse_chat(body)
+    else:
+        ap.parse_completion(body)
+
+
+@pytest.mark.parametrize("name", sorted(ap.INT_PARAMS))
+def test_every_integer_parameter_is_bounded_by_its_table_entry(name: str) -> None:
+    bound = ap.INT_PARAMS[name]
+    for value in (bound.low, bound.high, float(bound.low), -0.0 if bound.low <= 0 else 1.0):
+        _parse(*int_param_body(name, value))
+    # ["1"] is a batch of one text prompt; anywhere else a string or a bool is no integer.
+    others = [] if name == "prompt" else [True, "1"]
+    for value in [bound.low - 1, bound.high + 1, bound.low + 0.5, *HUGE, *others]:
+        if in_range(value, bound):
+            continue  # inside this parameter's range
+        with pytest.raises(InvalidRequest) as err:
+            _parse(*int_param_body(name, value))
+        assert err.value.param == name and err.value.status == 400, (value, err.value)
+        assert f"between {bound.low} and {bound.high}" in err.value.message, err.value
+        assert len(err.value.message) < 300  # 1e308 is quoted as written, not its 309 digits
+
+
+def test_every_integer_of_the_openapi_description_has_a_table_bound() -> None:
+    """What the description calls an integer is what the table bounds (no integer field
+    is read without a range), and the description's ranges hold inside the table's."""
+    from tandem_engine.router import openapi_schema as docs
+
+    def integers(schema: Any, name: str = "") -> Iterator[tuple[str, dict]]:
+        if isinstance(schema, dict):
+            types = schema.get("type")
+            if types == "integer" or (isinstance(types, list) and "integer" in types):
+                yield name, schema
+            for key, sub in schema.get("properties", {}).items():
+                yield from integers(sub, key)
+            for key in ("items", "anyOf"):
+                for sub in (schema.get(key) if isinstance(schema.get(key), list)
+                            else [schema.get(key)]):
+                    yield from integers(sub, name)
+
+    found = set()
+    for request in (docs.completion_request(MODEL), docs.chat_request(MODEL),
+                    docs.tokenize_request(MODEL), docs.detokenize_request(MODEL)):
+        for name, schema in integers(request):
+            bound = ap.INT_PARAMS[name]
+            found.add(name)
+            assert bound.low <= schema.get("minimum", bound.low), name
+            assert schema.get("maximum", bound.high) <= bound.high, name
+    assert found == set(ap.INT_PARAMS) - {"prompt_logprobs"}, found  # not documented
+
+
+def test_the_router_reads_json_only_through_decode_body() -> None:
+    """Every endpoint's body goes through the one loader that refuses deep JSON and lone
+    surrogates (keys included): no other JSON parsing in the router's handlers."""
+    import re
+
+    import tandem_engine.router as router
+
+    for source in Path(router.__file__).parent.glob("*.py"):
+        text = source.read_text()
+        uses = re.findall(r"json\.loads\(|\.json\(\)|msgspec\.json\.decode\(|await "
+                          r"request\.body\(", text)
+        assert uses == ([] if source.name != "api_params.py" else ["json.loads("]), source
+
+
+@pytest.mark.parametrize("raw, param, where", [
+    (rb'{"model": "m", "prompt": "hi", "max_tokens": 2, "\ud800": 1}', None,
+     "the request body"),
+    (rb'{"messages": [{"role": "user", "content": "x", "\udfff": 1}]}', "messages[0]",
+     "messages[0]"),
+    (rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x", '
+     rb'"\ud800x": 1}]}]}', "messages[0].content[0]", "messages[0].content[0]"),
+    (rb'{"chat_template_kwargs": {"\ud800": 1}}', "chat_template_kwargs",
+     "chat_template_kwargs"),
+    (rb'{"stream_options": {"a\udbff": true}}', "stream_options", "stream_options"),
+    (rb'{"logit_bias": {"\ud800": 100}}', "logit_bias", "logit_bias"),
+    (rb'{"response_format": {"type": "json_schema", "json_schema": {"\ud800": {}}}}',
+     "response_format.json_schema", "response_format.json_schema"),
+    (rb'{"metadata": {"k": [{"\udc00": "v"}]}}', "metadata.k[0]", "metadata.k[0]"),
+])
+def test_a_lone_surrogate_in_a_key_is_refused_naming_its_object(raw: bytes, param, where
+                                                                ) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        ap.decode_body(raw)
+    assert err.value.param == param and err.value.status == 400
+    assert err.value.message.startswith(f"{where} holds a key with a lone UTF-16 surrogate")
+    err.value.message.encode()  # the error itself is text
+
+
+def test_huge_keys_are_named_shortened() -> None:
+    key = "k" * 1_000_000
+    for body in ({"model": "m", "prompt": "x", key: 1},
+                 {"model": "m", "prompt": "x", "stream_options": {key: True}},
+                 {"model": "m", "messages": [{"role": "user", "content": "x", key: 1}]},
+                 {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                  "chat_template_kwargs": {key + "-": 1}}):
+        with pytest.raises(InvalidRequest) as err:
+            (ap.parse_chat if "messages" in body else ap.parse_completion)(body)
+        assert len(err.value.message) < 500 and len(err.value.param) < 200, err.value.param
+        assert "characters)" in err.value.param
+    deep = {key: "\ud800"}
+    with pytest.raises(InvalidRequest) as err:
+        ap.decode_body(json.dumps({"a": deep}).encode())
+    assert err.value.param == f"a.{'k' * ap.MAX_KEY_CHARS}...(1000000 characters)"
+
+
+def test_a_number_no_float_holds_is_refused() -> None:
+    for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "temperature", "top_p"):
+        for value in (10**400, -10**400):
+            with pytest.raises(InvalidRequest) as err:
+                ap.parse_completion({"model": "m", "prompt": "x", name: value})
+            assert err.value.param == name
+
+
+def test_an_error_body_always_encodes() -> None:
+    from tandem_engine.router.openai_format import MAX_ERROR_PARAM_CHARS, error_body
+
+    body = error_body("bad \ud800 key " + "x" * 100_000, param="a.\udfff" * 1000)
+    error = json.loads(json.dumps(body, ensure_ascii=False).encode("utf-8"))["error"]
+    assert error["message"].startswith("bad \\ud800 key xxx") and len(error["message"]) < 5000
+    assert error["param"].startswith("a.\\udfff") and \
+        len(error["param"]) < MAX_ERROR_PARAM_CHARS + 50
+    assert error_body("é ok", param="p") == {"error": {
+        "message": "é ok", "type": "invalid_request_error", "param": "p", "code": None}}
 
 
 def test_context_limit_is_prompt_plus_max_tokens() -> None:

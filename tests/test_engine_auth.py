@@ -1,7 +1,9 @@
 """The engine's closed surface, against real processes: CURVE on the ZMQ socket (only the
 pool's routers' key gets in, frames from anyone else never reach the engine), the
-read-only metrics port, refits confined to `--weights-root` with one refusal text for
-every refused path, and `tandem serve` stacks authenticated by default."""
+read-only metrics port, the admin token checked before any body is read and every admin
+body bounded (the engine's memory untouched, no admin input ending it), refits confined
+to `--weights-root` with one refusal text for every refused path (a NUL byte included),
+and `tandem serve` stacks authenticated by default."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +25,9 @@ from tandem_engine import protocol as p
 from tandem_engine import zmq_auth
 from tandem_engine.cli.demo_model import write_demo_model
 from tandem_engine.cli.serve import free_port
+from tandem_engine.server.admin_guard import MAX_ADMIN_BODY_BYTES, UNAUTHORIZED
 from tandem_engine.server.weights_roots import REFUSED
+from test_admin_guard import HUGE, stream_post
 from test_engine_process import Client, EngineProcess
 from test_frame_fuzz import VALID
 
@@ -31,6 +36,8 @@ pytestmark = pytest.mark.slow
 PROBE = [5, 6, 7, 8]
 PROBE_SAMPLING = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 SILENCE = 1.5  # seconds a refused peer waits to be sure no reply comes
+TOKEN = "engine-admin-t0ken"
+RSS_SLACK = 10 << 20  # bytes an engine may grow answering requests it does not read
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +66,14 @@ def roots(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, keys, roots):
     metrics_port = free_port()
+    folder = tmp_path_factory.mktemp("auth-engine")
+    (folder / "token").write_text(TOKEN + "\n")
     with pytest.MonkeyPatch.context() as env:
         for name, value in keys[0].items():
             env.setenv(name, value)
-        proc = EngineProcess(tiny_llama, tmp_path_factory.mktemp("auth-engine"),
-                             "--metrics-port", str(metrics_port),
-                             "--weights-root", str(roots["allowed"]))
+        proc = EngineProcess(tiny_llama, folder, "--metrics-port", str(metrics_port),
+                             "--weights-root", str(roots["allowed"]),
+                             "--admin-token-file", str(folder / "token"))
     proc.metrics_port = metrics_port
     yield proc
     proc.close()
@@ -171,28 +180,130 @@ def test_refit_paths_outside_the_roots_all_get_one_answer(engine: EngineProcess,
                                                           roots: dict[str, Path]) -> None:
     allowed, outside = roots["allowed"], roots["outside"]
     refused = {
-        "outside the root": outside / "v9",
-        "a symlink out of the root": allowed / "escape",
-        "'..' out of the root": Path(f"{allowed}/../outside/v9"),
-        "missing": allowed / "missing",
-        "a file": allowed / "a-file",
-        "no config.json": allowed,
-        "the root's parent": allowed.parent,
+        "outside the root": f"file://{outside / 'v9'}",
+        "a symlink out of the root": f"file://{allowed / 'escape'}",
+        "'..' out of the root": f"file://{allowed}/../outside/v9",
+        "missing": f"file://{allowed / 'missing'}",
+        "a file": f"file://{allowed / 'a-file'}",
+        "no config.json": f"file://{allowed}",
+        "the root's parent": f"file://{allowed.parent}",
+        "a NUL byte (%00)": f"file://{allowed / 'v2'}%00",
+        "a NUL byte inside": f"file://{allowed}/v2\x00/../v2",
     }
-    assert engine.http("POST", "/v1/pause")[0] == 200
+    assert engine.http("POST", "/v1/pause", token=TOKEN)[0] == 200
     try:
         answers = {}
-        for why, path in refused.items():
-            code, body = engine.http("POST", "/v1/refit", {"uri": f"file://{path}"})
-            answers[why] = (code, body["error"]["message"])
+        for why, uri in refused.items():
+            for field in ("uri", "draft_uri"):
+                body = {"uri": (allowed / "v2").as_uri(), field: uri}
+                code, body = engine.http("POST", "/v1/refit", body, token=TOKEN)
+                answers[why, field] = (code, body["error"]["message"])
         assert set(answers.values()) == {(400, REFUSED)}, answers
         code, body = engine.http("POST", "/v1/refit", {"uri": (allowed / "v2").as_uri(),
-                                                       "version": "v2"})
+                                                       "version": "v2"}, token=TOKEN)
         assert code == 200 and body["weight_version"] == "v2", body
     finally:
-        assert engine.http("POST", "/v1/unpause")[0] == 200
+        assert engine.http("POST", "/v1/unpause", token=TOKEN)[0] == 200
     log = engine.log.read_text()
     assert "is outside the weights roots" in log and "does not exist" in log
+    assert "holds a NUL byte" in log
+
+
+def _generates(engine: EngineProcess, pool_key, tag: str) -> None:
+    """The same engine process still generates (on whichever weights a refit left)."""
+    assert engine.proc.poll() is None, engine.log.read_text()[-3000:]
+    outs = Client(engine.port, curve=pool_key).run(f"probe-{tag}", PROBE, **PROBE_SAMPLING)
+    assert len([t for o in outs for t in o.token_ids]) == PROBE_SAMPLING["max_tokens"], outs
+    assert engine.http("GET", "/healthz")[0] == 200
+
+
+def _rss(pid: int) -> int:
+    """The process's resident memory (VmRSS of /proc/PID/status), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_an_unauthenticated_huge_refit_is_refused_before_its_body_is_read(
+        engine: EngineProcess, pool_key) -> None:
+    rss = _rss(engine.proc.pid)
+    for declared in (HUGE, None):  # a declared length, and a chunked stream
+        status, body, headers, sent = stream_post(engine.admin_port, "/v1/refit",
+                                                  declared=declared)
+        assert status == 401 and body["error"]["message"] == UNAUTHORIZED, body
+        assert headers["connection"] == "close"
+        assert sent < HUGE // 2, sent  # answered while the client was still sending
+    grown = _rss(engine.proc.pid) - rss
+    assert grown < RSS_SLACK, f"the engine grew {grown / 2**20:.1f} MiB"
+    _generates(engine, pool_key, "after-huge-unauthenticated")
+
+
+def test_an_authenticated_oversize_body_gets_413_unread(engine: EngineProcess,
+                                                       pool_key) -> None:
+    rss = _rss(engine.proc.pid)
+    for path in ("/v1/refit", "/v1/canary", "/v1/pause"):
+        for declared in (HUGE, None):
+            status, body, _, sent = stream_post(engine.admin_port, path, token=TOKEN,
+                                                declared=declared)
+            assert status == 413, (path, declared, body)
+            assert f"limit of {MAX_ADMIN_BODY_BYTES} bytes" in body["error"]["message"]
+            assert sent < HUGE // 2, (path, declared, sent)
+    grown = _rss(engine.proc.pid) - rss
+    assert grown < RSS_SLACK, f"the engine grew {grown / 2**20:.1f} MiB"
+    assert engine.http("GET", "/v1/state")[1]["state"] == "RUNNING"  # nothing reached it
+    _generates(engine, pool_key, "after-oversize")
+
+
+def test_reads_stay_open_writes_need_the_token_and_no_schema_is_served(
+        engine: EngineProcess) -> None:
+    url = f"http://127.0.0.1:{engine.admin_port}"
+    for path in ("/v1/state", "/healthz", "/readyz", "/metrics"):
+        assert httpx.get(f"{url}{path}", timeout=5).status_code == 200, path
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert httpx.get(f"{url}{path}", timeout=5).status_code == 404, path
+    for method, path in (("POST", "/v1/pause"), ("POST", "/v1/drain"), ("POST", "/v1/nowhere"),
+                         ("PUT", "/v1/state"), ("DELETE", "/v1/refit")):
+        r = httpx.request(method, f"{url}{path}", json={}, timeout=5)
+        assert r.status_code == 401 and r.json()["error"]["message"] == UNAUTHORIZED, path
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.post(f"{url}/v1/nowhere", headers=auth, timeout=5).status_code == 404
+    assert engine.http("GET", "/v1/state")[1]["state"] == "RUNNING"
+
+
+def test_no_admin_input_ends_the_engine(engine: EngineProcess, pool_key) -> None:
+    """What a client with the token, or without, can send: each answered 4xx, never a
+    500, and the same process serves on (`tandem serve` restarts nothing)."""
+    pid, url = engine.proc.pid, f"http://127.0.0.1:{engine.admin_port}"
+    auth = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    deep = b"[" * (MAX_ADMIN_BODY_BYTES - 1)
+    malformed = [b"{", b"\xff\xfe{}", deep, b"[]", b'"text"']
+    refits = [b'{"uri": 5}', b'{"uri": ""}', b"null",
+              json.dumps({"uri": "file:///" + "a" * 5000}).encode(),
+              json.dumps({"uri": "file:///x", "epoch": 2**80}).encode(),
+              json.dumps({"uri": "file:///%00"}).encode()]
+    calls = [(path, body) for path in ("/v1/refit", "/v1/suspend", "/v1/canary")
+             for body in malformed] + [("/v1/refit", body) for body in refits] + [
+        ("/v1/suspend", b'{"mode": "nope"}'),
+        ("/v1/canary", b'{"prompt_token_ids": [-1, 99999999999999999999]}'),
+        ("/v1/canary", b'{"prompt_token_ids": [1, 2], "max_tokens": 100000}')]
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for path, body in calls:
+            for headers in (auth, {"Content-Type": "application/json"}):
+                r = http.post(path, content=body, headers=headers)
+                assert 400 <= r.status_code < 500, (path, body[:40], r.status_code, r.text)
+    for raw in (b"POST /v1/refit HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+                b"POST /v1/refit HTTP/1.1\r\nHost: x\r\nContent-Length: 1e9\r\n\r\n",
+                b"POST /v1/refit HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"zz\r\n"):
+        with socket.create_connection(("127.0.0.1", engine.admin_port), timeout=10) as s:
+            s.sendall(raw)
+            s.shutdown(socket.SHUT_WR)
+            answer = s.recv(4096)
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 4"), answer
+    assert engine.proc.pid == pid and engine.proc.poll() is None
+    assert engine.http("GET", "/v1/state")[1]["state"] == "RUNNING"
+    _generates(engine, pool_key, "after-hostile-admin-input")
 
 
 def _start_error(module: str, model: Path, env: dict[str, str], *args: str) -> str:
@@ -237,6 +348,11 @@ def test_serve_stacks_are_authenticated_by_default(tiny_llama: Path, tmp_path: P
         stack = json.loads(stack_json.read_text())
         token, admin = stack["admin_token"], stack["engines"][0]["admin_url"]
         assert httpx.post(f"{admin}/v1/pause", timeout=5).status_code == 401
+        # A hostile client's huge unauthenticated refits end no engine: no restart spent.
+        pid = stack["children"]["engine-0"]["pid"]
+        for declared in (HUGE, None):
+            assert stream_post(int(admin.rpartition(":")[2]), "/v1/refit",
+                               declared=declared)[0] == 401
         # Keys and token reach the children in their environment, never in argv.
         for child in psutil.Process(proc.pid).children():
             assert not any(token in a or "TANDEM_ZMQ" in a for a in child.cmdline())
@@ -252,6 +368,8 @@ def test_serve_stacks_are_authenticated_by_default(tiny_llama: Path, tmp_path: P
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
         logs = (tmp_path / f"tandem-{port}" / "engine-0.log").read_text()
         assert "ZMQ unauthenticated" not in logs and "(CURVE)" in logs
+        child = json.loads(stack_json.read_text())["children"]["engine-0"]
+        assert (child["pid"], child["restarts"]) == (pid, 0) and psutil.pid_exists(pid)
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -7,13 +7,18 @@ seconds of load, and asserts the client-side counts: 0 failed requests wherever 
 promise says so, and losses only on a killed router. The other rows are covered here
 elsewhere: a mixed engine killed or frozen (test_router_e2e), a `serve` engine killed
 (test_serve), a prefill engine frozen or killed mid-pull (test_disagg_failures).
+
+Faults during each phase of a Rolling refit share one `tandem serve --engines 2`, refitted
+back and forth between two checkpoints, one case per phase.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -68,4 +73,45 @@ def test_a_killed_operator_fails_no_request_and_churns_no_pod(
     assert row.detail["actions"] == 0, row
     assert row.detail["pods_before"] == row.detail["pods_after"], row
     assert len(row.detail["pods_after"]) == 2, row  # the engine and the router
+    assert row.held, row
+
+
+@pytest.fixture(scope="module")
+def refit_serve(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[tuple[fault_matrix.Serve, dict[str, Path]]]:
+    """`tandem serve --engines 2` on v1 that may refit to v2 (its --weights-root)."""
+    from tandem_engine.cli.demo_model import write_demo_model
+
+    root = tmp_path_factory.mktemp("refit-kill")
+    v2 = write_demo_model(root / "weights" / "v2", arch="llama", size="tiny", seed=1)
+    serve = fault_matrix.Serve(tiny_llama, root / "serve")
+    serve.cmd += ["--weights-root", str(v2.parent)]
+    serve.start()
+    try:
+        fault_matrix.warm_up([serve.url])
+        yield serve, {"v1": tiny_llama, "v2": v2}
+    finally:
+        serve.stop()
+
+
+# The phases that stranded requests before; `refit` (engine-0 off RUNNING when engine-1
+# dies) is a row of benchmarks/fault_matrix.py: each case waits out an engine restart.
+@pytest.mark.parametrize("phase", ["drain", "last"])
+def test_an_engine_killed_during_a_rolling_refit_fails_no_request(
+        refit_serve: tuple[fault_matrix.Serve, dict[str, Path]], phase: str) -> None:
+    """kill -9 of engine-1 while wave 1 drains engine-0 (the wave is re-planned: engine-0
+    serves again until engine-1 is back, so engine-1's requests continue on their own
+    version), or while wave 2 drains engine-1, the old version's last engine (its requests
+    continue on the new weights by recompute at once, not after a 30 s failover timeout).
+    No request fails, and the refit ends with both engines on the target once engine-1
+    is back: a killed engine is no reason to roll back."""
+    serve, checkpoints = refit_serve
+    current = {e["weight_version"] for e in httpx.get(
+        f"http://127.0.0.1:{serve.port}/v1/engines", timeout=10).json()["engines"]}
+    version = "v1" if current == {"v2"} else "v2"
+    row = fault_matrix.refit_engine_kill(serve, checkpoints[version], version, phase, 4)
+    assert row.sent > 0 and row.failed == 0, (row, row.detail["errors"][:3],
+                                              row.detail["refit_out"][-3000:])
+    assert row.detail["refit_rc"] == 0, row.detail["refit_out"][-3000:]
+    assert row.detail["versions"] == [version, version], row
     assert row.held, row

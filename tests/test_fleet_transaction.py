@@ -22,12 +22,14 @@ from tandem_engine.fleet.transaction import (
     Transaction,
     choose_wave,
     finished_phase,
+    held_by,
     next_act,
+    retreats,
     suspend_mode,
 )
 from tandem_engine.lifecycle import TRANSIENT_STATES, EngineState, KVMode
 from tandem_engine.refit_policy import InFlight, OnFailure, RefitStrategy
-from tandem_engine.router.routing import EngineView, serving_version
+from tandem_engine.router.routing import EngineView, retired, serving_version
 from tandem_engine.weights import WeightsRef
 
 V1 = WeightsRef("file:///models/v1", "v1")
@@ -344,6 +346,128 @@ def test_no_wave_takes_the_routed_versions_last_engine_of_a_role(
             engines = [engine(e.name, e.role, version="v3", epoch=3) if e.name in wave else e
                        for e in engines]
         assert all(e.version == "v3" for e in engines), (versions, max_unavailable)
+
+
+# ---- an engine away during a rolling refit ------------------------------------------------------
+
+
+@pytest.mark.parametrize("away", [None, "LOADING"])
+def test_no_wave_takes_the_last_reachable_engine_of_a_version_while_one_is_away(
+        away: str | None) -> None:
+    """engine-1 was killed (or is loading again): the requests it had fail over to v1's
+    engines, of which engine-0 is the last reachable one. It is not taken, not even by
+    the forced wave of a pool too small to keep the invariant; the wave waits for
+    engine-1. Once it is back, the waves go as before."""
+    tx = tx_for()
+    engines = [engine("engine-0"), engine("engine-1", state=away)]
+    assert choose_wave(tx, engines) == []
+    assert held_by(tx, engines) == ["engine-1"]
+    back = [engine("engine-0"), engine("engine-1")]
+    assert choose_wave(tx, back) == ["engine-0"] and held_by(tx, back) == []
+    # Where the goal serves already, v1's last engine is still kept while one is away.
+    tx.engines["engine-0"] = EngineRecord(verified=True)
+    engines = [engine("engine-0", version="v2", epoch=2), engine("engine-1"),
+               engine("engine-2", state=away)]
+    assert choose_wave(tx, engines) == [] and held_by(tx, engines) == ["engine-2"]
+    assert choose_wave(tx, engines[:2]) == ["engine-1"]  # engine-2 left the fleet
+    # Per role: the role with two v1 engines still gives one; the other keeps its last.
+    tx = tx_for()
+    engines = [*pool(2, 1), engine("decode-1", "decode", state=away)]
+    assert choose_wave(tx, engines) == ["prefill-0"] and held_by(tx, engines) == []
+    # A 1 prefill + 1 decode pool with its decode engine away: no forced window.
+    engines = [engine("prefill-0", "prefill"), engine("decode-0", "decode", state=away)]
+    assert choose_wave(tx, engines) == [] and held_by(tx, engines) == ["decode-0"]
+
+
+def test_a_draining_engine_serves_again_when_it_is_the_last_of_its_version() -> None:
+    """engine-0 was taken and is draining when engine-1 dies: engine-0 is given back to
+    serving (the wave re-planned), so engine-1's requests have a v1 engine to continue on.
+    An engine past its drain (paused), or one with another serving engine of its version
+    and role, stays in the wave."""
+    tx = tx_for()
+    tx.engines["engine-0"] = EngineRecord(step="drain", since=NOW, drained_at=NOW)
+    draining = engine("engine-0", draining=True, busy=2)
+    assert retreats(tx, [draining, engine("engine-1", state=None)]) == ["engine-0"]
+    assert retreats(tx, [draining, engine("engine-1")]) == []  # nobody is away
+    assert retreats(tx, [engine("engine-0", state="PAUSED"), engine("engine-1", state=None)]
+                    ) == []
+    assert retreats(tx, [draining, engine("engine-1", state=None), engine("engine-2")]) == []
+    verifying = engine("engine-0", version="v2", epoch=2, draining=True)
+    assert retreats(tx, [verifying, engine("engine-1", state=None)]) == []
+
+
+def test_advance_re_plans_then_waits_for_the_away_engine_then_fails_by_its_deadline() -> None:
+    tx = tx_for(started_at=NOW, step_timeout=60.0)
+    tx.wave = 1
+    tx.engines["engine-0"] = EngineRecord(step="drain", since=NOW, drained_at=NOW)
+    engines = [engine("engine-0", draining=True, busy=2), engine("engine-1", state=None)]
+    admin = RecordingAdmin()
+    events = asyncio.run(advance(tx, engines, admin, NOW + 1))
+    assert admin.calls == [("engine-0", "/v1/undrain", None)]
+    assert [e.reason for e in events] == ["RefitWaveReplanned", "RefitWaiting"], events
+    assert "engine-1" in events[1].message and tx.engines == {} and tx.held_since == NOW + 1
+    engines = [engine("engine-0"), engine("engine-1", state=None)]
+    assert asyncio.run(advance(tx, engines, admin, NOW + 30)) == []  # still waiting
+    assert tx.phase is Phase.PROGRESSING and admin.calls[1:] == []
+    assert Transaction.from_dict(tx.to_dict()).held_since == NOW + 1
+    # Back before the deadline: the wave goes, the hold is over.
+    events = asyncio.run(advance(tx, [engine("engine-0"), engine("engine-1")], admin, NOW + 40))
+    assert [e.reason for e in events] == ["RefitWave"] and tx.held_since is None
+    # Away past the deadline: the transaction fails honestly (rolls back), naming it.
+    tx = tx_for(started_at=NOW, step_timeout=60.0)
+    asyncio.run(advance(tx, engines, admin, NOW))
+    events = asyncio.run(advance(tx, engines, admin, NOW + 61))
+    assert tx.phase is Phase.ROLLING_BACK and tx.failure is not None
+    assert (tx.failure.engine, tx.failure.step) == ("engine-1", "wave")
+    assert "unreachable or loading for 61 s" in tx.failure.message, tx.failure
+    assert [e.reason for e in events] == ["RefitFailed"]
+    assert finished_phase(tx, engines) is None  # never a success while it is away
+
+
+def test_an_engine_that_dies_mid_call_is_no_refit_failure() -> None:
+    """A call the engine never answered (killed, restarting) fails nothing: the next pass
+    goes on from what the engine reports then, within the step's deadline; an engine that
+    answers with an error still fails the refit."""
+    from tandem_engine.fleet.admin import AdminError
+
+    class DyingAdmin(RecordingAdmin):
+        def __init__(self, **error: Any) -> None:
+            super().__init__()
+            self.error = error
+
+        async def call(self, name: str, url: str, path: str, body: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> dict[str, Any]:
+            await super().call(name, url, path, body, timeout)
+            raise AdminError(name, f"POST {path}", "refused", **self.error)
+
+    for error, reasons, phase in (({"no_answer": True}, ["RefitStepRetry"], Phase.PROGRESSING),
+                                  ({"status": 422}, ["RefitFailed"], Phase.ROLLING_BACK)):
+        tx = tx_for(started_at=NOW)
+        tx.engines["engine-0"] = EngineRecord(step="pause", since=NOW)
+        engines = [engine("engine-0", "mixed", "PAUSED"), engine("engine-1")]
+        events = asyncio.run(advance(tx, engines, DyingAdmin(**error), NOW + 1))
+        assert [e.reason for e in events] == reasons and tx.phase is phase, events
+        assert tx.engines["engine-0"].since == NOW + (phase is Phase.ROLLING_BACK)
+
+
+def test_a_retired_version_is_continued_on_the_serving_one() -> None:
+    """The router's rule: a request with tokens of v1 waits for a v1 engine while any
+    alive engine runs v1 (paused, suspended, draining, reconnected); once none does and v2
+    serves, it continues on v2 by recompute rather than wait out the failover timeout."""
+    def view(key: str, version: str, state: str = "RUNNING", alive: bool = True,
+             draining: bool = False) -> EngineView:
+        return EngineView(key, alive, state, version, {"v1": 1, "v2": 2}[version], 0, 0, 0.0,
+                          0, 16, 512, draining)
+    dead_v1, v2 = view("e1", "v1", alive=False), view("e0", "v2")
+    assert retired([dead_v1, v2], "v1")
+    assert not retired([dead_v1, v2], "v2")
+    for holding in (view("e2", "v1", "SUSPENDED"), view("e2", "v1", draining=True),
+                    view("e2", "v1", "PAUSED")):
+        assert not retired([dead_v1, v2, holding], "v1"), holding
+    assert retired([dead_v1, v2, view("e2", "v1", "STOPPING")], "v1")
+    # Nothing serves (v2 verifying, or every engine away): wait, it may come back.
+    assert not retired([dead_v1, view("e0", "v2", draining=True)], "v1")
+    assert not retired([dead_v1], "v1")
 
 
 def test_halting_targets_no_version() -> None:

@@ -649,18 +649,25 @@ def test_an_operator_killed_in_each_phase_of_a_rolling_refit_finishes_it(
     with Load(pool.router_url(), threads=4) as load:
         time.sleep(0.5)
         for phase_name, step in KILL_PHASES.items():
-            target = f"killed-at-{phase_name}"
-            pool.patch_weights(other_checkpoint(pool, checkpoints), target)
-            deadline = time.monotonic() + 60
-            while True:
-                phase, at_step = engines_at_step(pool, target, step)
-                if at_step or phase not in (None, "Progressing") \
-                        or time.monotonic() > deadline:
+            # A step can pass between two polls on a busy machine (a drain under light
+            # load lasts as long as the requests in flight): then let that refit finish
+            # and try a fresh one.
+            for attempt in range(4):
+                target = f"killed-at-{phase_name}" + (f"-{attempt}" if attempt else "")
+                pool.patch_weights(other_checkpoint(pool, checkpoints), target)
+                deadline = time.monotonic() + 60
+                while True:
+                    phase, at_step = engines_at_step(pool, target, step)
+                    if at_step or phase not in (None, "Progressing") \
+                            or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.05)
+                if at_step:
                     break
-                time.sleep(0.05)
-            if not at_step:
+                pool.settle(target)
+            else:
                 pytest.fail(f"never saw an engine at step {step} ({phase_name}; refit "
-                            f"{phase}): the step passed between two polls")
+                            f"{phase}) in 4 refits: the step passed between two polls")
             pool.operator.kill()
             frozen = (pool.status().get("refit") or {}).get("engines") or {}
             caught[phase_name] = (at_step, {n: r.get("step", "") for n, r in frozen.items()})

@@ -1,6 +1,7 @@
 """`tandem refit` checks its target before it touches any engine: a checkpoint outside the
-stack's weights roots, or one that does not exist, is refused at once with the allowed
-folders and the flag that adds one, and no engine ever leaves RUNNING."""
+stack's weights roots, one that does not exist, or a path no file can have (a NUL byte) is
+refused at once with the allowed folders and the flag that adds one, and no engine ever
+leaves RUNNING."""
 
 from __future__ import annotations
 
@@ -116,11 +117,13 @@ def test_refit_to_a_path_outside_the_weights_roots_or_missing_touches_no_engine(
     outside = tmp_path / "outside" / "v2"  # a real checkpoint, in no weights root
     shutil.copytree(stack.model, outside)
     missing = stack.model.parent / "no-such-checkpoint"  # inside the root, but absent
+    nul = Path(f"{stack.model}\x00")  # `%00` in the URI: a name no file can have
     root = str(stack.model.parent.resolve())
     assert stack.description["weights_roots"] == [root]
     with Watch(stack) as watch:
         for path, problem in ((outside, f"{outside.resolve()} is outside the weights roots"),
-                              (missing, f"{missing} does not exist")):
+                              (missing, f"{missing} does not exist"),
+                              (nul, f"{str(nul)!r} holds a NUL byte")):
             started = time.monotonic()
             refit = stack.refit(path.as_uri())
             took = time.monotonic() - started

@@ -1,39 +1,55 @@
 """The router's closed surface, as a client meets it: API keys (`--api-key`,
-$TANDEM_API_KEY, `tandem serve --api-key`) checked by the real router against the openai
-client, with the probes left open; and the header-read timeout cutting a slowloris
-client (raw sockets) while normal requests keep working."""
+`--api-key-file`, $TANDEM_API_KEY, `tandem serve --api-key-file`, kept out of `ps`) checked
+by the real router against the openai client, with the probes left open; and the
+header-read timeout cutting a slowloris client (raw sockets) while normal requests keep
+working."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 from tandem_engine.cli.serve import die_with_parent, free_port
 from tandem_engine.router.auth import API_KEY_ENV, resolve_api_keys
 
 ENV_KEYS = ["sk-env-one", "sk-env-two"]
 FLAG_KEY = "sk-flag"
+FILE_KEY = "sk-file"
 HEADER_TIMEOUT = 1.0
 
 pytestmark = pytest.mark.slow
 
 
-def test_keys_come_from_flags_and_the_environment() -> None:
+def test_keys_come_from_flags_files_and_the_environment(tmp_path: Path) -> None:
     assert resolve_api_keys(None, {}) == ()
     assert resolve_api_keys(["a", "b"], {API_KEY_ENV: " b, c ,,"}) == ("a", "b", "c")
     assert resolve_api_keys([], {API_KEY_ENV: ""}) == ()
     for bad in (["a b"], ["a\tb"], ["x\x00"]):
         with pytest.raises(ValueError, match="--api-key"):
             resolve_api_keys(bad, {})
+    keys = tmp_path / "keys"
+    keys.write_text("  sk-one\n\nsk-two  \r\nsk-one\n")
+    assert resolve_api_keys(None, {API_KEY_ENV: "sk-env"}, [keys]) == ("sk-one", "sk-two",
+                                                                     "sk-env")
+    (tmp_path / "blank").write_text("\n  \n")
+    (tmp_path / "spaced").write_text("sk one\n")
+    for name, why in (("blank", "holds no key"), ("missing", "cannot be read"),
+                      ("spaced", "holds whitespace")):
+        with pytest.raises(ValueError, match=why) as refused:
+            resolve_api_keys(None, {}, [tmp_path / name])
+        assert why == "holds whitespace" or f"--api-key-file {tmp_path / name}" in str(
+            refused.value)
 
 
 @contextlib.contextmanager
@@ -66,8 +82,10 @@ def routers(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
     from test_router_e2e import run_cluster
 
     logs = tmp_path_factory.mktemp("router-auth")
+    (logs / "api-keys").write_text(f"{FILE_KEY}\n")
     for cluster in run_cluster(tiny_llama, logs, ("mixed",)):
-        with keyed_router(cluster, logs, ENV_KEYS, "--api-key", FLAG_KEY) as keyed_url:
+        with keyed_router(cluster, logs, ENV_KEYS, "--api-key", FLAG_KEY,
+                          "--api-key-file", str(logs / "api-keys")) as keyed_url:
             yield cluster.router_url, keyed_url, logs
 
 
@@ -77,7 +95,7 @@ def _client(url: str, key: str) -> openai.OpenAI:
 
 def test_every_configured_key_works_and_no_other(routers) -> None:
     _, url, _ = routers
-    for key in [*ENV_KEYS, FLAG_KEY]:
+    for key in [*ENV_KEYS, FLAG_KEY, FILE_KEY]:
         client = _client(url, key)
         assert [m.id for m in client.models.list().data] == ["tiny"]
         got = client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
@@ -131,7 +149,7 @@ def test_the_open_router_warns_and_the_env_keys_stay_out_of_ps(routers) -> None:
     for pid in map(int, subprocess.run(["pgrep", "-f", "--", f"--port {port}"],
                                        capture_output=True, text=True).stdout.split()):
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
-        assert all(k not in cmdline for k in ENV_KEYS)
+        assert all(k not in cmdline for k in (*ENV_KEYS, FILE_KEY))
 
 
 # ---- slowloris --------------------------------------------------------------------------------
@@ -190,25 +208,44 @@ def test_a_slow_client_is_cut_at_the_header_timeout(routers) -> None:
         assert HEADER_TIMEOUT * 0.9 <= took < bound, took
 
 
-def test_tandem_serve_passes_its_api_key_in_the_environment(tmp_path: Path) -> None:
-    from test_serve import _children, start_serve
+def test_tandem_serve_keeps_its_api_key_out_of_ps(tmp_path: Path) -> None:
+    """`tandem serve --demo --api-key-file F`, started in `tmp_path` (the default
+    --demo-dir): the key is in no process's command line, its own included, and reaches
+    the router in its environment; refits may load from the demo folder only, not from
+    the directory `serve` was started in."""
+    from test_serve import stop_serve, wait_for_url
 
     port = free_port()
-    proc, _ = start_serve(tmp_path, "--demo", "--demo-dir", str(tmp_path / "demo"),
-                           "--port", str(port), "--api-key", FLAG_KEY)
+    key_file = tmp_path / "api-keys"
+    key_file.write_text(f"{FLAG_KEY}\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem_engine.cli.main", "serve", "--demo", "--port",
+         str(port), "--api-key-file", str(key_file)], cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**{k: v for k, v in os.environ.items() if k != API_KEY_ENV},
+             "TMPDIR": str(tmp_path)})
     try:
+        wait_for_url(proc)
         url = f"http://127.0.0.1:{port}"
         with pytest.raises(openai.AuthenticationError):
             _client(url, "sk-wrong").models.list()
         assert _client(url, FLAG_KEY).models.list().data[0].id == "demo-model"
-        for pid in _children(proc.pid):
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
-            assert FLAG_KEY not in cmdline
-            if "tandem_engine.router.main" in cmdline:
+        stack = json.loads((tmp_path / f"tandem-{port}" / "stack.json").read_text())
+        assert stack["weights_roots"] == [str((tmp_path / ".demo-model").resolve())]
+        processes = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(True)]
+        assert len(processes) >= 3  # serve, its engine and its router
+        routers = 0
+        for pid in (p.pid for p in processes):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert FLAG_KEY.encode() not in cmdline and stack["admin_token"].encode() \
+                not in cmdline, cmdline
+            if b"tandem_engine.router.main" in cmdline:
+                routers += 1
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 assert f"{API_KEY_ENV}={FLAG_KEY}".encode() in environ
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        assert routers == 1
+        stop_serve(proc)
+        assert proc.returncode == 0
     finally:
         if proc.poll() is None:
             proc.kill()

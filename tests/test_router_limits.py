@@ -81,7 +81,7 @@ def test_lone_surrogates_are_refused_naming_the_field() -> None:
                        (rb'{"messages": [{"role": "user", "content": "\udfff"}]}',
                         "messages[0].content"),
                        (rb'{"stop": ["ok", "\ud800"]}', "stop[1]"),
-                       (rb'{"\ud800": 1}', "\ud800")]:
+                       (rb'{"\ud800": 1}', None)]:  # the key cannot name itself
         with pytest.raises(InvalidRequest, match="lone UTF-16 surrogate") as exc:
             ap.decode_body(raw)
         assert exc.value.param == param and exc.value.status == 400
@@ -93,7 +93,7 @@ def test_lone_surrogates_are_refused_naming_the_field() -> None:
     ([2**64], "prompt"), ([2**63], "prompt"), ([1, -1], "prompt"), ([[1], [2**70]], "prompt"),
 ])
 def test_token_ids_out_of_range_are_refused(prompt, param) -> None:
-    with pytest.raises(InvalidRequest, match="outside") as exc:
+    with pytest.raises(InvalidRequest, match="must be an integer between 0 and") as exc:
         ap.parse_completion({"model": "tiny", "prompt": prompt})
     assert exc.value.param == param
 

@@ -2,18 +2,26 @@
 405 and 422 too), vLLM's /health, /version, /tokenize and /detokenize, the OpenAPI
 description, and schemathesis fuzzing the real stack (an engine and two routers, one
 with API keys) against that description: no 5xx, no hang, answers as documented, and
-the stack healthy afterwards."""
+the stack healthy afterwards. Hypothesis goes where the description does not: hostile
+object keys (lone surrogates, huge ones) at every level the API reads, and unbounded
+numbers in every integer parameter of the table (`api_params.INT_PARAMS`)."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tandem_engine import protocol as p
+from tandem_engine.router.api_params import INT_PARAMS
 from tandem_engine.tokenizer import Tokenizer
+from test_api_params import HUGE, in_range, int_param_body
 from test_router_disagg import scripted_dispatcher
 
 A = "127.0.0.1:2001"
@@ -29,12 +37,12 @@ def _answers(request_id, prompt, sampling, pin, resume, pull) -> list:
     return [p.Output(request_id, [7], "ok", finished=True, finish_reason="length")]
 
 
-def _client(tokenizer: Tokenizer, api_keys: tuple[str, ...] = ()):
+def _client(tokenizer: Tokenizer, api_keys: tuple[str, ...] = (), script=_answers):
     """The app over one scripted engine (max_model_len 2048), without its lifespan."""
     from fastapi.testclient import TestClient
     from tandem_engine.router.openai_api import build_app
 
-    dispatcher, _, _ = scripted_dispatcher({A: ("mixed", _answers)})
+    dispatcher, _, _ = scripted_dispatcher({A: ("mixed", script)})
     app = build_app(dispatcher.pool, tokenizer, "tiny", dispatcher, api_keys=api_keys)
     return TestClient(app, raise_server_exceptions=False)
 
@@ -69,6 +77,23 @@ def test_unknown_paths_wrong_methods_and_validation_errors_are_openai_shaped(
     assert "query.limit" in err["message"]
     err = _error(client.post("/v1/completions", content=b"{nope"), 400)
     assert "not valid JSON" in err["message"]
+
+
+def _breaks(request_id, prompt, sampling, pin, resume, pull) -> list:
+    raise OverflowError("can't serialize ints")  # what msgpack said of a 2**64 top_k
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_s_unexpected_failure_is_a_500_that_closes_its_connection(
+        tokenizer: Tokenizer, stream: bool) -> None:
+    """An exception a choice's task meets (not the handler) answers through `_failure`,
+    not the app's 500 handler: it too says `Connection: close`."""
+    client = _client(tokenizer, script=_breaks)
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "x",
+                                             "max_tokens": 2, "stream": stream})
+    err = _error(r, 500)
+    assert err["type"] == "server_error" and "OverflowError" in err["message"]
+    assert r.headers["connection"] == "close"
 
 
 # ---- vLLM's utility endpoints ----------------------------------------------------------------
@@ -219,8 +244,6 @@ def _fuzz(base_url: str, headers: dict[str, str]) -> int:
 
 def _fuzz_operation(operation, mode, base_url: str, headers: dict[str, str],
                     checks: list) -> int:
-    from hypothesis import HealthCheck, given, settings
-
     sent = 0
 
     @given(case=operation.as_strategy(generation_mode=mode))
@@ -272,3 +295,187 @@ def test_schemathesis_finds_no_5xx_and_no_hang(stack: tuple[str, str]) -> None:
     _healthy(keyed_url, auth)
     assert httpx.get(f"{keyed_url}/readyz", timeout=5).status_code == 200
     print(f"schemathesis: {sent} requests in {time.monotonic() - start:.1f} s")
+
+
+# ---- hostile keys and unbounded integers, through the real routers ---------------------------
+
+FUZZ = settings(max_examples=40, deadline=None, database=None, derandomize=True,
+                suppress_health_check=list(HealthCheck))
+LONE_SURROGATE = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+
+
+@pytest.fixture(scope="module")
+def http(stack: tuple[str, str]) -> Iterator[httpx.Client]:
+    """One keep-alive connection pool to the open router, for many small requests."""
+    with httpx.Client(base_url=stack[0], timeout=30) as client:
+        yield client
+
+
+def _post(http: httpx.Client, path: str, body: Any) -> httpx.Response:
+    """`body` as JSON, a lone surrogate written as its escape (json.dumps' ensure_ascii),
+    NaN and Infinity as Python writes them."""
+    return http.post(path, content=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+
+
+def _refusal(r: httpx.Response) -> dict:
+    """The OpenAI error of a 4xx; a 5xx, or any other shape, fails."""
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:500])
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return error
+
+
+def _answered(r: httpx.Response) -> None:
+    """200, or a 4xx in the OpenAI shape: never a 5xx."""
+    if r.status_code != 200:
+        _refusal(r)
+
+
+# Where the API reads an object: (path, body, the object in it that gets the key).
+def _spots() -> dict[str, tuple[str, dict, Any]]:
+    def chat(**kw: Any) -> dict:
+        return {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 1, **kw}
+
+    completion = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    spots: dict[str, tuple[str, dict, Any]] = {}
+    for name, path, body in [("completions", "/v1/completions", completion),
+                             ("chat", "/v1/chat/completions", chat()),
+                             ("tokenize", "/tokenize", {"prompt": "x"}),
+                             ("detokenize", "/detokenize", {"tokens": [1]})]:
+        spots[name] = (path, body, lambda b: b)
+    spots["messages[0]"] = ("/v1/chat/completions", chat(), lambda b: b["messages"][0])
+    spots["messages[0].content[0]"] = (
+        "/v1/chat/completions", chat(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "x"}]}]),
+        lambda b: b["messages"][0]["content"][0])
+    spots["tokenize messages[0]"] = (
+        "/tokenize", {"messages": [{"role": "user", "content": "x"}]},
+        lambda b: b["messages"][0])
+    for name in ("chat_template_kwargs", "response_format", "metadata"):
+        spots[name] = ("/v1/chat/completions", chat(**{name: {}}), lambda b, n=name: b[n])
+    for name in ("stream_options", "logit_bias", "metadata"):
+        spots[f"completions {name}"] = ("/v1/completions", {**completion, name: {}},
+                                        lambda b, n=name: b[n])
+    return spots
+
+
+SPOTS = _spots()
+
+
+def hostile_keys() -> st.SearchStrategy[str]:
+    """Object keys no parser may trust: a lone surrogate (alone or inside text), a huge
+    key, an empty one, NULs and separators, and names the API itself reads."""
+    return st.one_of(
+        st.builds(lambda a, s, b: a + s + b, st.text(max_size=4), LONE_SURROGATE,
+                  st.text(max_size=4)),
+        st.builds(lambda c, n: c * n, st.characters(codec="utf-8"),
+                  st.integers(1_000, 50_000)),
+        st.sampled_from(["", "\x00", "\u2028", "\ufeff", "a.b", "[0]", "model", "role",
+                         "content", "include_usage", "messages", "self", "__class__",
+                         "raise_exception", "add_generation_prompt", "0"]),
+        st.text(max_size=16))
+
+
+JSON_VALUES = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=8),
+                        st.just({"k": [1, "v"]}))
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+
+
+def test_lone_surrogate_keys_are_400s_naming_their_object(stack: tuple[str, str]) -> None:
+    """The issue's repros: a key `{"\\ud800": 1}` was a 500 (UnicodeEncodeError) at every
+    level; it is a 400 naming the object that holds it."""
+    url = stack[0]
+    repros = [
+        ("/v1/completions", rb'{"model":"tiny","prompt":"hi","max_tokens":2,"\ud800":1}',
+         None, "the request body"),
+        ("/v1/chat/completions", rb'{"model":"tiny","max_tokens":2,"messages":[{"role":"user",'
+         rb'"content":"hi","\ud800":1}]}', "messages[0]", "messages[0]"),
+        ("/v1/chat/completions", rb'{"model":"tiny","max_tokens":2,"messages":[{"role":"user",'
+         rb'"content":"hi"}],"chat_template_kwargs":{"\ud800":1}}', "chat_template_kwargs",
+         "chat_template_kwargs"),
+        ("/v1/completions", rb'{"model":"tiny","prompt":"hi","max_tokens":2,"stream":true,'
+         rb'"stream_options":{"\ud800":true}}', "stream_options", "stream_options"),
+        ("/tokenize", rb'{"prompt":"hi","\ud800":1}', None, "the request body"),
+        ("/tokenize", rb'{"messages":[{"role":"user","content":"hi","\udfff":1}]}',
+         "messages[0]", "messages[0]"),
+        ("/detokenize", rb'{"tokens":[1],"a\ud800b":1}', None, "the request body"),
+    ]
+    with httpx.Client(base_url=url, timeout=30) as http:
+        for path, raw, param, where in repros:
+            r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+            error = _refusal(r)
+            assert r.status_code == 400 and error["param"] == param, (path, error)
+            assert error["message"].startswith(
+                f"{where} holds a key with a lone UTF-16 surrogate"), error
+    _healthy(url, {})
+
+
+@pytest.mark.parametrize("name, value", [
+    ("top_k", 2**64), ("top_k", 10**30), ("top_k", 1e308), ("top_k", -2**63 - 1),
+    ("seed", 2**64), ("n", 1e308), ("max_tokens", 10**30), ("min_tokens", 2**64),
+    ("max_completion_tokens", 1e308), ("top_logprobs", 2**64), ("prompt", 2**64),
+    ("stop_token_ids", 10**30), ("tokens", 2**64)])
+def test_integers_past_their_bound_are_400s_naming_it(http: httpx.Client, name: str,
+                                                      value: Any) -> None:
+    """The issue's repro: top_k=2**64 reached the engine's msgpack encoder, a 500 ("can't
+    serialize ints") without `Connection: close`. Every integer parameter's range is its
+    `INT_PARAMS` entry, a 400 naming the parameter, the range and what it means."""
+    bound = INT_PARAMS[name]
+    path, body = int_param_body(name, value)
+    for stream in ((False, True) if path == "/v1/completions" else (False,)):
+        r = _post(http, path, {**body, "stream": True} if stream else body)
+        error = _refusal(r)
+        assert r.status_code == 400 and error["param"] == name, error
+        assert f"between {bound.low} and {bound.high}" in error["message"], error
+        assert len(error["message"]) < 300, error  # 1e308 quoted as sent, not 309 digits
+
+
+@FUZZ
+@given(spot=st.sampled_from(sorted(SPOTS)), key=hostile_keys(), value=JSON_VALUES)
+def test_hostile_keys_anywhere_are_never_a_5xx(http: httpx.Client, spot: str, key: str,
+                                               value: Any) -> None:
+    path, template, where = SPOTS[spot]
+    body = json.loads(json.dumps(template))  # a fresh copy
+    where(body)[key] = value
+    r = _post(http, path, body)
+    if _has_lone_surrogate(key):
+        error = _refusal(r)
+        assert r.status_code == 400 and "a key with a lone UTF-16 surrogate" in error["message"]
+    else:
+        _answered(r)
+
+
+def unbounded_numbers() -> st.SearchStrategy[Any]:
+    """Numbers from far past any integer field's range (and JSON's usual integers): 2**64
+    and its neighbours, 10**30, 1e308, -0.0, NaN, Infinity, fractions."""
+    return st.one_of(
+        st.sampled_from([*HUGE, -0.0, 0.0, 1.0, 2**64 - 1, 2**63 - 1, 2**31, 2**31 - 1]),
+        st.integers(min_value=-(2**256), max_value=2**256),
+        st.integers(min_value=2**63 - 4, max_value=2**64 + 4),
+        st.integers(min_value=-4, max_value=2100),
+        st.floats())
+
+
+@FUZZ
+@given(name=st.sampled_from(sorted(INT_PARAMS)), value=unbounded_numbers())
+def test_unbounded_integers_in_every_integer_parameter_are_never_a_5xx(
+        http: httpx.Client, name: str, value: Any) -> None:
+    bound = INT_PARAMS[name]
+    r = _post(http, *int_param_body(name, value))
+    if in_range(value, bound):
+        _answered(r)  # in range: a 400 only for what the model bounds (context, vocabulary)
+    else:
+        error = _refusal(r)
+        assert r.status_code == 400 and error["param"] == name, error
+        assert f"between {bound.low} and {bound.high}" in error["message"], error
+
+
+def test_the_routers_stay_healthy_after_the_hostile_bodies(stack: tuple[str, str]) -> None:
+    open_url, keyed_url = stack
+    _healthy(open_url, {})
+    _healthy(keyed_url, {"Authorization": f"Bearer {KEY}"})

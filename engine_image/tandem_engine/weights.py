@@ -27,10 +27,21 @@ def is_gguf_path(path: str | Path) -> bool:
     return Path(path).suffix.lower() == GGUF_SUFFIX
 
 
+def nul_problem(path: str | Path) -> str | None:
+    """Why `path` can name no file at all: it holds a NUL byte (a URI's `%00`), which no
+    filesystem allows and which makes `os.stat` raise ValueError instead of saying the
+    path does not exist. None for any other path."""
+    if "\x00" in str(path):
+        return f"{str(path)!r} holds a NUL byte, which no file name can hold"
+    return None
+
+
 def checkpoint_problem(path: str | Path) -> str | None:
     """Why `path` is not a checkpoint on this filesystem (a folder with config.json, or a
     .gguf file), or None when it looks like one. Only the layout is checked; the engine's
     loader validates the contents."""
+    if (problem := nul_problem(path)) is not None:
+        return problem
     path = Path(path)
     if is_gguf_path(path):
         problem = path_problem(path, "file")
@@ -46,6 +57,8 @@ def weights_root_problem(path: str | Path, roots: Sequence[str | Path]) -> str |
     """Why a refit may not load `path` from the weights roots `roots` (`--weights-root`
     folders), or None when it may: the path, resolved (symlinks and `..` followed), must
     lie inside one of them and be a checkpoint there."""
+    if (problem := nul_problem(path)) is not None:  # before resolve(), which would raise
+        return problem
     resolved = Path(path).resolve()
     if not any(resolved.is_relative_to(Path(root).resolve()) for root in roots):
         return f"{resolved} is outside the weights roots {', '.join(map(str, roots))}"

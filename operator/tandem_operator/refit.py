@@ -142,6 +142,7 @@ def configure(tx: Transaction, spec: PoolSpec) -> None:
     tx.strategy, tx.inflight = spec.refit.strategy, spec.refit.inflight
     tx.on_failure = spec.refit.on_failure
     tx.max_perplexity_ratio = spec.refit.max_perplexity_ratio
+    tx.min_uncertainty_ratio = spec.refit.min_uncertainty_ratio
     tx.low_memory = spec.refit.low_memory
     tx.drain_timeout = float(spec.refit.drain_timeout_seconds)
     tx.max_unavailable = max(1, spec.rollout.max_unavailable)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -35,6 +35,7 @@ from tandem_engine.config import (
     MAX_PROMPT_LOOKUP,
     MAX_SPECULATIVE_TOKENS,
 )
+from tandem_engine.fleet.verify import DEFAULT_MIN_UNCERTAINTY_RATIO, uncertainty_ratio_problem
 from tandem_engine.lifecycle import EngineRole
 from tandem_engine.refit_policy import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -253,6 +254,8 @@ class RefitSettings:
     drain_timeout_seconds: int = DEFAULT_DRAIN_TIMEOUT_S
     on_failure: OnFailure = OnFailure.ROLLBACK
     max_perplexity_ratio: float | None = None  # spec.refit.verify.maxPerplexityRatio
+    # spec.refit.verify.minUncertaintyRatio (0: off)
+    min_uncertainty_ratio: float = DEFAULT_MIN_UNCERTAINTY_RATIO
     low_memory: bool = False  # spec.refit.lowMemory
 
 
@@ -384,15 +387,17 @@ def _str(d: Mapping[str, Any], key: str, path: str, default: str | None, max_len
     return value
 
 
-def _ratio(d: Mapping[str, Any], key: str, path: str) -> float | None:
-    """A factor written as a decimal string ("1.5"): the Kubernetes API has no floats."""
+def _decimal(d: Mapping[str, Any], key: str, path: str, problem: Callable[[float], str | None],
+             example: str, default: float | None = None) -> float | None:
+    """A number written as a decimal string ("1.5": the Kubernetes API has no floats),
+    within the range `problem` checks; `default` when unset."""
     if d.get(key) is None:
-        return None
+        return default
     text = _str(d, key, path, None, 14)
     if not _DECIMAL.fullmatch(text):
-        raise SpecError(f'{path}.{key} = {text!r} is not a decimal number such as "1.5"')
+        raise SpecError(f'{path}.{key} = {text!r} is not a decimal number such as "{example}"')
     value = float(text)
-    if (why := perplexity_ratio_problem(value)) is not None:
+    if (why := problem(value)) is not None:
         raise SpecError(f"{path}.{key}: {why}")
     return value
 
@@ -765,8 +770,13 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
                                            _REFIT.drain_timeout_seconds, 1, 3600),
             on_failure=OnFailure(_str(rf, "onFailure", "spec.refit", _REFIT.on_failure, 32,
                                       choices(OnFailure))),
-            max_perplexity_ratio=_ratio(_obj(rf, "verify", "spec.refit"),
-                                        "maxPerplexityRatio", "spec.refit.verify"),
+            max_perplexity_ratio=_decimal(_obj(rf, "verify", "spec.refit"),
+                                          "maxPerplexityRatio", "spec.refit.verify",
+                                          perplexity_ratio_problem, "1.5"),
+            min_uncertainty_ratio=_decimal(_obj(rf, "verify", "spec.refit"),
+                                           "minUncertaintyRatio", "spec.refit.verify",
+                                           uncertainty_ratio_problem, "0.25",
+                                           _REFIT.min_uncertainty_ratio),
             low_memory=_bool(rf, "lowMemory", "spec.refit", _REFIT.low_memory)),
         kv_transfer=KVTransfer(
             backend=_str(kt, "backend", "spec.kvTransfer", _KVT.backend, 32, ("NIXL",)),

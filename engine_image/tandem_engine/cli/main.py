@@ -41,6 +41,7 @@ from tandem_engine.config import (
     speculative_flags,
 )
 from tandem_engine.errors import TandemError
+from tandem_engine.fleet.verify import DEFAULT_MIN_UNCERTAINTY_RATIO
 from tandem_engine.refit_policy import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_UNAVAILABLE,
@@ -172,20 +173,23 @@ def _serve(args: argparse.Namespace) -> int:
     check_port_free(args.host, args.port)  # before pulling a model or starting anything
     from tandem_engine.router.auth import resolve_api_keys
 
+    model_root = None  # refits load from the folder holding --model
     if args.demo:
         model = Path(args.demo_dir)
         if not (model / "config.json").is_file():
             print(f"writing the tiny demo model to {model}")
             _write_demo_model(model, size="tiny")
         name = args.served_model_name or "demo-model"
+        model_root = model  # not its parent: the current directory for the default
     else:
         model = resolve_model(args.model)
         name = args.served_model_name or served_name(args.model)
     stack = LocalStack(model.resolve(), engines=args.engines, prefill=args.prefill,
                        decode=args.decode, host=args.host, port=args.port,
                        served_model_name=name, engine_args=serve_engine_args(args),
-                       weights_roots=args.weights_root,
-                       api_keys=resolve_api_keys(args.api_key))
+                       weights_roots=args.weights_root, model_root=model_root,
+                       api_keys=resolve_api_keys(args.api_key,
+                                                 key_files=args.api_key_file))
     return run(stack)
 
 
@@ -370,7 +374,8 @@ def _add_serve(sub) -> None:
     which.add_argument("--demo", action="store_true",
                        help="serve the tiny random-weight demo model instead (offline, fast)")
     serve.add_argument("--demo-dir", default=".demo-model",
-                       help="where --demo writes/reads the demo model")
+                       help="where --demo writes/reads the demo model (refits may load "
+                       "from inside this folder and each --weights-root)")
     serve.add_argument("--engines", type=int, default=1, help="mixed engine processes")
     serve.add_argument("--prefill", type=int, default=0,
                        help="prefill engines (with --decode: a disaggregated stack)")
@@ -393,8 +398,13 @@ def _add_serve(sub) -> None:
                        "from, besides the one holding --model (repeatable)")
     serve.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help="a key clients must send (Authorization: Bearer KEY); repeat "
-                       "for several. $TANDEM_API_KEY (comma-separated) adds more. Passed to "
+                       "for several. Shown in `ps` (this command's own line) to every user "
+                       "of the machine: prefer --api-key-file or $TANDEM_API_KEY "
+                       "(comma-separated), which keep keys out of `ps`. Every key reaches "
                        "the router in its environment, never on its command line")
+    serve.add_argument("--api-key-file", action="append", default=None, type=Path,
+                       metavar="FILE", help="a file of keys clients may send, one a line "
+                       "(repeatable); safe: keys stay out of `ps`")
     serve.set_defaults(func=_serve)
 
 
@@ -477,6 +487,12 @@ def _add_refit(sub) -> None:
                        help="fail verification when a refitted engine's perplexity on a "
                        "fixed probe text exceeds the previous weights' by more than this "
                        "factor (e.g. 1.5; default: no perplexity check)")
+    refit.add_argument("--min-uncertainty-ratio", type=float,
+                       default=DEFAULT_MIN_UNCERTAINTY_RATIO,
+                       help="fail verification when a refitted engine keeps less than this "
+                       "fraction of the previous weights' uncertainty on the probe text (1 - "
+                       "its mean top-1 probability) while its perplexity there rises: "
+                       "over-confident weights (default %(default)s; 0: no check)")
     refit.add_argument("--low-memory", action="store_true",
                        help="stream the new weights into the serving ones tensor by tensor: "
                        "one copy of the weights in memory instead of two (for models that "

@@ -56,6 +56,7 @@ from tandem_engine.fleet import (
     observe,
     run,
 )
+from tandem_engine.fleet.verify import uncertainty_ratio_problem
 from tandem_engine.lifecycle import EngineState
 from tandem_engine.refit_policy import RefitStrategy, perplexity_ratio_problem
 from tandem_engine.weights import (
@@ -105,6 +106,8 @@ def _check_options(args: argparse.Namespace) -> None:
     ratio = args.max_perplexity_ratio
     if ratio is not None and (why := perplexity_ratio_problem(ratio)) is not None:
         raise ValueError(f"--max-perplexity-ratio {why}")
+    if (why := uncertainty_ratio_problem(args.min_uncertainty_ratio)) is not None:
+        raise ValueError(f"--min-uncertainty-ratio {why}")
 
 
 @dataclass(frozen=True)
@@ -327,6 +330,7 @@ async def _refit(args: argparse.Namespace, stack: dict[str, Any], target: Weight
                              max_unavailable=args.max_unavailable,
                              drain_timeout=args.drain_timeout,
                              max_perplexity_ratio=args.max_perplexity_ratio,
+                             min_uncertainty_ratio=args.min_uncertainty_ratio,
                              low_memory=args.low_memory, target_draft=draft)
         _adopt_unsettled(tx, seen)
         print(f"refit of the stack at {stack['router']}: {_versions(seen)} → "

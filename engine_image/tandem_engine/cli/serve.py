@@ -12,7 +12,11 @@ While it serves it supervises: a child that dies is restarted with back-off (1 s
 4 s … capped at 30 s) with the same arguments — an engine keeps its id, role and ports,
 so the router reconnects to its new incarnation and fails over meanwhile; the router
 keeps its port. Only a child that crash-loops (more than `restart_limit` restarts within
-`restart_window` s) stops the stack.
+`restart_window` s) stops the stack. The budget refills: a restart older than the window
+no longer counts, nor lengthens the back-off (as the kubelet's crash-loop back-off resets
+once a container has run a while), so a child that dies now and then is restarted for
+ever. Nothing a client sends can make an engine exit and spend it: the admin API checks
+its token and bounds every body before any route reads one (server/admin_guard.py).
 
 While it serves, `<log dir>/stack.json` describes the stack (router URL, each engine's
 name, role and admin URL; the engines' admin token; the weights roots; per child its pid,
@@ -31,7 +35,8 @@ Its router's `/metrics` also serves the engines' series (`--engine-metrics-url`)
 The stack is authenticated by default: each `tandem serve` makes fresh CURVE keypairs
 for the engines' ZMQ sockets (only its router can connect to them) and a fresh admin
 token, and hands them to its children in their environment, never in argv. Refits may
-load checkpoints from the folder holding `--model` and from each `--weights-root`.
+load checkpoints from the folder holding `--model` (`tandem serve --demo`: the demo
+folder itself) and from each `--weights-root`.
 """
 
 from __future__ import annotations
@@ -239,7 +244,11 @@ class LocalStack:
                  out=sys.stdout, restart_limit: int = 5, restart_window: float = 60.0,
                  backoff_base: float = 1.0, backoff_cap: float = 30.0,
                  weights_roots: list[Path] | None = None,
+                 model_root: Path | None = None,
                  api_keys: Sequence[str] = ()) -> None:
+        """`model_root`: the folder refits may load from besides each of `weights_roots`
+        (default: the one holding `model`; `tandem serve --demo` gives the demo folder, not
+        the directory it was started in)."""
         if prefill or decode:
             if prefill < 1 or decode < 1:
                 raise ValueError(f"--prefill {prefill} --decode {decode}: a disaggregated "
@@ -263,8 +272,10 @@ class LocalStack:
         self.restart_window = restart_window
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
-        # Refits may load from beside --model and from each --weights-root given.
-        self.weights_roots = [model.resolve().parent, *(weights_roots or [])]
+        # Refits may load from beside --model (or from `model_root`) and from each
+        # --weights-root given.
+        root = (model_root or model.resolve().parent).resolve()
+        self.weights_roots = [root, *(weights_roots or [])]
         # Per stack: the engines' admin token and the ZMQ CURVE keys of engines and router.
         self.admin_token = secrets.token_urlsafe(32)
         engine_keys, router_keys = stack_environments()
@@ -407,13 +418,11 @@ class LocalStack:
         for engine in self.engines:
             if engine["name"] == besides:
                 continue
+            state = self._engine_state(engine["admin_url"], timeout=2)
             try:
-                with urllib.request.urlopen(f"{engine['admin_url']}/v1/state",
-                                            timeout=2) as r:
-                    state = json.loads(r.read())
                 weights = (str(state["weight_uri"]), str(state["weight_version"]),
                            int(state["weight_epoch"]))
-            except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError):  # no answer (None) included
                 continue
             if state.get("state") != EngineState.RUNNING or state.get("draining"):
                 continue
@@ -549,12 +558,12 @@ class LocalStack:
         finally:
             block.release()
 
-    def _engine_state(self, admin_url: str) -> dict | None:
+    def _engine_state(self, admin_url: str, timeout: float = 1.0) -> dict | None:
         """An engine's GET /v1/state, or None when it does not answer (yet)."""
         request = urllib.request.Request(f"{admin_url}/v1/state",
                                          headers={"Authorization": f"Bearer {self.admin_token}"})
         try:
-            with urllib.request.urlopen(request, timeout=1) as r:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
                 state = json.loads(r.read())
         except (urllib.error.URLError, OSError, ValueError):
             return None

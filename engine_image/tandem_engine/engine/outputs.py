@@ -77,3 +77,13 @@ class PromptScore:
     @property
     def perplexity(self) -> float:
         return math.exp(-self.total_logprob / len(self.logprobs))
+
+
+def mean_top1_mass(out: RequestOutput) -> float:
+    """The mean probability of the most likely next token over a text's positions (after
+    the first): how sure the model is, whatever the text's own tokens. `out` must come from
+    a request with prompt_logprobs >= 1, so each position also holds its most likely token
+    (a refit's canary: fleet/verify.py, rule 5)."""
+    entries = (out.prompt_logprobs or [None])[1:]
+    top1 = [max(lp.logprob for lp in entry.values()) for entry in entries]
+    return math.fsum(math.exp(lp) for lp in top1) / len(top1)

@@ -21,11 +21,15 @@ import httpx
 
 
 class AdminError(Exception):
-    """An admin call failed; `status` is the engine's HTTP status (None: no answer)."""
+    """An admin call failed; `status` is the engine's HTTP status (None: no HTTP status).
+    `no_answer`: the engine never answered (refused, reset, timed out: it may have died),
+    as opposed to answering with an error or a malformed reply."""
 
-    def __init__(self, engine: str, call: str, message: str, status: int | None = None):
+    def __init__(self, engine: str, call: str, message: str, status: int | None = None,
+                 *, no_answer: bool = False):
         super().__init__(f"engine {engine}: {call}: {message}")
         self.engine, self.call, self.message, self.status = engine, call, message, status
+        self.no_answer = no_answer
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,8 @@ class EngineAdmin:
                 method, f"{url}{path}", json=body,
                 timeout=timeout if timeout is not None else self._client.timeout)
         except httpx.HTTPError as exc:
-            raise AdminError(engine, call, f"{type(exc).__name__}: {exc}") from exc
+            raise AdminError(engine, call, f"{type(exc).__name__}: {exc}",
+                             no_answer=True) from exc
         try:
             data = r.json()
         except ValueError:

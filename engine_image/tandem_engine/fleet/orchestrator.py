@@ -5,8 +5,13 @@ a local stack. One function, so both behave the same way.
 
 Before touching any engine it reads a canary from the previous weights (the baseline);
 every refitted engine's canary is checked against it by the rules of `fleet/verify.py`.
-A failure (an engine refuses the refit, its canary fails, differs from the version's
-other engines or breaks a rule, or a step outlives its deadline) turns the transaction around: with
+An engine that does not answer a call (killed, restarting) is not a failure by itself: the
+next pass goes on from what it reports, and a wave that would take the last reachable
+engine of a version while another engine is away waits for it (`held_by`) or gives a
+draining engine back to serving (`retreats`), so the away engine's requests always have an
+engine of their version to continue on. A failure (an engine refuses the refit, its canary
+fails, differs from the version's other engines or breaks a rule, or a step — or such a
+wait — outlives its deadline) turns the transaction around: with
 `Rollback` every engine goes back to the previous weights (under a new epoch, so routers
 prefer them again); with `Halt` the engines it touched are brought back to serving on
 whatever weights they have, and the transaction stops there.
@@ -29,9 +34,12 @@ from tandem_engine.fleet.transaction import (
     Failure,
     Phase,
     Transaction,
+    absent,
     choose_wave,
     finished_phase,
+    held_by,
     next_act,
+    retreats,
     suspend_mode,
 )
 from tandem_engine.fleet.verify import (
@@ -80,6 +88,7 @@ async def advance(tx: Transaction, engines: list[EngineObs], admin: EngineAdmin,
         events.extend(await _read_baseline(tx, engines, admin))
     by_name = {e.name: e for e in engines}
     if tx.phase in (Phase.PROGRESSING, Phase.ROLLING_BACK):
+        events += await _retreat(tx, engines, admin)
         wave = choose_wave(tx, engines)
         if wave:
             tx.wave += 1
@@ -87,12 +96,19 @@ async def advance(tx: Transaction, engines: list[EngineObs], admin: EngineAdmin,
                 tx.engines[name] = EngineRecord(version=by_name[name].version, since=now)
             events.append(Event("RefitWave", f"wave {tx.wave}: {', '.join(wave)} → "
                                 f"{tx.goal.version}"))
+        events += _hold(tx, engines, now)
     touched = [by_name[n] for n in tx.engines if n in by_name]
     results = await asyncio.gather(*(_step(tx, e, admin, now) for e in touched),
                                    return_exceptions=True)
     for engine, result in zip(touched, results, strict=True):
         if isinstance(result, Event):
             events.append(result)
+        elif isinstance(result, AdminError) and result.no_answer:
+            # Killed or restarting mid-step, not refusing the new weights: the next pass
+            # decides from what it reports then, within the step's deadline.
+            events.append(Event("RefitStepRetry", f"{engine.name}: {result.call}: "
+                                f"{result.message}; no answer, retrying from what it "
+                                "reports next", warning=True))
         elif isinstance(result, AdminError | _StepFailed):
             events += _fail(tx, engine, result, now)
         elif isinstance(result, BaseException):
@@ -116,6 +132,56 @@ async def advance(tx: Transaction, engines: list[EngineObs], admin: EngineAdmin,
             events.append(Event("RefitHalted", f"refit halted after {took:.1f} s: "
                                 f"{_describe(tx.failure)}", warning=True))
     return events
+
+
+async def _retreat(tx: Transaction, engines: list[EngineObs], admin: EngineAdmin
+                   ) -> list[Event]:
+    """Re-plan the wave while an engine is away: a draining engine that is the last
+    reachable one of its version and role serves again (`/v1/undrain`) and leaves the
+    wave, so the away engine's requests have somewhere to continue."""
+    events: list[Event] = []
+    away = ", ".join(e.name for e in absent(engines))
+    by_name = {e.name: e for e in engines}
+    for name in retreats(tx, engines):
+        engine = by_name[name]
+        try:
+            await admin.call(name, engine.admin_url, "/v1/undrain")
+        except AdminError as exc:  # still draining: the next pass tries again
+            events.append(Event("RefitStepFailed", f"{name}: {exc.call}: {exc.message} "
+                                f"(giving it back to serving while {away} is away)",
+                                warning=True))
+            continue
+        del tx.engines[name]
+        events.append(Event("RefitWaveReplanned", f"{away} away: {name} ({engine.role}) is "
+                            f"the last reachable engine of {engine.version}; it serves "
+                            "again, and takes its turn once the others are back",
+                            warning=True))
+    return events
+
+
+def _hold(tx: Transaction, engines: list[EngineObs], now: float) -> list[Event]:
+    """Wait for absent engines before a wave that would strand their version, at most
+    `step_timeout`; then fail the transaction (roll back or halt), naming them."""
+    names = held_by(tx, engines)
+    if not names:
+        tx.held_since = None
+        return []
+    if tx.held_since is None:
+        tx.held_since = now
+        return [Event("RefitWaiting", f"wave {tx.wave + 1} waits for {', '.join(names)} "
+                      "(unreachable or loading): every engine that could go is the last "
+                      "reachable one of its version and role (at most "
+                      f"{tx.step_timeout:.0f} s)", warning=True)]
+    waited = now - tx.held_since
+    if waited <= tx.step_timeout:
+        return []
+    tx.held_since = now  # a rollback held the same way reports it once per timeout
+    by_name = {e.name: e for e in engines}
+    return _fail(tx, by_name[names[0]], _StepFailed(
+        "wave", f"unreachable or loading for {waited:.0f} s (deadline {tx.step_timeout:.0f} "
+        f"s): the next wave would take the last reachable engine of a version whose "
+        "requests may be failing over from it; bring it back, or remove it from the "
+        "fleet"), now)
 
 
 def _track_window(tx: Transaction, engines: list[EngineObs], now: float) -> None:
@@ -206,7 +272,8 @@ async def _verify(tx: Transaction, engine: EngineObs, admin: EngineAdmin) -> Non
         raise _StepFailed("verify", f"canary tokens {reading.token_ids} differ from "
                           f"{reference}, what other engines on {engine.version} produced")
     if tx.phase is Phase.PROGRESSING:  # new weights: they must also be as good as the old
-        why = problem(reading, tx.baseline, tx.max_perplexity_ratio)
+        why = problem(reading, tx.baseline, tx.max_perplexity_ratio,
+                      tx.min_uncertainty_ratio)
         if why is not None:
             raise _StepFailed("verify", why)
 
@@ -234,19 +301,23 @@ async def _read_baseline(tx: Transaction, engines: list[EngineObs], admin: Engin
             errors.append(f"{engine.name}: {exc.message}")
             continue
         b = tx.baseline
+        sure = "" if b.top1_mass is None else f", top-1 mass {b.top1_mass:.4g}"
         return [Event("RefitBaseline", f"{tx.previous.version} on {engine.name}: perplexity "
-                      f"{b.perplexity:.4g} on the probe text, canary tokens {b.token_ids}")]
+                      f"{b.perplexity:.4g} on the probe text{sure}, canary tokens "
+                      f"{b.token_ids}")]
     why = "; ".join(errors) or f"no engine serves {tx.previous.version}"
     return [Event("RefitBaseline", f"no baseline canary from {tx.previous.version} ({why}): "
-                  "a degenerate canary fails outright, and a perplexity limit cannot pass",
+                  "a degenerate canary fails outright, a perplexity limit cannot pass, "
+                  "and over-confidence goes unchecked",
                   warning=True)]
 
 
 def _fail(tx: Transaction, engine: EngineObs, error: Exception, now: float) -> list[Event]:
     step = error.call if isinstance(error, AdminError) else error.step
     message = error.message
-    record = tx.engines[engine.name]
-    record.since = now
+    record = tx.engines.get(engine.name)  # None: a wave held for an untouched engine
+    if record is not None:
+        record.since = now
     if tx.phase is not Phase.PROGRESSING:
         # Already turning back: a second failure is reported, the way back keeps going.
         return [Event("RefitStepFailed", f"{engine.name}: {step}: {message}", warning=True)]

@@ -19,7 +19,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tandem_engine.fleet.verify import CanaryReading
+from tandem_engine.fleet.verify import DEFAULT_MIN_UNCERTAINTY_RATIO, CanaryReading
 from tandem_engine.lifecycle import TRANSIENT_STATES, EngineState, KVMode
 from tandem_engine.refit_policy import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -137,9 +137,11 @@ class Transaction:
     engines: dict[str, EngineRecord] = field(default_factory=dict)
     canary: dict[str, list[int]] = field(default_factory=dict)  # version -> tokens
     # The previous weights' canary, read before any engine is touched (fleet/verify.py),
-    # and the perplexity factor a refitted engine may not exceed over it (None: no check).
+    # and the perplexity factor a refitted engine may not exceed over it (None: no check),
+    # and the least fraction of its uncertainty it must keep while fitting worse (0: none).
     baseline: CanaryReading | None = None
     max_perplexity_ratio: float | None = None
+    min_uncertainty_ratio: float = DEFAULT_MIN_UNCERTAINTY_RATIO
     # Stream the new weights into the serving ones tensor by tensor (the engine's
     # `low_memory`, spec.refit.lowMemory): peak memory 1x the weights plus one tensor
     # instead of old + new, but a load that fails midway leaves that engine's weights
@@ -157,6 +159,9 @@ class Transaction:
     # 1 prefill + 1 decode pool), as seen by the passes.
     dark_since: float | None = None
     unavailable_seconds: float = 0.0
+    # Since when the next wave waits for an absent engine (`held_by`); a wait longer than
+    # `step_timeout` fails the transaction rather than strand a version's requests.
+    held_since: float | None = None
 
     def __post_init__(self) -> None:
         for name, kind in (("strategy", RefitStrategy), ("inflight", InFlight),
@@ -267,6 +272,11 @@ def choose_wave(tx: Transaction, engines: list[EngineObs]) -> list[str]:
     versions go first. When no wave keeps that (a 1 prefill + 1 decode pool), the smallest
     wave that makes progress goes anyway, sparing the version routed to when another can
     go: the router waits out the short window instead of failing.
+    While an engine is away (`absent`: unreachable or loading again), the requests it had
+    fail over to engines of their own version, which it may have been the only other one
+    of: then every version keeps its last reachable serving engine of each role, even
+    where the goal serves that role, and no forced wave goes; the wave waits for the
+    engine (`held_by`, bounded by the step timeout in the orchestrator).
     AllAtOnce: every engine not on the goal."""
     goal = tx.goal
     behind = [e for e in engines if e.state is not None and e.version != goal.version
@@ -275,6 +285,7 @@ def choose_wave(tx: Transaction, engines: list[EngineObs]) -> list[str]:
         return []
     if tx.strategy == RefitStrategy.ALL_AT_ONCE:
         return sorted(e.name for e in behind)
+    missing = bool(absent(engines))
     epochs = version_epochs(engines)
 
     def oldest_first(e: EngineObs) -> tuple[int, str]:
@@ -283,8 +294,8 @@ def choose_wave(tx: Transaction, engines: list[EngineObs]) -> list[str]:
     wave: list[str] = []
     roles = sorted({e.role for e in behind})
     for role in roles:
-        goal_serving = any(e.role == role and e.serving and e.version == goal.version
-                           for e in engines)
+        goal_serving = not missing and any(
+            e.role == role and e.serving and e.version == goal.version for e in engines)
         takeable: list[EngineObs] = []
         for version in sorted({e.version for e in behind if e.role == role}):
             same = sorted((e for e in behind if e.role == role and e.version == version
@@ -292,13 +303,55 @@ def choose_wave(tx: Transaction, engines: list[EngineObs]) -> list[str]:
             takeable += same if goal_serving else same[:-1]  # its last one serves on
         takeable.sort(key=oldest_first)
         wave += [e.name for e in takeable[:max(1, tx.max_unavailable)]]
-    if not wave:  # nothing keeps the invariant: the smallest wave that makes progress
+    if not wave and not missing:  # nothing keeps the invariant: the smallest wave that
+        # makes progress
         forced = [min((e for e in behind if e.role == role), key=oldest_first)
                   for role in roles]
         routed = routed_version(engines)
         spared = [e for e in forced if e.version != routed]
         wave = [e.name for e in spared or forced]
     return wave
+
+
+def absent(engines: list[EngineObs]) -> list[EngineObs]:
+    """Engines that serve nothing now but belong to the fleet: unreachable (killed,
+    restarting) or loading again. Their requests are failing over to the others."""
+    return [e for e in engines if e.state is None or e.state is EngineState.LOADING]
+
+
+def held_by(tx: Transaction, engines: list[EngineObs]) -> list[str]:
+    """The absent engines the next wave waits for: engines are behind, no wave is under
+    way, and none of them can go without taking the last reachable engine of its version
+    and role. Empty when a wave can start, or when nothing is left to start."""
+    if tx.phase not in (Phase.PROGRESSING, Phase.ROLLING_BACK) or choose_wave(tx, engines):
+        return []
+    missing = absent(engines)
+    behind = [e for e in engines if e.state is not None and e.version != tx.goal.version
+              and e.name not in tx.engines]
+    if not behind or any(not _settled(tx, e) for e in engines if e.name in tx.engines):
+        return []
+    return sorted(e.name for e in missing)
+
+
+def retreats(tx: Transaction, engines: list[EngineObs]) -> list[str]:
+    """Engines of the wave to give back to serving now: while another engine is absent,
+    one still only draining (RUNNING, off the goal) that is the last reachable engine of
+    its version and role, the one the absent engine's requests can continue on. The wave
+    is re-planned: `choose_wave` takes it again once the absent engine is back."""
+    if tx.phase not in (Phase.PROGRESSING, Phase.ROLLING_BACK) or not absent(engines):
+        return []
+    kept: set[str] = {e.name for e in engines if e.serving}
+    out: list[str] = []
+    for e in sorted(engines, key=lambda e: e.name):
+        record = tx.engines.get(e.name)
+        if (record is None or record.verified or e.state is not EngineState.RUNNING
+                or not e.draining or e.version == tx.goal.version):
+            continue
+        if not any(o.name in kept and o.role == e.role and o.version == e.version
+                   for o in engines):
+            out.append(e.name)
+            kept.add(e.name)
+    return out
 
 
 def version_epochs(engines: list[EngineObs]) -> dict[str, int]:

@@ -23,17 +23,21 @@ in `engine_sampling`; one the request sets always wins.
 Completions accept batches (a list of prompts): choice `i * n + j` is prompt `i`'s
 `j`-th sample. With a seed, sample `j` of every prompt uses `seed + j`.
 
-The raw body goes through `decode_body` first, so nothing downstream meets what would
-crash it: JSON nested deeper than MAX_JSON_DEPTH, and strings holding lone surrogates
-(valid JSON escapes that no tokenizer or UTF-8 encoder accepts). Token ids outside
-[0, MAX_TOKEN_ID] are refused here; the vocabulary bound is the engine's (only it knows
-the model). `RequestLimits` bounds the body (checked before parsing) and the prompt's
-characters (`check_prompt_chars`, before tokenizing).
+The raw body goes through `decode_body` first (every endpoint's one JSON loader), so
+nothing downstream meets what would crash it: JSON nested deeper than MAX_JSON_DEPTH, and
+strings, values or keys, holding lone surrogates (valid JSON escapes that no tokenizer or
+UTF-8 encoder accepts, the error body's included). Every integer a request can carry has
+its range in `INT_PARAMS`, checked before it reaches SamplingParams or the engine's
+msgpack wire (which encodes nothing past 2**64 - 1); token ids lie in [0, MAX_TOKEN_ID]
+there, and the vocabulary bound is the engine's (only it knows the model).
+`RequestLimits` bounds the body (checked before parsing) and the prompt's characters
+(`check_prompt_chars`, before tokenizing).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import reprlib
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +106,77 @@ MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id")
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
     "bos_token", "eos_token"})
+
+
+@dataclass(frozen=True)
+class IntRange:
+    """The integers one parameter takes, both ends included, and what the range means.
+
+    JSON integers have no size, and Python's neither: without a bound a 2**64 reaches
+    the engine's msgpack encoder (a 500) and 10**30 an error message. A float with an
+    integral value inside the range (`2.0`, `-0.0`) counts as that integer, as vLLM's
+    pydantic models read it."""
+
+    low: int
+    high: int
+    hint: str = ""  # what the bound is, said after the range in the error
+
+    def check(self, name: str, value: Any) -> int:
+        """`value` as an int, or an InvalidRequest naming `name` and the range."""
+        number = _integral(value, self)
+        if number is None:
+            raise InvalidRequest(f"{name}={_show(value)} is invalid: it must be an integer "
+                                 f"between {self.low} and {self.high}{self._hint()}", name)
+        return number
+
+    def check_each(self, name: str, values: list[Any], at: str = "") -> list[int]:
+        """Each element of a list parameter (token ids; `at`: which list of a batch): the
+        error names the element."""
+        out = []
+        for i, value in enumerate(values):
+            number = _integral(value, self)
+            if number is None:
+                raise InvalidRequest(f"{name}{at}[{i}]={_show(value)} is invalid: each must be "
+                                     f"an integer between {self.low} and {self.high}"
+                                     f"{self._hint()}", name)
+            out.append(number)
+        return out
+
+    def _hint(self) -> str:
+        return f" ({self.hint})" if self.hint else ""
+
+
+def _integral(value: Any, bound: IntRange) -> int | None:
+    if isinstance(value, float) and value.is_integer() and bound.low <= value <= bound.high:
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool) \
+            and bound.low <= value <= bound.high:
+        return value
+    return None
+
+
+# No context is longer than this (and it fits every integer field of the wire); the
+# model's own limit is checked once the prompt is tokenized (`resolve_max_tokens`).
+MAX_TOKEN_COUNT = 2**31 - 1
+TOKEN_ID = IntRange(0, MAX_TOKEN_ID, "a token id, also checked against the model's "
+                    "vocabulary")
+_TOKEN_COUNT = "the model's context limit (max_model_len) bounds it further"
+# Every integer a request can carry, by parameter, in every endpoint (`logprobs` is an
+# integer in completions, a boolean in chat). A list parameter's bound is each element's.
+INT_PARAMS: dict[str, IntRange] = {
+    "n": IntRange(1, MAX_N, "samples per prompt"),
+    "max_tokens": IntRange(1, MAX_TOKEN_COUNT, _TOKEN_COUNT),
+    "max_completion_tokens": IntRange(1, MAX_TOKEN_COUNT, _TOKEN_COUNT),
+    "min_tokens": IntRange(0, MAX_TOKEN_COUNT, "and at most max_tokens"),
+    "top_k": IntRange(-1, MAX_TOKEN_COUNT, "-1 or 0: off; past the vocabulary it is off too"),
+    "seed": IntRange(0, MAX_SEED, "choice i of n uses seed + i"),
+    "logprobs": IntRange(0, MAX_LOGPROBS, "alternatives per token"),
+    "top_logprobs": IntRange(0, MAX_LOGPROBS, "alternatives per token"),
+    "prompt_logprobs": IntRange(0, MAX_LOGPROBS, "alternatives per prompt token"),
+    "prompt": TOKEN_ID,  # a token-id prompt, or each of a batch's
+    "stop_token_ids": TOKEN_ID,
+    "tokens": TOKEN_ID,  # /detokenize, then the vocabulary
+}
 
 
 class InvalidRequest(Exception):
@@ -179,7 +254,8 @@ class ChatRequest:
 
 def decode_body(raw: bytes) -> Any:
     """The request's JSON, refused (InvalidRequest) when it is not JSON, nests deeper than
-    MAX_JSON_DEPTH, or holds a string no UTF-8 encoder accepts (a lone surrogate)."""
+    MAX_JSON_DEPTH, or holds a string, a value or an object's key, that no UTF-8 encoder
+    accepts (a lone surrogate). Every endpoint reads its body through this one loader."""
     try:
         body = json.loads(raw)
     except RecursionError:  # deeper than the parser's own recursion limit
@@ -191,27 +267,39 @@ def decode_body(raw: bytes) -> Any:
 
 
 def _check_json(body: Any) -> None:
-    # Iterative, so a deep body cannot exhaust the stack here either.
+    # Iterative, so a deep body cannot exhaust the stack here either. A key is checked
+    # before it names anything: the path to it (in an error) must be text itself.
     stack: list[tuple[Any, str, int]] = [(body, "", 1)]
     while stack:
         value, path, depth = stack.pop()
         if depth > MAX_JSON_DEPTH:
             raise _too_deep(path)
         if isinstance(value, dict):
-            items = ((f"{path}.{k}" if path else str(k), k, v) for k, v in value.items())
+            if not all(_is_utf8(k) for k in value):
+                raise _surrogate_key(path)
+            items = ((_child(path, k), v) for k, v in value.items())
         elif isinstance(value, list):
-            items = ((f"{path}[{i}]", None, v) for i, v in enumerate(value)
+            items = ((f"{path}[{i}]", v) for i, v in enumerate(value)
                      if isinstance(v, dict | list | str))
         else:
             continue
-        for where, key, item in items:
-            if isinstance(key, str) and not _is_utf8(key):
-                raise _surrogate(where)
+        for where, item in items:
             if isinstance(item, str):
                 if not _is_utf8(item):
                     raise _surrogate(where)
             elif isinstance(item, dict | list):
                 stack.append((item, where, depth + 1))
+
+
+MAX_KEY_CHARS = 64  # of an object's key, where an error's path names it
+
+
+def _child(path: str, key: str) -> str:
+    """The path to `path`'s member `key` (`messages[0].content`), a long key shortened:
+    a path is for reading in an error, and a body may hold a megabyte-long key."""
+    if len(key) > MAX_KEY_CHARS:
+        key = f"{key[:MAX_KEY_CHARS]}...({len(key)} characters)"
+    return f"{path}.{key}" if path else key
 
 
 def _is_utf8(s: str) -> bool:
@@ -230,9 +318,17 @@ def _too_deep(path: str | None) -> InvalidRequest:
                           + ": no OpenAI parameter needs that", path or None)
 
 
+_LONE_SURROGATE = ("a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is "
+                   "not text: send valid Unicode")
+
+
 def _surrogate(path: str) -> InvalidRequest:
-    return InvalidRequest(f"{path} holds a lone UTF-16 surrogate (an unpaired \\ud800-"
-                          "\\udfff escape), which is not text: send valid Unicode", path)
+    return InvalidRequest(f"{path} holds {_LONE_SURROGATE}", path)
+
+
+def _surrogate_key(path: str) -> InvalidRequest:
+    return InvalidRequest(f"{path or 'the request body'} holds a key with {_LONE_SURROGATE}",
+                          path or None)
 
 
 def check_prompt_chars(request: CompletionRequest | ChatRequest, limits: RequestLimits
@@ -261,7 +357,7 @@ def parse_completion(body: Any) -> CompletionRequest:
         body = {k: v for k, v in body.items() if k != "best_of"}  # best_of == n: neutral
     _refuse(body)
     echo = bool(_bool(body, "echo", False))
-    options = _options(body, logprobs=_int(body, "logprobs", 0, MAX_LOGPROBS), echo=echo)
+    options = _options(body, logprobs=_int(body, "logprobs"), echo=echo)
     prompts = _prompts(body.get("prompt"))
     if len(prompts) * options.n > MAX_CHOICES:
         raise InvalidRequest(f"{len(prompts)} prompts x n={options.n} is "
@@ -283,10 +379,10 @@ def parse_chat(body: Any) -> ChatRequest:
                              "completions: the chat template writes the special tokens",
                              "add_special_tokens")
     want = _bool(body, "logprobs", False)
-    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    top = _int(body, "top_logprobs")
     if top is not None and not want:
         raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
-    max_completion = _int(body, "max_completion_tokens", 1, None)
+    max_completion = _int(body, "max_completion_tokens")
     options = _options(body, logprobs=(top or 0) if want else None,
                        max_tokens=max_completion)
     messages = _messages(body.get("messages"))
@@ -308,11 +404,10 @@ def _template_kwargs(value: Any) -> dict[str, Any] | None:
                              "variables", "chat_template_kwargs")
     for key in value:
         if not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS:
+            where = _child("chat_template_kwargs", key)
             raise InvalidRequest(
-                f"chat_template_kwargs.{key} cannot be set: template variables are "
-                "identifiers other than the router's own "
-                f"({', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})",
-                f"chat_template_kwargs.{key}")
+                f"{where} cannot be set: template variables are identifiers other than the "
+                f"router's own ({', '.join(sorted(RESERVED_TEMPLATE_KWARGS))})", where)
     return dict(value)
 
 
@@ -384,7 +479,7 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model is required: the served model's name (GET /v1/models)",
                              "model")
-    n = _int(body, "n", 1, MAX_N)
+    n = _int(body, "n")
     stream = _bool(body, "stream", False)
     stream_options = body.get("stream_options")
     include_usage = False
@@ -394,17 +489,17 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
         include_usage = _bool(stream_options, "include_usage", False, "stream_options.")
         for key, value in stream_options.items():
             if key != "include_usage" and value not in (None, False):
-                raise InvalidRequest(f"stream_options.{key}={_show(value)} is not supported "
-                                     "by this server (only include_usage is)",
-                                     f"stream_options.{key}")
-    prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+                where = _child("stream_options", key)
+                raise InvalidRequest(f"{where}={_show(value)} is not supported by this "
+                                     "server (only include_usage is)", where)
+    prompt_logprobs = _int(body, "prompt_logprobs")
     if prompt_logprobs is not None and stream:
         raise InvalidRequest("prompt_logprobs is not available with stream=true (as in "
                              "vLLM): ask without streaming", "prompt_logprobs")
-    legacy_max = _int(body, "max_tokens", 1, None)  # checked even when not used
+    legacy_max = _int(body, "max_tokens")  # checked even when not used
     if max_tokens is None:
         max_tokens = legacy_max
-    seed = _int(body, "seed", 0, MAX_SEED)
+    seed = _int(body, "seed")
     n_value = n or 1
     if seed is not None and seed + n_value - 1 > MAX_SEED:
         raise InvalidRequest(f"seed={seed} is too large for n={n_value}: choice i uses "
@@ -416,7 +511,7 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
     top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
     if top_p is not None:
         sampling["top_p"] = top_p
-    top_k = _int(body, "top_k", -1, None)
+    top_k = _int(body, "top_k")
     if top_k is not None:
         sampling["top_k"] = top_k
     # Type-checked here; their ranges are SamplingParams' (engine_sampling names them).
@@ -424,7 +519,7 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
         value = _real(body, name)
         if value is not None:
             sampling[name] = value
-    min_tokens = _int(body, "min_tokens", 0, None)
+    min_tokens = _int(body, "min_tokens")
     if min_tokens is not None:
         sampling["min_tokens"] = min_tokens
     stop = _stop(body.get("stop"))
@@ -432,11 +527,11 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
         sampling["stop"] = stop
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) \
-                or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in stop_ids):
+        if not isinstance(stop_ids, list):
             raise InvalidRequest("stop_token_ids must be a list of token ids in "
                                  f"[0, {MAX_TOKEN_ID}]", "stop_token_ids")
-        sampling["stop_token_ids"] = list(stop_ids)
+        sampling["stop_token_ids"] = INT_PARAMS["stop_token_ids"].check_each(
+            "stop_token_ids", stop_ids)
     for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
         value = _bool(body, flag, None)
         if value is not None:
@@ -459,29 +554,22 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
         return [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise InvalidRequest(f"prompt is required: {hint}", "prompt")
-    if all(_is_int(t) for t in prompt):
-        return [_token_ids(prompt)]
+    # A list of numbers is token ids (its range names any that is no id: 1e308, 0.5).
+    if all(_is_number(t) for t in prompt):
+        return [INT_PARAMS["prompt"].check_each("prompt", prompt)]
     if len(prompt) > MAX_PROMPTS:
         raise InvalidRequest(f"a batch of {len(prompt)} prompts is over the limit of "
                              f"{MAX_PROMPTS}: split it", "prompt")
     out: list[str | list[int]] = []
-    for item in prompt:
+    for i, item in enumerate(prompt):
         if isinstance(item, str):
             out.append(item)
-        elif isinstance(item, list) and item and all(_is_int(t) for t in item):
-            out.append(_token_ids(item))
+        elif isinstance(item, list) and item and all(_is_number(t) for t in item):
+            out.append(INT_PARAMS["prompt"].check_each("prompt", item, f"[{i}]"))
         else:
             raise InvalidRequest(f"prompt must be {hint}; got a list holding "
                                  f"{type(item).__name__}", "prompt")
     return out
-
-
-def _token_ids(ids: list[int]) -> list[int]:
-    bad = next((t for t in ids if not 0 <= t <= MAX_TOKEN_ID), None)
-    if bad is not None:
-        raise InvalidRequest(f"prompt token id {_show(bad)} is outside [0, {MAX_TOKEN_ID}] "
-                             "(and must be inside the model's vocabulary)", "prompt")
-    return list(ids)
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:
@@ -499,9 +587,9 @@ def _messages(messages: Any) -> list[dict[str, str]]:
                                  f"{', '.join(CHAT_ROLES)}", f"{where}.role")
         for key, value in m.items():
             if key not in MESSAGE_FIELDS and value not in (None, [], ""):
-                raise InvalidRequest(f"{where}.{key} is not supported by this server (a "
-                                     f"message has {', '.join(MESSAGE_FIELDS)})",
-                                     f"{where}.{key}"[:120])
+                field = _child(where, key)
+                raise InvalidRequest(f"{field} is not supported by this server (a message "
+                                     f"has {', '.join(MESSAGE_FIELDS)})", field)
         message = {"role": role, "content": _content(m.get("content"), role, where)}
         for key in ("name", "tool_call_id"):  # for templates that show them
             value = m.get(key)
@@ -568,22 +656,14 @@ def _object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _int(body: dict[str, Any], name: str, low: int, high: int | None,
-         prefix: str = "") -> int | None:
+def _int(body: dict[str, Any], name: str) -> int | None:
+    """An integer parameter, within its `INT_PARAMS` range; None when absent."""
     value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not _is_int(value) or value < low or (high is not None and value > high):
-        limit = f"between {low} and {high}" if high is not None else f">= {low}"
-        raise InvalidRequest(f"{prefix}{name}={_show(value)} is invalid: it must be an integer "
-                             f"{limit}", prefix + name)
-    return value
+    return None if value is None else INT_PARAMS[name].check(name, value)
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float, *,
@@ -614,10 +694,22 @@ def _real(body: dict[str, Any], name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) \
-            or not float("-inf") < value < float("inf"):
+    number = _finite(value)
+    if number is None:
         raise InvalidRequest(f"{name}={_show(value)} is invalid: it must be a number", name)
-    return float(value)
+    return number
+
+
+def _finite(value: Any) -> float | None:
+    """A JSON number as a finite float; None for anything else (NaN, Infinity, an integer
+    too large for a float, a string, a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # 10**400: an int no float holds
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _check_names(body: dict[str, Any], implemented: frozenset[str]) -> None:
@@ -627,7 +719,7 @@ def _check_names(body: dict[str, Any], implemented: frozenset[str]) -> None:
                 and name not in REFUSED:
             raise InvalidRequest(f"{_show(name)} is an unrecognized request argument: this "
                                  "server does not know it, so it is refused rather than "
-                                 "ignored", str(name)[:80])
+                                 "ignored", _child("", name))
 
 
 def _refuse(body: dict[str, Any]) -> None:

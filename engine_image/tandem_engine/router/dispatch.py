@@ -9,6 +9,10 @@ the original `SamplingParams` and `Resume(tokens so far, characters the client h
 That engine counts the resumed tokens against the limits, re-derives their text and
 streams on from the next token and character, so the client's stream just continues
 (for greedy decoding it equals an uninterrupted run) and the router never derives text.
+When no alive engine runs the choice's version any more while another version serves (a
+refit moved its last engine on while another died: `routing.retired`), there is nothing
+to wait for: the choice continues on the serving version by recompute (prompt + tokens so
+far prefilled on the new weights), as an engine's own Recompute refit continues it.
 
 Every wait has a deadline: the first output of an attempt (`first_output_timeout`),
 each next one (`output_timeout`; an engine that is paused keeps its requests, so
@@ -248,6 +252,12 @@ class Dispatcher:
                 f"request {choice.request_id}: no RUNNING engine of weight version "
                 f"{progress.version!r} to continue on within "
                 f"{self.config.failover_timeout} s")
+        version = client.view().weight_version
+        if version != progress.version:
+            log.warning("request %s: no engine runs weight version %r any more; continuing "
+                        "its %d tokens on %s (version %r) by recompute", choice.request_id,
+                        progress.version, len(progress.generated), client.key, version)
+            progress.version = version
         return client
 
     def _failed_over(self, choice: _Choice, client: EngineClient, outcome: FailOver) -> None:

@@ -11,9 +11,12 @@ template and the sampling defaults only (no weights, no torch). As in vLLM, a re
 left-out sampling parameters take the model's defaults (`--generation-config auto`: its
 generation_config.json, or a known GGUF's registry entry; `generation_config.py`), and
 `--override-generation-config JSON` lays values over them.
-`--api-key` (repeatable) and $TANDEM_API_KEY (comma-separated) set the keys clients must
-send (`router/auth.py`); without any, the API is open to anyone who reaches the port.
-A client gets `--header-timeout` seconds to send a request's headers (slowloris).
+`--api-key-file` (one key a line), $TANDEM_API_KEY (comma-separated) and `--api-key` (shown
+in `ps`: for tests) set the keys clients must send (`router/auth.py`); without any, the API
+is open to anyone who reaches the port.
+A client gets `--header-timeout` seconds to send a request's headers (slowloris) and
+`--body-timeout` more for its body; a refused request is read to its end before the
+connection closes, so every client reads its answer (`http_guard.py`).
 `--engine-metrics-url` (repeatable; `tandem serve` sets it) makes `/metrics` also carry
 those engines' series (`router/metrics.py`). $TANDEM_ROUTER_ID names the router to its
 engines and in `/v1/engines` (`tandem serve` sets a fresh one per stack and trusts only
@@ -46,7 +49,9 @@ from tandem_engine.generation_config import (
     GenerationDefaults,
     serving_defaults,
 )
+from tandem_engine.http_guard import add_deadline_flags, protocol_class
 from tandem_engine.router import auth
+from tandem_engine.router import openai_format as fmt
 from tandem_engine.router.api_params import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_PROMPT_CHARS,
@@ -54,7 +59,6 @@ from tandem_engine.router.api_params import (
 )
 from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
 from tandem_engine.router.engines import EnginePool
-from tandem_engine.router.header_timeout import DEFAULT_HEADER_TIMEOUT, protocol_class
 from tandem_engine.router.metrics import RouterMetrics
 from tandem_engine.router.openai_api import build_app
 from tandem_engine.tokenizer import Tokenizer
@@ -113,12 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "%(default)s: about twice a 128k-token context of English text)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="a key clients must send (Authorization: Bearer KEY); repeat for "
-                        f"several, or set ${auth.API_KEY_ENV} (comma-separated), which "
-                        "keeps them out of `ps`. Any configured key is accepted. Default: "
+                        "several. Visible in `ps` to every user of the machine: prefer "
+                        f"--api-key-file or ${auth.API_KEY_ENV} (comma-separated), which "
+                        "keep keys out of `ps`. Any configured key is accepted. Default: "
                         "none, the API is open")
-    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
-                   help="seconds a client gets to send a request's line and headers before "
-                        "its connection is closed (slowloris; default %(default)s)")
+    p.add_argument("--api-key-file", action="append", default=None, type=Path,
+                   metavar="FILE", help="a file of keys clients may send, one a line "
+                        "(repeatable); safe: keys stay out of `ps`")
+    add_deadline_flags(p)
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="tokenize chat message content that spells a special token "
                         "(<|im_start|>, say) as that control token. Unsafe: a user can then "
@@ -153,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 failover_timeout=args.failover_timeout)
         limits = RequestLimits(max_body_bytes=args.max_body_bytes,
                                max_prompt_chars=args.max_prompt_chars)
-        api_keys = auth.resolve_api_keys(args.api_key)
-        http = protocol_class(args.header_timeout)
+        api_keys = auth.resolve_api_keys(args.api_key, key_files=args.api_key_file)
+        http = protocol_class(args.header_timeout, args.body_timeout, _error_body)
     except (TandemError, ValueError, OSError) as exc:
         print(f"tandem-router: error: {exc}", file=sys.stderr)
         return 2
@@ -165,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _log_defaults(defaults, args.generation_config)
     if not api_keys:
         log.warning("the API is open to anyone who reaches port %d: no API key configured "
-                    "(--api-key or $%s)", args.port, auth.API_KEY_ENV)
+                    "(--api-key-file, --api-key or $%s)", args.port, auth.API_KEY_ENV)
     server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, http=http, log_level="warning", access_log=False,
         timeout_graceful_shutdown=max(1, round(args.shutdown_grace))))
@@ -176,6 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.run()
     log.info("router stopped")
     return 0
+
+
+def _error_body(status: int, message: str) -> dict:
+    """The OpenAI shape for the HTTP layer's own 4xx answers (http_guard.py)."""
+    return fmt.error_body(message)
 
 
 def _log_defaults(defaults: GenerationDefaults, mode: str) -> None:

@@ -19,7 +19,8 @@ them `/health` (200, empty, while an engine serves), `/version`, `/tokenize` and
 
 Every error is in the OpenAI shape: an unknown path (404), a wrong method (405) and a
 validation error (422) too. An unexpected exception answers 500 with `Connection: close`
-(the server closes the connection after it, so a pooling client must not reuse it).
+(the server closes the connection after it, so a pooling client must not reuse it),
+whether a handler raised it or a choice's task met it (`_failure`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from tandem_engine.generation_config import GenerationDefaults
 from tandem_engine.router import openai_format as fmt
@@ -234,18 +236,23 @@ class RouterApi:
                               "messages")
 
     async def _body(self, request: Request) -> Any:
-        """The request's JSON: read up to `max_body_bytes` (413 beyond, without reading
-        the rest) and decoded on a worker thread."""
+        """The request's JSON: read up to `max_body_bytes` (413 beyond, without parsing
+        the rest: the HTTP layer discards it before closing, so the client reads the 413;
+        http_guard.py) and decoded on a worker thread."""
         limit = self.limits.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise self.limits.body_too_large(int(declared))
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise self.limits.body_too_large()
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise self.limits.body_too_large()
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone mid-body, or cut at --body-timeout (answered 408)
+            raise InvalidRequest("the connection closed before the request body arrived "
+                                 "(tandem-router --body-timeout)", None, 408) from None
         return await asyncio.to_thread(decode_body, b"".join(chunks))
 
     def _check_model(self, options: Options) -> None:
@@ -353,14 +360,17 @@ class RouterApi:
             return Response(status_code=499)
         status, body = _failure_body(exc)
         self.metrics.requests.labels(_outcome(status, exc)).inc()
-        return JSONResponse(body, status_code=status)
+        response = JSONResponse(body, status_code=status)
+        if status == 500:  # as `unexpected` answers: every 500 closes its connection
+            response.headers["Connection"] = "close"
+        return response
 
     # ---- errors raised by a handler -----------------------------------------------------------
 
     async def invalid(self, _: Request, exc: InvalidRequest) -> JSONResponse:
         self.metrics.requests.labels(_outcome(exc.status)).inc()
         response = _error(exc.status, exc.message, exc.type, exc.param, exc.code)
-        if exc.status == 413:  # the rest of the body was never read
+        if exc.status == 413:  # the rest of the body is discarded, never read
             response.headers["Connection"] = "close"
         return response
 
@@ -566,7 +576,7 @@ def _failure_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
         return 503, fmt.error_body(str(exc), "server_error", None, "generation_failed")
     if isinstance(exc, RequestFailed):  # this request alone: never failed over
         return 500, fmt.error_body(str(exc), "server_error", None, "request_failed")
-    log.error("choice failed: %r", exc)
+    log.error("choice failed: %r", exc, exc_info=exc)
     return 500, fmt.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
 

@@ -211,9 +211,28 @@ def chat_chunk_choice(index: int, delta: dict[str, Any],
 # ---- errors -----------------------------------------------------------------------------------
 
 
+MAX_ERROR_MESSAGE_CHARS = 4096
+MAX_ERROR_PARAM_CHARS = 256
+
+
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """The OpenAI error object. It must always encode: message and param can quote the
+    request (a key, a value, an exception's text), so they are cut to a readable length
+    and any character UTF-8 cannot carry (a lone surrogate) is written as its escape;
+    an error body that failed to encode would turn the answer into a 500."""
+    return {"error": {"message": _error_text(message, MAX_ERROR_MESSAGE_CHARS),
+                      "type": type,
+                      "param": None if param is None else _error_text(param,
+                                                                      MAX_ERROR_PARAM_CHARS),
+                      "code": code}}
+
+
+def _error_text(text: str, limit: int) -> str:
+    text = str(text)
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 # ---- one request's choices ----------------------------------------------------------------------

@@ -29,6 +29,7 @@ from tandem_engine.router.routing import (
     RoutingWeights,
     choose,
     eligible,
+    retired,
     serving_version,
 )
 
@@ -98,10 +99,15 @@ class EnginePicker:
                                ) -> EngineClient | None:
         """An engine of weight `version` to continue a generation on, waiting up to
         `wait_timeout` for one (its engines may be paused or reconnecting); None when
-        none came."""
+        none came. Once `version` is `retired` (no alive engine runs it, another serves),
+        an engine of the serving version: the caller continues there by recompute (the
+        engine re-prefills prompt + tokens so far on its weights), as an engine's own
+        Recompute refit does."""
         deadline = time.monotonic() + self.wait_timeout
         while True:
             client = self.pick(token_ids, cache_salt, version, exclude)
+            if client is None and version is not None and retired(self.pool.views(), version):
+                client = self.pick(token_ids, cache_salt, None, exclude)
             if client is not None or time.monotonic() > deadline:
                 return client
             await asyncio.sleep(POLL_INTERVAL)

@@ -82,6 +82,20 @@ def serving_version(engines: Iterable[EngineView]) -> str | None:
     return max(epochs, key=lambda v: (epochs[v], counts[v], v))
 
 
+def retired(engines: Iterable[EngineView], version: str) -> bool:
+    """Whether `version` is gone for good while another one serves: no alive engine runs
+    it in any state short of leaving (a refit moved its last one on), so a request with
+    tokens of it continues on the serving version by recompute rather than wait. An
+    engine that died on it is not waited for: it comes back on the fleet's current
+    weights (`tandem serve` restarts it on the newest refitted ones, a pod loads its
+    pool's spec)."""
+    engines = list(engines)
+    if any(e.alive and e.weight_version == version and e.state not in LEAVING_STATES
+           for e in engines):
+        return False
+    return serving_version(engines) not in (None, version)
+
+
 def eligible(engines: Iterable[EngineView], version: str | None = None,
              exclude: Iterable[str] = ()) -> list[EngineView]:
     """Alive RUNNING engines of `version` (default: the serving version), minus `exclude`."""

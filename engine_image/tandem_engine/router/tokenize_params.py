@@ -14,7 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem_engine.router.api_params import InvalidRequest, _bool, _is_int, _object, _show
+from tandem_engine.router.api_params import (
+    INT_PARAMS,
+    InvalidRequest,
+    _bool,
+    _child,
+    _object,
+    _show,
+)
 
 PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 CHAT_FIELDS = frozenset({"model", "messages", "add_generation_prompt", "add_special_tokens",
@@ -75,11 +82,12 @@ def parse_detokenize(body: Any, vocab_size: int) -> DetokenizeRequest:
     if not isinstance(tokens, list):
         raise InvalidRequest(f"tokens is required: a list of token ids, got {_show(tokens)}",
                              "tokens")
-    for i, t in enumerate(tokens):
-        if not _is_int(t) or not 0 <= t < vocab_size:
-            raise InvalidRequest(f"tokens[{i}]={_show(t)} is not a token id of this model: "
+    ids = INT_PARAMS["tokens"].check_each("tokens", tokens)
+    for i, t in enumerate(ids):
+        if t >= vocab_size:
+            raise InvalidRequest(f"tokens[{i}]={t} is not a token id of this model: "
                                  f"ids lie in [0, {vocab_size - 1}]", "tokens")
-    return DetokenizeRequest(_model(body), list(tokens))
+    return DetokenizeRequest(_model(body), ids)
 
 
 def _model(body: dict[str, Any]) -> str | None:
@@ -94,4 +102,4 @@ def _refuse_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
     unknown = sorted(str(k) for k in body if k not in known)
     if unknown:
         raise InvalidRequest(f"unknown field {_show(unknown[0])}: this endpoint takes "
-                             f"{', '.join(sorted(known))}", unknown[0])
+                             f"{', '.join(sorted(known))}", _child("", unknown[0]))

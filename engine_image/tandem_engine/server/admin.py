@@ -3,8 +3,11 @@
 State, lifecycle signals, refit, health, readiness and Prometheus metrics. Every
 mutating call goes through `EngineControl` (server/control.py); reads come from the
 engine's published snapshot. Lifecycle calls block on the engine lock, so they are
-plain (threadpool) handlers. With an admin token configured, every
-mutating call needs `Authorization: Bearer <token>`.
+plain (threadpool) handlers. `AdminGuard` (server/admin_guard.py) stands in front of
+the whole app: with an admin token configured, every request but a read (GET, HEAD)
+needs `Authorization: Bearer <token>`, checked before any route reads a body; every body
+is bounded. Reads (`/v1/state`, the probes, `/metrics`) stay open; the OpenAPI
+description and docs are off.
 
 `build_metrics_app` is the read-only subset for Prometheus and probes (GET /metrics,
 /healthz, /readyz and nothing else), served on its own port (`--metrics-port`) so the
@@ -13,11 +16,10 @@ mutating API need not be reachable from wherever metrics are scraped.
 
 from __future__ import annotations
 
-import hmac
 import threading
 from typing import Any
 
-from fastapi import FastAPI, Header, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,6 +28,7 @@ from pydantic import BaseModel, Field
 from tandem_engine.engine.stats import SpecDecodeStats
 from tandem_engine.errors import CheckpointError, RequestRejected
 from tandem_engine.lifecycle import EngineStateError, KVMode
+from tandem_engine.server.admin_guard import guard_admin_app
 from tandem_engine.server.control import EngineControl, ShuttingDown
 from tandem_engine.server.handoff import HandoffStats
 from tandem_engine.server.metric_families import (
@@ -77,24 +80,18 @@ def engine_registry(control: EngineControl) -> CollectorRegistry:
 def build_admin_app(control: EngineControl, admin_token: str | None = None,
                     registry: CollectorRegistry | None = None) -> FastAPI:
     """The admin API: every mutating call goes through `control` (and needs the bearer
-    token when one is configured); reads come from published snapshots."""
-    app = FastAPI(title="tandem-engine admin", docs_url=None, redoc_url=None)
-
-    def authorize(authorization: str | None) -> None:
-        if admin_token is None:
-            return
-        expected = f"Bearer {admin_token}"
-        if authorization is None or not hmac.compare_digest(authorization, expected):
-            raise HTTPException(401, "this admin call needs 'Authorization: Bearer <token>' "
-                                     "with the engine's admin token")
+    token when one is configured: `AdminGuard`); reads come from published snapshots."""
+    app = FastAPI(title="tandem-engine admin", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    guard_admin_app(app, admin_token)
 
     @app.exception_handler(HTTPException)
     async def _error(_: Request, exc: HTTPException) -> JSONResponse:
         return JSONResponse({"error": {"message": exc.detail, "code": exc.status_code}},
                             status_code=exc.status_code)
 
-    _add_lifecycle_routes(app, control, authorize)
-    _add_serving_routes(app, control, authorize)
+    _add_lifecycle_routes(app, control)
+    _add_serving_routes(app, control)
     _add_read_routes(app, control)
     _add_probe_routes(app, control, registry or engine_registry(control))
     return app
@@ -104,11 +101,12 @@ def build_metrics_app(control: EngineControl, registry: CollectorRegistry) -> Fa
     """Read-only: GET /metrics, /healthz and /readyz, no other route at all."""
     app = FastAPI(title="tandem-engine metrics", docs_url=None, redoc_url=None,
                   openapi_url=None)
+    guard_admin_app(app, None)  # no token (nothing mutates), bodies bounded all the same
     _add_probe_routes(app, control, registry)
     return app
 
 
-def _add_lifecycle_routes(app: FastAPI, control: EngineControl, authorize) -> None:
+def _add_lifecycle_routes(app: FastAPI, control: EngineControl) -> None:
     """The state machine: 409 for a signal the state does not allow."""
 
     def signal(fn, *args) -> dict[str, Any]:
@@ -119,29 +117,23 @@ def _add_lifecycle_routes(app: FastAPI, control: EngineControl, authorize) -> No
         return control.status()
 
     @app.post("/v1/pause")
-    def pause(authorization: str | None = Header(None)) -> dict[str, Any]:
-        authorize(authorization)
+    def pause() -> dict[str, Any]:
         return signal(control.pause)
 
     @app.post("/v1/unpause")
-    def unpause(authorization: str | None = Header(None)) -> dict[str, Any]:
-        authorize(authorization)
+    def unpause() -> dict[str, Any]:
         return signal(control.unpause)
 
     @app.post("/v1/suspend")
-    def suspend(body: SuspendBody | None = None,
-                authorization: str | None = Header(None)) -> dict[str, Any]:
-        authorize(authorization)
+    def suspend(body: SuspendBody | None = None) -> dict[str, Any]:
         return signal(control.suspend, (body or SuspendBody()).mode)
 
     @app.post("/v1/resume")
-    def resume(authorization: str | None = Header(None)) -> dict[str, Any]:
-        authorize(authorization)
+    def resume() -> dict[str, Any]:
         return signal(control.resume)
 
     @app.post("/v1/refit")
-    def refit(body: RefitBody, authorization: str | None = Header(None)) -> dict[str, Any]:
-        authorize(authorization)
+    def refit(body: RefitBody) -> dict[str, Any]:
         try:
             control.refit(body.uri, body.version, body.epoch, body.low_memory,
                           draft_uri=body.draft_uri)
@@ -155,23 +147,21 @@ def _add_lifecycle_routes(app: FastAPI, control: EngineControl, authorize) -> No
         return control.status()
 
 
-def _add_serving_routes(app: FastAPI, control: EngineControl, authorize) -> None:
+def _add_serving_routes(app: FastAPI, control: EngineControl) -> None:
     """Admission (drain, undrain) and a refit's verification (canary)."""
 
     @app.post("/v1/drain")
-    def drain(authorization: str | None = Header(None)) -> dict[str, Any]:
+    def drain() -> dict[str, Any]:
         """Stop admitting new requests (they get 503 and the router places them on another
         engine); running ones finish. The operator polls /v1/state until none is left,
         then deletes the pod. Not readiness-ready from now on."""
-        authorize(authorization)
         control.drain()
         return control.status()
 
     @app.post("/v1/undrain")
-    def undrain(authorization: str | None = Header(None)) -> dict[str, Any]:
+    def undrain() -> dict[str, Any]:
         """Admit new requests again (after a refit's verification, or a cancelled
         scale-down). An engine shutting down (SIGTERM) stays draining: 409."""
-        authorize(authorization)
         try:
             control.undrain()
         except ShuttingDown as exc:
@@ -179,12 +169,11 @@ def _add_serving_routes(app: FastAPI, control: EngineControl, authorize) -> None
         return control.status()
 
     @app.post("/v1/canary")
-    def canary(body: CanaryBody | None = None,
-               authorization: str | None = Header(None)) -> dict[str, Any]:
-        """A short greedy generation that no router sees, its prompt scored: a refit's
+    def canary(body: CanaryBody | None = None) -> dict[str, Any]:
+        """A short greedy generation that no router sees, its prompt scored (mean_nll, and
+        top1_mass: the mean probability of the most likely next token): a refit's
         verification. Needs a RUNNING engine (unpause it while it still drains, so routers
         send nothing). 409 when it cannot run or the weights give non-finite logits."""
-        authorize(authorization)
         body = body or CanaryBody()
         try:
             result = control.canary(body.prompt or body.prompt_token_ids, body.max_tokens,
@@ -197,7 +186,7 @@ def _add_serving_routes(app: FastAPI, control: EngineControl, authorize) -> None
             raise HTTPException(400, str(exc)) from exc
         weights = control.engine.stats.weights
         return {"token_ids": result.token_ids, "mean_nll": result.mean_nll,
-                "weight_version": weights.version,
+                "top1_mass": result.top1_mass, "weight_version": weights.version,
                 "weight_epoch": weights.epoch}
 
 

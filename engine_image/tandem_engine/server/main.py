@@ -50,6 +50,7 @@ from tandem_engine.config import (
     parse_device,
     speculative_from_flags,
 )
+from tandem_engine.http_guard import add_deadline_flags, protocol_class
 from tandem_engine.lifecycle import EngineRole
 from tandem_engine.server.loading import (
     KERNEL_BUILD_PHASE,
@@ -106,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(<= {MAX_KV_QUARANTINE_TTL_S})")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
+    add_deadline_flags(p, "an admin or metrics client")
     p.add_argument("--admin-token-file", type=Path, default=None,
                    help="bearer token for mutating admin calls (else $TANDEM_ADMIN_TOKEN)")
     p.add_argument("--weights-root", type=Path, action="append", default=[],
@@ -191,18 +193,29 @@ def _read_token(path: Path | None) -> str | None:
     return token
 
 
+def _http_protocol(args: argparse.Namespace) -> type:
+    """uvicorn's HTTP protocol for the admin and metrics ports: the header and body
+    deadlines and JSON refusals of the router's (http_guard.py), in the admin API's error
+    shape (server/admin.py)."""
+    return protocol_class(args.header_timeout, args.body_timeout,
+                          lambda status, message: {"error": {"message": message,
+                                                             "code": status}})
+
+
 class _HttpServers:
     """The admin (and metrics) HTTP servers: up from the start with the loading apps
     (server/loading.py), switched to the full apps once the engine exists."""
 
-    def __init__(self, ports: dict[str, int], host: str, loading_apps: dict) -> None:
+    def __init__(self, ports: dict[str, int], host: str, http: type,
+                 loading_apps: dict) -> None:
         import uvicorn
 
         from tandem_engine.server.loading import SwappableApp
 
         self.apps = {name: SwappableApp(loading_apps[name]) for name in ports}
         self.servers = [uvicorn.Server(uvicorn.Config(self.apps[name], host=host, port=port,
-                                                      log_level="warning", lifespan="off"))
+                                                      http=http, log_level="warning",
+                                                      lifespan="off"))
                         for name, port in ports.items()]
         # Each server runs on its own thread and loop: off the main thread uvicorn leaves
         # SIGTERM/SIGINT alone, and a slow admin call never delays socket I/O.
@@ -228,6 +241,7 @@ class _HttpServers:
 
 async def _run(args: argparse.Namespace, config: EngineConfig, curve: CurveServer | None,
                roots: WeightsRoots, load_delay_s: float) -> int:
+    from tandem_engine.server.admin_guard import guard_admin_app
     from tandem_engine.server.loading import build_loading_app
 
     token = _read_token(args.admin_token_file)
@@ -244,8 +258,10 @@ async def _run(args: argparse.Namespace, config: EngineConfig, curve: CurveServe
     ports = {"admin": args.admin_port}
     if args.metrics_port is not None:
         ports["metrics"] = args.metrics_port
-    http = _HttpServers(ports, args.host, {
-        name: build_loading_app(loading, load, admin=name == "admin") for name in ports})
+    # The admin token (and the body bound) hold from the first request, loading included.
+    http = _HttpServers(ports, args.host, _http_protocol(args), {
+        name: guard_admin_app(build_loading_app(loading, load, admin=name == "admin"),
+                              token if name == "admin" else None) for name in ports})
     log.info("engine %s loading %s: admin http://%s:%d%s", loading.engine_id, args.model,
              args.host, args.admin_port, "" if args.metrics_port is None
              else f", metrics http://{args.host}:{args.metrics_port}")

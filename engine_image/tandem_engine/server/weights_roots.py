@@ -4,7 +4,8 @@ A refit names a checkpoint by URI; the admin API is reachable by the operator an
 routers, and a refit reads whatever the engine can see. So the path is resolved
 (symlinks, `..`) and must lie inside one of the roots, and be a checkpoint there.
 Every refusal answers the same text (`REFUSED`), so the error is no oracle for what
-exists on the engine's filesystem; the precise reason goes to the engine's log only.
+exists on the engine's filesystem; the precise reason goes to the engine's log only. That
+includes a path no file can have (a NUL byte, `%00` in the URI): refused like the rest.
 (`tandem refit` checks the same rule, `weights_root_problem`, against the roots a local
 stack records, before it touches any engine, and tells its user the reason.)
 """
@@ -53,6 +54,7 @@ class WeightsRoots:
         checkpoint; else RefitPathRefused (the reason is logged here only)."""
         reason = weights_root_problem(path, self.roots)
         if reason is not None:
-            log.warning("refit to %s refused: %s", path, reason)
+            # repr: a path's own newlines or NUL bytes cannot forge or cut a log line
+            log.warning("refit to %r refused: %s", str(path), reason)
             raise RefitPathRefused()
         return Path(path).resolve()

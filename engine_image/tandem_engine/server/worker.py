@@ -37,7 +37,7 @@ import zmq.asyncio
 
 from tandem_engine import protocol as p
 from tandem_engine.engine.llm_engine import LLMEngine
-from tandem_engine.engine.outputs import PromptScore, RequestOutput
+from tandem_engine.engine.outputs import PromptScore, RequestOutput, mean_top1_mass
 from tandem_engine.engine.stats import SpecDecodeStats, StepTiming
 from tandem_engine.errors import RequestRejected
 from tandem_engine.lifecycle import EngineState, EngineStateError
@@ -63,10 +63,14 @@ UNHEALTHY_AFTER_STEP_FAILURES = 3
 class Canary:
     """A canary's greedy tokens, and how well the weights predict its prompt: the mean
     negative log-likelihood per token in nats (the log of the perplexity; it stays a
-    finite number where the perplexity itself would overflow)."""
+    finite number where the perplexity itself would overflow), and how sure they are: the
+    mean probability of the most likely next token over the prompt's positions (from the
+    float32 log_softmax; 1.0 for weights whose logits were scaled up until every other
+    token's probability underflows)."""
 
     token_ids: list[int]
     mean_nll: float
+    top1_mass: float
 
 
 @dataclass
@@ -471,7 +475,7 @@ class EngineWorker:
         self._canaries[rid] = (done, result)
         try:
             self.engine.add_request(rid, prompt_token_ids, SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=0))
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=1))
             self._wake.set()
             if not done.wait(timeout):
                 self.engine.abort(rid)
@@ -488,7 +492,8 @@ class EngineWorker:
         if not all(math.isfinite(lp) for lp in score.logprobs):
             raise RuntimeError("canary failed: the prompt's logprobs are not finite (the "
                                "weights produce NaN or Inf logits)")
-        return Canary(list(out.token_ids), -score.total_logprob / len(score.logprobs))
+        return Canary(list(out.token_ids), -score.total_logprob / len(score.logprobs),
+                      mean_top1_mass(result[0]))
 
     # ---- the stepping thread ----------------------------------------------------------------
 
