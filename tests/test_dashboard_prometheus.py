@@ -182,8 +182,10 @@ def serve(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, int, Path]]:
     """`tandem serve --demo --prefill 1 --decode 1`, started (not yet ready)."""
     port, folder = free_port(), tmp_path / "stack"
     folder.mkdir()
+    # Refits may load from the demo folder only, unless a weights root adds the stack's.
     proc = spawn_serve(folder, "--demo", "--demo-dir", str(folder / "demo"), "--prefill", "1",
-                       "--decode", "1", "--port", str(port), "--served-model-name", MODEL)
+                       "--decode", "1", "--port", str(port), "--served-model-name", MODEL,
+                       "--weights-root", str(folder))
     try:
         yield proc, port, folder
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,7 +78,8 @@ def test_serve_answers_openai_and_stops_cleanly(tiny_qwen3: Path, tmp_path: Path
                                "--port", str(port), "--served-model-name", "tiny")
     try:
         assert f"http://127.0.0.1:{port}/v1" in lines[-1]
-        assert sum("ready" in line for line in lines) == 3  # two engines + the router
+        # two engines + the router, each once (a busy machine may add "not ready yet" lines)
+        assert sum(re.search(r": ready \(", line) is not None for line in lines) == 3, lines
         children = _children(proc.pid)
         assert len(children) == 3
 
