@@ -15,7 +15,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -51,9 +50,9 @@ def wait_for(what: str, check: Callable[[], T], timeout: float = 20.0, every: fl
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tandem_engine.cli.serve import free_port
+
+    return free_port()
 
 
 class Operator:

@@ -5,7 +5,6 @@ over scripted engines, and the HTTP app's error paths (with no engine reachable)
 from __future__ import annotations
 
 import math
-import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -549,9 +548,9 @@ def test_a_client_that_leaves_aborts_the_request_on_its_engine() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tandem_engine.cli.serve import free_port
+
+    return free_port()
 
 
 @pytest.fixture

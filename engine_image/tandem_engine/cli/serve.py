@@ -87,22 +87,50 @@ def read_stack(port: int) -> dict:
                           f"`tandem serve --port {port}` running?") from exc
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PICKED_PORT = 10000  # below: the well-known services' registered ports
+
+
+def pickable_ports() -> range:
+    """The ports `free_ports` picks from: below the kernel's ephemeral range
+    (net.ipv4.ip_local_port_range, the ports it gives outgoing connections and `bind(0)`),
+    so a port picked now and bound a moment later by a child cannot be taken in between
+    by some process's outgoing connection. Empty where that range leaves no room."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    return range(LOWEST_PICKED_PORT, low) if low - LOWEST_PICKED_PORT >= 1000 else range(0)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free on `host` now, for a server started a moment later (`free_ports`)."""
+    return free_ports(host, 1)[0]
 
 
 def free_ports(host: str, count: int, besides: Sequence[int] = ()) -> list[int]:
     """`count` distinct ports free on `host` now, none of `besides`: all held open while
-    they are picked, so none repeats."""
+    they are picked, so none repeats. Drawn at random from `pickable_ports` (then from the
+    kernel's own choice, `bind(0)`, where that range is empty or full)."""
+    pool = pickable_ports()
+    draw = secrets.SystemRandom()
     sockets: list[socket.socket] = []
     ports: list[int] = []
+    tries = 0
     try:
         while len(ports) < count:
             s = socket.socket(_family(host))
             sockets.append(s)
-            s.bind((host, 0))
+            candidate = draw.choice(pool) if pool and tries < 64 * count else 0
+            tries += 1
+            if candidate in besides or candidate in ports:
+                continue
+            try:
+                s.bind((host, candidate))
+            except OSError:
+                if candidate == 0:
+                    raise
+                continue  # in use: draw again
             if (port := s.getsockname()[1]) not in besides:
                 ports.append(port)
         return ports
