@@ -197,15 +197,26 @@ def test_a_slow_client_is_cut_at_the_header_timeout(routers) -> None:
         s2.settimeout(bound)
         assert s2.recv(1) == b""
         assert time.monotonic() - opened < bound
+    # The kept-alive case: tests/test_http_guard.py, on every port.
 
-    # A kept-alive connection: a prompt first request, then a slow second one.
-    with socket.create_connection((host, int(port))) as s3:
-        s3.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-        s3.settimeout(5)
-        assert s3.recv(4096).startswith(b"HTTP/1.1 200")
-        started = time.monotonic()  # the clock restarts with the next request's first byte
-        took = _closed_after(s3, slow, bound, started)
-        assert HEADER_TIMEOUT * 0.9 <= took < bound, took
+
+def test_an_unreadable_key_file_is_refused_before_the_model_is_pulled(
+        tmp_path: Path) -> None:
+    """`tandem serve MODEL --api-key-file MISSING` with an empty model cache: refused
+    naming the flag and the file, and nothing was downloaded into the cache."""
+    cache = tmp_path / "cache"
+    missing = tmp_path / "no-such-keys"
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem_engine.cli.main", "serve", "--model",
+         "smollm2-135m-instruct", "--port", str(free_port()), "--api-key-file",
+         str(missing)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "TANDEM_CACHE_DIR": str(cache)})
+    assert done.returncode != 0
+    assert "--api-key-file" in done.stderr and str(missing) in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not cache.exists() or not any(cache.rglob("*"))
+    assert time.monotonic() - started < 30
 
 
 def test_tandem_serve_keeps_its_api_key_out_of_ps(tmp_path: Path) -> None:

@@ -173,6 +173,8 @@ def _serve(args: argparse.Namespace) -> int:
     check_port_free(args.host, args.port)  # before pulling a model or starting anything
     from tandem_engine.router.auth import resolve_api_keys
 
+    # The keys before the model: an unreadable --api-key-file is refused before any pull.
+    api_keys = resolve_api_keys(args.api_key, key_files=args.api_key_file)
     model_root = None  # refits load from the folder holding --model
     if args.demo:
         model = Path(args.demo_dir)
@@ -188,8 +190,7 @@ def _serve(args: argparse.Namespace) -> int:
                        decode=args.decode, host=args.host, port=args.port,
                        served_model_name=name, engine_args=serve_engine_args(args),
                        weights_roots=args.weights_root, model_root=model_root,
-                       api_keys=resolve_api_keys(args.api_key,
-                                                 key_files=args.api_key_file))
+                       api_keys=api_keys)
     return run(stack)
 
 
