@@ -23,10 +23,10 @@ import torch
 from gguf.constants import GGMLQuantizationType as QType
 from safetensors.torch import load_file
 from tandem_engine.cli.demo_model import write_demo_model
-from tandem_engine.config import ModelConfig
 from tandem_engine.engine.llm import LLM
 from tandem_engine.errors import CheckpointError
 from tandem_engine.model.checkpoint import load_checkpoint, validate_checkpoint
+from tandem_engine.model.family import ModelConfig
 from tandem_engine.model.gguf import export_hf_folder, gguf_tensor_name, llama3_rope_scaling
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.tokenizer import Tokenizer
@@ -390,6 +390,48 @@ def test_unknown_type_number(tiny_gguf: Path, tmp_path: Path) -> None:
     path = tmp_path / "type250.gguf"
     path.write_bytes(bytes(data))
     assert "unknown ggml type" in error(path)
+
+
+def test_big_endian_and_unknown_versions_are_named(tiny_gguf: Path, tmp_path: Path) -> None:
+    data = tiny_gguf.read_bytes()
+    swapped = tmp_path / "be.gguf"
+    swapped.write_bytes(data[:4] + (3).to_bytes(4, "big") + data[8:])
+    assert "a big-endian GGUF file" in error(swapped)
+    future = tmp_path / "v9.gguf"
+    future.write_bytes(data[:4] + (9).to_bytes(4, "little") + data[8:])
+    message = error(future)
+    assert "GGUF version 9" in message and "versions 2, 3" in message
+
+
+def test_the_header_reads_as_gguf_py_reads_it(tiny_gguf: Path) -> None:
+    """Our own header parser (gguf-py's reader takes ~10 s of CPU on a 49k-token
+    vocabulary) gives every metadata value and every tensor's mapped data as gguf-py's
+    reader does."""
+    from tandem_engine.gguf_file import open_gguf
+
+    ours, theirs = open_gguf(tiny_gguf), gguf.GGUFReader(tiny_gguf)
+    for key, field in theirs.fields.items():
+        if not key.startswith("GGUF."):  # the reader's own header entries
+            assert ours.has(key)
+            assert ours._fields[key].contents() == field.contents(), key
+    assert set(ours.tensors) == {t.name for t in theirs.tensors}
+    for tensor in theirs.tensors:
+        mine = ours.tensors[tensor.name]
+        assert mine.qtype == tensor.tensor_type and mine.data.dtype == tensor.data.dtype
+        assert np.array_equal(mine.data, tensor.data), tensor.name
+
+
+def test_a_value_that_is_not_utf8_names_its_key(tiny_gguf: Path, tmp_path: Path) -> None:
+    from tandem_engine.gguf_file import open_gguf
+
+    data = bytearray(tiny_gguf.read_bytes())
+    name = b"general.architecture"
+    at = data.index(name) + len(name) + 4 + 8  # past the key, the value type and length
+    data[at] = 0xFF  # the first byte of "llama"
+    path = tmp_path / "latin1.gguf"
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="'general.architecture' cannot be read"):
+        open_gguf(path).string("general.architecture")
 
 
 def test_head_counts_that_do_not_divide(tiny_llama: Path, tmp_path: Path) -> None:

@@ -10,23 +10,106 @@ data stay memory-mapped; nothing is dequantized here.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFValueType
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tandem_engine.errors import CheckpointError, path_problem
 
 GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
 _INTS = frozenset({GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16,
                    GGUFValueType.INT16, GGUFValueType.UINT32, GGUFValueType.INT32,
                    GGUFValueType.UINT64, GGUFValueType.INT64})
 _FLOATS = frozenset({GGUFValueType.FLOAT32, GGUFValueType.FLOAT64})
 _REQUIRED = object()
 _REFETCH = "download or copy it again"
+# Little-endian struct formats of the fixed-size metadata value types.
+_SCALAR_FORMATS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b",
+                   GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
+                   GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+                   GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
+                   GGUFValueType.FLOAT32: "<f", GGUFValueType.FLOAT64: "<d",
+                   GGUFValueType.BOOL: "<?"}
+# Tensor types whose data are plain numbers: memory-mapped with their own dtype and shape.
+# Every other (quantized) type is mapped as bytes, a row of blocks per row.
+_PLAIN_DTYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                 GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                 GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                 GGMLQuantizationType.I64: np.int64}
+
+
+@dataclass(frozen=True)
+class _Field:
+    """One metadata value: its types (`ARRAY` then the item type for arrays) and the value,
+    strings kept as bytes until read (a string that is not UTF-8 is an error of its key)."""
+
+    types: tuple[GGUFValueType, ...]
+    value: Any
+
+    def contents(self) -> Any:
+        if self.types[0] == GGUFValueType.STRING:
+            return self.value.decode("utf-8")
+        if self.types[0] == GGUFValueType.ARRAY and len(self.types) == 2 \
+                and self.types[1] == GGUFValueType.STRING:
+            return [item.decode("utf-8") for item in self.value]
+        if isinstance(self.value, np.ndarray):
+            return self.value.tolist()
+        return self.value
+
+
+class _Header:
+    """A cursor over the file's bytes that parses the header: metadata, then the tensor
+    directory. Reads past the end raise ValueError ("truncated")."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.offset = 0
+
+    def take(self, size: int) -> memoryview:
+        end = self.offset + size
+        if size < 0 or end > len(self.data):
+            raise ValueError(f"the header ends past the end of the file (at byte {end})")
+        chunk = self.data[self.offset:end]
+        self.offset = end
+        return chunk
+
+    def unpack(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> bytes:
+        return bytes(self.take(self.unpack("<Q")))
+
+    def value(self, kind: GGUFValueType) -> _Field:
+        if kind == GGUFValueType.STRING:
+            return _Field((kind,), self.string())
+        if kind in _SCALAR_FORMATS:
+            return _Field((kind,), self.unpack(_SCALAR_FORMATS[kind]))
+        if kind != GGUFValueType.ARRAY:
+            raise ValueError(f"unknown metadata value type {int(kind)}")
+        item = GGUFValueType(self.unpack("<I"))
+        count = self.unpack("<Q")
+        if item == GGUFValueType.STRING:  # the vocabulary: tens of thousands of strings
+            return _Field((kind, item), [self.string() for _ in range(count)])
+        if item in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[item]
+            width = struct.calcsize(fmt)
+            values = np.frombuffer(self.take(width * count), dtype=np.dtype(fmt), count=count)
+            return _Field((kind, item), values)
+        raise ValueError(f"an array of {item.name} values (nested arrays are not read)")
+
+    def metadata(self, count: int) -> dict[str, _Field]:
+        fields: dict[str, _Field] = {}
+        for _ in range(count):
+            key = self.string().decode("utf-8")
+            fields[key] = self.value(GGUFValueType(self.unpack("<I")))
+        return fields
 
 
 @dataclass(frozen=True)
@@ -56,14 +139,11 @@ class GGUFFile:
     that is absent, a value of the wrong type); `missing(key, why)` is the error for an
     absent key that says what the value is needed for."""
 
-    def __init__(self, path: Path, reader: GGUFReader) -> None:
+    def __init__(self, path: Path, fields: dict[str, _Field],
+                 tensors: dict[str, GGUFTensor]) -> None:
         self.path = path
-        self._fields = reader.fields
-        self.tensors: dict[str, GGUFTensor] = {
-            t.name: GGUFTensor(t.name, t.tensor_type,
-                               tuple(int(d) for d in reversed(t.shape.tolist())), t.data)
-            for t in reader.tensors
-        }
+        self._fields = fields
+        self.tensors = tensors
 
     def has(self, key: str) -> bool:
         return key in self._fields
@@ -114,7 +194,7 @@ class GGUFFile:
         field = self._field(key, default)
         if field is None:
             return default
-        if field.types[0] != GGUFValueType.ARRAY or (field.data and (
+        if field.types[0] != GGUFValueType.ARRAY or (len(field.value) and (
                 len(field.types) != 2 or field.types[1] not in types)):
             raise self._wrong_type(key, field, f"an array of {what}")
         try:
@@ -149,15 +229,71 @@ def open_gguf(path: str | Path) -> GGUFFile:
             f"{file}: not a GGUF file (it starts with {magic!r}, a GGUF file with "
             f"{GGUF_MAGIC!r}); a file named .gguf must be in llama.cpp's GGUF format")
     try:
-        reader = GGUFReader(file, "r")
-    except (ValueError, KeyError, IndexError, TypeError, OverflowError) as exc:
-        raise CheckpointError(_unreadable(file, size, exc)) from exc
+        mapped = np.memmap(file, mode="r")
     except OSError as exc:
         raise CheckpointError(f"{file}: cannot read ({exc.strerror or exc})") from exc
-    if reader.byte_order != "I":
+    try:
+        fields, tensors = _parse(mapped)
+    except _BigEndian:
         raise CheckpointError(f"{file}: a big-endian GGUF file; Tandem reads little-endian "
-                              "GGUF files (the default of llama.cpp's converter)")
-    return GGUFFile(file, reader)
+                              "GGUF files (the default of llama.cpp's converter)") from None
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError,
+            struct.error) as exc:
+        raise CheckpointError(_unreadable(file, size, exc)) from exc
+    return GGUFFile(file, fields, tensors)
+
+
+class _BigEndian(Exception):
+    pass
+
+
+def _parse(mapped: np.memmap) -> tuple[dict[str, _Field], dict[str, GGUFTensor]]:
+    """The metadata and the tensor directory of a mapped GGUF file (after its magic); each
+    tensor's data a view of `mapped`, nothing copied."""
+    header = _Header(memoryview(mapped))
+    header.take(len(GGUF_MAGIC))
+    version = header.unpack("<I")
+    if version & 0xFFFF == 0 and version != 0:
+        raise _BigEndian  # a small version number written the other way round
+    if version not in SUPPORTED_VERSIONS:
+        raise ValueError(f"the file is GGUF version {version}; Tandem reads versions "
+                         f"{', '.join(map(str, SUPPORTED_VERSIONS))}")
+    tensor_count, kv_count = header.unpack("<Q"), header.unpack("<Q")
+    fields = header.metadata(kv_count)
+    directory = []
+    for _ in range(tensor_count):
+        name = header.string().decode("utf-8")
+        dims = [header.unpack("<Q") for _ in range(header.unpack("<I"))]
+        directory.append((name, dims, GGMLQuantizationType(header.unpack("<I")),
+                          header.unpack("<Q")))
+    alignment = DEFAULT_ALIGNMENT
+    if (align := fields.get("general.alignment")) is not None:
+        if align.types != (GGUFValueType.UINT32,) or align.value <= 0 \
+                or align.value & (align.value - 1):
+            raise ValueError("general.alignment is not a power of two (a UINT32)")
+        alignment = align.value
+    start = -(-header.offset // alignment) * alignment
+    tensors: dict[str, GGUFTensor] = {}
+    for name, dims, qtype, offset in directory:
+        if name in tensors:
+            raise ValueError(f"two tensors are named {name!r}")
+        shape = tuple(int(d) for d in reversed(dims))  # GGUF lists the innermost first
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        elements = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        nbytes = elements * block_bytes // block
+        begin = start + offset
+        if begin + nbytes > len(mapped):
+            raise ValueError(f"tensor {name!r}'s data end past the end of the file")
+        raw = mapped[begin:begin + nbytes]
+        if qtype in _PLAIN_DTYPES:
+            data = raw.view(_PLAIN_DTYPES[qtype]).reshape(shape)
+        else:
+            if not shape or shape[-1] % block:
+                raise ValueError(f"tensor {name!r}'s rows ({shape}) are not whole "
+                                 f"{qtype.name} blocks of {block}")
+            data = raw.reshape((*shape[:-1], shape[-1] // block * block_bytes))
+        tensors[name] = GGUFTensor(name, qtype, shape, data)
+    return fields, tensors
 
 
 def _unreadable(file: Path, size: int, exc: Exception) -> str:
