@@ -14,7 +14,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from tandem_engine.cli.demo_model import demo_weights
-from tandem_engine.config import ModelConfig
 from tandem_engine.errors import CheckpointError
 from tandem_engine.model.checkpoint import (
     INDEX_NAME,
@@ -22,6 +21,7 @@ from tandem_engine.model.checkpoint import (
     load_checkpoint,
     validate_checkpoint,
 )
+from tandem_engine.model.family import ModelConfig
 from tandem_engine.weights import checkpoint_problem
 
 SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")

@@ -17,7 +17,7 @@ from tandem_engine.cli.demo_model import (
     demo_hf_config,
     write_demo_model,
 )
-from tandem_engine.config import ModelConfig
+from tandem_engine.model.family import ModelConfig
 from tandem_engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -17,7 +17,6 @@ from tandem_engine.cli.main import serve_engine_args
 from tandem_engine.config import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     EngineConfig,
-    ModelConfig,
     parse_device,
 )
 from tandem_engine.model.checkpoint import load_checkpoint
@@ -28,6 +27,7 @@ from tandem_engine.model.device import (
     report_device,
     resolve_device,
 )
+from tandem_engine.model.family import ModelConfig
 from tandem_engine.model.runner import (
     ModelRunner,
     kv_blocks_in_memory_fraction,

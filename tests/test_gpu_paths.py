@@ -156,7 +156,7 @@ def test_streamed_refit_equals_the_refit_built_beside(tiny_llama, new_weights) -
 def test_streamed_refit_repacks_packed_projections(tiny_llama, new_weights) -> None:
     """The CPU engine's oneDNN-packed projections (kernels auto/native) are repacked one
     at a time from the new weights."""
-    from tandem_engine.model.llama import pack_linears, packing_supported
+    from tandem_engine.model.layers import pack_linears, packing_supported
 
     if not packing_supported(torch.float32, torch.device("cpu")):
         pytest.skip("oneDNN weight packing is not available in this torch build")
@@ -169,7 +169,7 @@ def test_streamed_refit_repacks_packed_projections(tiny_llama, new_weights) -> N
 
 
 def test_streamed_refit_checks_every_tensor_before_the_first_copy(tiny_llama) -> None:
-    from tandem_engine.model.llama import stream_weights
+    from tandem_engine.model.layers import stream_weights
 
     runner = LLM(tiny_llama, kernels="torch").engine.runner
     before = {n: t.clone() for n, t in runner.model.state_dict().items()}

@@ -216,8 +216,8 @@ def test_refit_with_a_draft_needs_the_draft_method(tiny_llama: Path) -> None:
 
 def test_sized_by_memory_fraction_both_pools_fit_where_one_did(tiny_llama: Path,
                                                                  drafts) -> None:
-    from tandem_engine.config import ModelConfig
     from tandem_engine.engine.draft_model import draft_kv_blocks
+    from tandem_engine.model.family import ModelConfig
 
     target = ModelConfig.from_dir(tiny_llama)
     draft = ModelConfig.from_dir(drafts(tiny_llama))

@@ -1,32 +1,21 @@
-"""Model and engine configuration: small frozen dataclasses.
+"""Engine configuration: small frozen dataclasses, the engine's defaults and their flags.
 
-`ModelConfig` is parsed from a HuggingFace `config.json` (both the
-transformers 4.x and 5.x spellings) and knows which tensors a checkpoint of
-that shape must contain, so the loader and a later weight refit can validate a
-checkpoint before touching any parameter. This module does not import torch.
+What a checkpoint is (`ModelConfig`, parsed from its config.json by its family's rule)
+lives with the model families, in `model/family.py`. This module does not import torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
-from tandem_engine.errors import CheckpointError, path_problem
+from tandem_engine.errors import CheckpointError
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                   "fp16": "float16"}
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 KERNEL_CHOICES = ("auto", "native", "torch", "flex")
 # `tandem demo-model --size`: 1b is ~1.0B parameters, for GPU throughput checks.
 DEMO_MODEL_SIZES = ("tiny", "small", "1b")
@@ -63,232 +52,6 @@ MAX_PROMPT_LOOKUP = 64
 DEFAULT_MTP_FIT_PROMPTS = 64
 DEFAULT_MTP_FIT_TOKENS = 96
 DEFAULT_MTP_FIT_RIDGE = 1e-3
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    kind: str = "default"  # default | llama3 | linear
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope: RopeConfig = field(default_factory=RopeConfig)
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2, or Llama/Mistral with attention_bias
-    o_bias: bool = False  # Llama/Mistral with attention_bias
-    mlp_bias: bool = False
-    qk_norm: bool = False  # Qwen3
-    dtype: str = "float32"
-    eos_token_ids: tuple[int, ...] = ()
-    bos_token_id: int | None = None
-    # Multi-token-prediction heads stored beside the model (`mtp.{i}.weight`, optional
-    # `mtp.{i}.bias`; model/mtp.py): config.json's "num_mtp_heads" (0: none) and
-    # "mtp_hidden_act" (silu, Medusa's residual block; identity, a linear residual).
-    num_mtp_heads: int = 0
-    mtp_hidden_act: str = "silu"
-    # "mtp_token_input": each head also reads the embedding of the token just emitted
-    # (`mtp.{i}.token_weight`).
-    mtp_token_input: bool = False
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> ModelConfig:
-        file = Path(path) / "config.json"
-        if (problem := path_problem(file, "file")) == "does not exist":
-            raise CheckpointError(
-                f"{file}: missing; a checkpoint folder needs config.json "
-                "(HuggingFace format: config.json + *.safetensors + tokenizer.json)"
-            )
-        if problem is not None:
-            raise CheckpointError(f"{file} {problem}")
-        try:
-            raw = json.loads(file.read_text())
-        except OSError as exc:
-            raise CheckpointError(f"{file}: cannot read ({exc.strerror or exc})") from exc
-        except ValueError as exc:
-            raise CheckpointError(f"{file}: not valid JSON ({exc})") from exc
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{file}: expected a JSON object, got {type(raw).__name__}")
-        return cls.from_hf_dict(raw, source=str(file))
-
-    @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        archs = raw.get("architectures") or []
-        arch = archs[0] if isinstance(archs, list) and archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise CheckpointError(
-                f"{source}: architecture {arch!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-
-        def need(key: str) -> Any:
-            if key not in raw:
-                raise CheckpointError(f"{source}: field {key!r} is required for {arch}")
-            return raw[key]
-
-        def positive_int(key: str, value: Any) -> int:
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise CheckpointError(f"{source}: {key} must be a positive integer, got {value!r}")
-            return value
-
-        hidden = positive_int("hidden_size", need("hidden_size"))
-        heads = positive_int("num_attention_heads", need("num_attention_heads"))
-        kv_heads = positive_int(
-            "num_key_value_heads", raw.get("num_key_value_heads") or heads
-        )
-        if heads % kv_heads:
-            raise CheckpointError(
-                f"{source}: num_attention_heads={heads} is not a multiple of "
-                f"num_key_value_heads={kv_heads}"
-            )
-        head_dim = raw.get("head_dim")
-        if head_dim is None:
-            if hidden % heads:
-                raise CheckpointError(
-                    f"{source}: hidden_size={hidden} is not divisible by "
-                    f"num_attention_heads={heads}; set head_dim"
-                )
-            head_dim = hidden // heads
-        head_dim = positive_int("head_dim", head_dim)
-        if head_dim % 2:
-            raise CheckpointError(f"{source}: head_dim={head_dim} must be even for RoPE")
-
-        max_pos = positive_int("max_position_embeddings", raw.get("max_position_embeddings", 2048))
-        # Mistral's sliding window is exact attention when the context never exceeds it.
-        window = raw.get("sliding_window")
-        if window and raw.get("use_sliding_window", True) and arch == "MistralForCausalLM":
-            max_pos = min(max_pos, positive_int("sliding_window", window))
-
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise CheckpointError(f"{source}: hidden_act {act!r} is not supported; expected 'silu'")
-
-        attention_bias = bool(raw.get("attention_bias", False))
-        qwen2 = arch == "Qwen2ForCausalLM"
-        num_mtp_heads = raw.get("num_mtp_heads", 0)
-        if not _is_int(num_mtp_heads) or num_mtp_heads < 0:
-            raise CheckpointError(f"{source}: num_mtp_heads must be a non-negative integer "
-                                  f"(the multi-token-prediction heads stored as mtp.{{i}}.weight),"
-                                  f" got {num_mtp_heads!r}")
-        mtp_act = raw.get("mtp_hidden_act", "silu")
-        if mtp_act not in MTP_HIDDEN_ACTS:
-            raise CheckpointError(f"{source}: mtp_hidden_act {mtp_act!r} is not supported; "
-                                  f"use one of {', '.join(MTP_HIDDEN_ACTS)}")
-        mtp_token_input = raw.get("mtp_token_input", False)
-        if not isinstance(mtp_token_input, bool):
-            raise CheckpointError(f"{source}: mtp_token_input must be true or false, got "
-                                  f"{mtp_token_input!r}")
-        return cls(
-            architecture=arch,
-            vocab_size=positive_int("vocab_size", need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=positive_int("intermediate_size", need("intermediate_size")),
-            num_layers=positive_int("num_hidden_layers", need("num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=max_pos,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_parse_rope(raw, source),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=qwen2 or attention_bias,
-            o_bias=attention_bias and not qwen2,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            dtype=normalize_dtype(
-                raw.get("dtype") or raw.get("torch_dtype") or "float32", source, "dtype"
-            ),
-            eos_token_ids=_token_ids(raw.get("eos_token_id")),
-            bos_token_id=raw.get("bos_token_id") if isinstance(raw.get("bos_token_id"), int)
-            else None,
-            num_mtp_heads=num_mtp_heads,
-            mtp_hidden_act=mtp_act,
-            mtp_token_input=mtp_token_input,
-        )
-
-    def shape_fields(self) -> dict[str, Any]:
-        """The fields that shape the parameters: two checkpoints are weight-compatible
-        (a refit may swap one for the other) exactly when these agree."""
-        return {
-            "architecture": self.architecture,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_layers": self.num_layers,
-            "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "qkv_bias": self.qkv_bias,
-            "o_bias": self.o_bias,
-            "mlp_bias": self.mlp_bias,
-            "qk_norm": self.qk_norm,
-        }
-
-    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor name a checkpoint of this config holds, with its shape."""
-        h = self.hidden_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        inter = self.intermediate_size
-        out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
-        for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            out[p + "input_layernorm.weight"] = (h,)
-            out[p + "post_attention_layernorm.weight"] = (h,)
-            out[p + "self_attn.q_proj.weight"] = (q, h)
-            out[p + "self_attn.k_proj.weight"] = (kv, h)
-            out[p + "self_attn.v_proj.weight"] = (kv, h)
-            out[p + "self_attn.o_proj.weight"] = (h, q)
-            if self.qkv_bias:
-                out[p + "self_attn.q_proj.bias"] = (q,)
-                out[p + "self_attn.k_proj.bias"] = (kv,)
-                out[p + "self_attn.v_proj.bias"] = (kv,)
-            if self.o_bias:
-                out[p + "self_attn.o_proj.bias"] = (h,)
-            if self.qk_norm:
-                out[p + "self_attn.q_norm.weight"] = (self.head_dim,)
-                out[p + "self_attn.k_norm.weight"] = (self.head_dim,)
-            out[p + "mlp.gate_proj.weight"] = (inter, h)
-            out[p + "mlp.up_proj.weight"] = (inter, h)
-            out[p + "mlp.down_proj.weight"] = (h, inter)
-            if self.mlp_bias:
-                out[p + "mlp.gate_proj.bias"] = (inter,)
-                out[p + "mlp.up_proj.bias"] = (inter,)
-                out[p + "mlp.down_proj.bias"] = (h,)
-        out["model.norm.weight"] = (h,)
-        if not self.tie_word_embeddings:
-            out["lm_head.weight"] = (self.vocab_size, h)
-        return out
-
-    def mtp_tensors(self) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
-        """The multi-token-prediction heads' tensors (model/mtp.py): the required ones
-        (`mtp.{i}.weight`, and `mtp.{i}.token_weight` with mtp_token_input) and the
-        optional ones (`mtp.{i}.bias`), with their shapes. Kept out of
-        `expected_tensors`: the heads are not part of the CausalLM."""
-        h = self.hidden_size
-        required = {f"mtp.{i}.weight": (h, h) for i in range(self.num_mtp_heads)}
-        if self.mtp_token_input:
-            required.update({f"mtp.{i}.token_weight": (h, h)
-                             for i in range(self.num_mtp_heads)})
-        optional = {f"mtp.{i}.bias": (h,) for i in range(self.num_mtp_heads)}
-        return required, optional
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 def context_room(prompt_tokens: int, max_model_len: int) -> int:
@@ -400,46 +163,6 @@ def normalize_dtype(value: Any, source: str, key: str = "dtype") -> str:
             f"{source}: {key} {value!r} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}"
         )
     return name
-
-
-def _token_ids(value: Any) -> tuple[int, ...]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value,)
-    if isinstance(value, list):
-        return tuple(v for v in value if isinstance(v, int))
-    return ()
-
-
-def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
-    # transformers 5.x: rope_parameters {rope_theta, rope_type, ...};
-    # 4.x: top-level rope_theta and an optional rope_scaling {rope_type|type, ...}.
-    params = dict(raw.get("rope_scaling") or {})
-    params.update(raw.get("rope_parameters") or {})
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    kind = params.get("rope_type") or params.get("type") or "default"
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise CheckpointError(
-            f"{source}: rope type {kind!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    theta = float(theta)
-    if not math.isfinite(theta) or theta <= 0:
-        raise CheckpointError(f"{source}: rope_theta must be a positive number, got {theta!r}")
-    if kind == "default":
-        return RopeConfig(theta=theta)
-    factor = float(params.get("factor", 1.0))
-    if kind == "linear":
-        return RopeConfig(theta=theta, kind=kind, factor=factor)
-    return RopeConfig(
-        theta=theta,
-        kind=kind,
-        factor=factor,
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", 8192)
-        ),
-    )
 
 
 @dataclass(frozen=True)

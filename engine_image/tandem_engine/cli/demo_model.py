@@ -36,11 +36,13 @@ from tokenizers import (
     trainers,
 )
 
-from tandem_engine.config import DEMO_MODEL_SIZES, ModelConfig
+from tandem_engine.config import DEMO_MODEL_SIZES
+from tandem_engine.model.family import DEMO_FAMILIES, DemoRecipe, DemoShape, ModelConfig
+from tandem_engine.model.family import family_named as _family_named
 from tandem_engine.model.mtp import random_heads
-from tandem_engine.tokenizer import QWEN2_SPLIT
+from tandem_engine.tokenizer import GGUF_PRE_TOKENIZERS
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = DEMO_FAMILIES  # the registry's families with a demo recipe
 SIZES = DEMO_MODEL_SIZES
 # Told each step of `write_demo_model` as it starts: (phase, detail), e.g.
 # ("drawing the random weights", "tensor 3 of 21").
@@ -49,7 +51,7 @@ ProgressCallback = Callable[[str, str], None]
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-BOS_TOKEN = "<|begin_of_text|>"  # only the llama demo prepends it, as Llama 3 does
+BOS_TOKEN = "<|begin_of_text|>"  # prepended by the demos whose recipe says so (llama)
 # Trained first, so their ids are 0..3 in every demo tokenizer.
 SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END, BOS_TOKEN)
 # The bundled corpus supports up to ~3,900 tokens (merging pairs seen once). A multiple
@@ -57,7 +59,7 @@ SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END, BOS_TOKEN)
 TOKENIZER_VOCAB_SIZE = 2048
 
 
-# ChatML. The llama demo's template starts with the BOS token, so a rendered chat
+# ChatML. A BOS demo's template starts with the BOS token, so a rendered chat
 # prompt must be encoded with add_special_tokens=False (as transformers does).
 _CHATML = (
     "{%- for message in messages %}"
@@ -67,22 +69,12 @@ _CHATML = (
 )
 
 
-@dataclass(frozen=True)
-class _Shape:
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    max_position_embeddings: int
-    qwen3_head_dim: int  # explicit head_dim, deliberately != hidden/heads in tiny
-    llama3_original_context: int  # rope_scaling.original_max_position_embeddings
-
-
+# head_dim: for families with an explicit one (qwen3), deliberately != hidden/heads in
+# tiny; original_context: llama's rope_scaling.original_max_position_embeddings.
 _SHAPES = {
-    "tiny": _Shape(64, 2, 4, 2, 192, 1024, qwen3_head_dim=32, llama3_original_context=256),
-    "small": _Shape(768, 16, 12, 4, 2048, 2048, qwen3_head_dim=64, llama3_original_context=512),
-    "1b": _Shape(2048, 16, 32, 8, 8192, 4096, qwen3_head_dim=128, llama3_original_context=1024),
+    "tiny": DemoShape(64, 2, 4, 2, 192, 1024, head_dim=32, original_context=256),
+    "small": DemoShape(768, 16, 12, 4, 2048, 2048, head_dim=64, original_context=512),
+    "1b": DemoShape(2048, 16, 32, 8, 8192, 4096, head_dim=128, original_context=1024),
 }
 
 
@@ -129,50 +121,18 @@ def demo_hf_config(arch: str = "llama", size: str = "tiny") -> dict[str, Any]:
         "eos_token_id": eos_id,
         "torch_dtype": "float32",
     }
-    if arch == "llama":
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            **common,
-            "rms_norm_eps": 1e-5,
-            "tie_word_embeddings": False,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "pretraining_tp": 1,
-            "rope_theta": 10000.0,
-            # Llama 3 scaling with a short "original" context, so that the tiny
-            # head_dim has frequencies on both sides of the smoothing band.
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": s.max_position_embeddings / s.llama3_original_context,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": s.llama3_original_context,
-            },
-            "bos_token_id": SPECIAL_TOKENS.index(BOS_TOKEN),
-        }
-    qwen: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "Qwen3ForCausalLM"],
-        "model_type": arch,
-        **common,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "rope_scaling": None,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": s.num_layers,
-    }
-    if arch == "qwen2":
-        qwen["tie_word_embeddings"] = True
-    else:
-        qwen.update(tie_word_embeddings=False, head_dim=s.qwen3_head_dim, attention_bias=False)
-    return qwen
+    config = _recipe(arch).config(s, common)
+    if _recipe(arch).bos:
+        config["bos_token_id"] = SPECIAL_TOKENS.index(BOS_TOKEN)
+    return config
 
 
 def train_demo_tokenizer(arch: str = "llama") -> Tokenizer:
     """Byte-level BPE trained on the bundled corpus; deterministic for a given
-    `tokenizers` version. The llama flavour prepends BOS on encode."""
+    `tokenizers` version; split by the family recipe's pre-tokenizer, and prepending BOS
+    on encode where the recipe says so (llama)."""
     _check_choice("arch", arch, ARCHITECTURES)
+    recipe = _recipe(arch)
     corpus = resources.files("tandem_engine").joinpath("data/corpus.txt").read_text("utf-8")
     tok = Tokenizer(models.BPE())
     # The pipeline Qwen2 tokenizer.json files declare. transformers 5 rebuilds every
@@ -180,7 +140,8 @@ def train_demo_tokenizer(arch: str = "llama") -> Tokenizer:
     # so any other choice would make the reference tokenize differently from the engine.
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZERS[recipe.pre_tokenizer]),
+                             behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -197,7 +158,7 @@ def train_demo_tokenizer(arch: str = "llama") -> Tokenizer:
             f"demo tokenizer: the corpus gave {tok.get_vocab_size()} tokens, expected "
             f"{TOKENIZER_VOCAB_SIZE}; the corpus in tandem_engine/data is too small"
         )
-    if arch == "llama":
+    if recipe.bos:
         bos_id = SPECIAL_TOKENS.index(BOS_TOKEN)
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS_TOKEN} $A",
@@ -281,10 +242,10 @@ def write_demo_model(
 
 
 def _tokenizer_config(arch: str, hf_config: dict[str, Any]) -> dict[str, Any]:
-    llama = arch == "llama"
+    bos = _recipe(arch).bos
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN if llama else None,
+        "bos_token": BOS_TOKEN if bos else None,
         "eos_token": EOS_TOKEN,
         "pad_token": EOS_TOKEN,
         "unk_token": None,
@@ -295,7 +256,7 @@ def _tokenizer_config(arch: str, hf_config: dict[str, Any]) -> dict[str, Any]:
                      "single_word": False, "special": True}
             for i, t in enumerate(SPECIAL_TOKENS)
         },
-        "chat_template": ("{{- bos_token }}" if llama else "") + _CHATML,
+        "chat_template": ("{{- bos_token }}" if bos else "") + _CHATML,
     }
 
 
@@ -312,6 +273,12 @@ def _generation_config(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 def _write_json(file: Path, data: dict[str, Any]) -> None:
     file.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _recipe(arch: str) -> DemoRecipe:
+    recipe = _family_named(arch).demo
+    assert recipe is not None, f"{arch} is in ARCHITECTURES only with a demo recipe"
+    return recipe
 
 
 def _check_choice(what: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from safetensors.torch import save_file
 
 from tandem_engine.errors import CheckpointError
 from tandem_engine.model.checkpoint import load_checkpoint
+from tandem_engine.model.family import Family
 from tandem_engine.model.gguf import read_gguf_checkpoint
 from tandem_engine.tokenizer import Tokenizer
 from tandem_engine.weights import checkpoint_problem, is_gguf_path
@@ -33,7 +33,6 @@ from tandem_engine.weights import checkpoint_problem, is_gguf_path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja", "vocab.json",
                    "merges.txt", "tokenizer.model")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def write_draft_model(target: str | Path, out: str | Path, layers: int) -> Path:
@@ -52,14 +51,16 @@ def write_draft_model(target: str | Path, out: str | Path, layers: int) -> Path:
         _check_layers(layers, total, source)
         # Only the kept tensors are dequantized.
         kept = dataclasses.replace(gguf, tensors={
-            name: t for name, t in gguf.tensors.items() if _kept(name, layers)})
+            name: t for name, t in gguf.tensors.items()
+            if _kept(name, layers, gguf.config.family)})
         tensors = kept.load_tensors(torch.float32)
     else:
         hf_config = json.loads((source / "config.json").read_text(encoding="utf-8"))
         config, tensors = load_checkpoint(source)
         total = config.num_layers
         _check_layers(layers, total, source)
-        tensors = {name: t for name, t in tensors.items() if _kept(name, layers)}
+        tensors = {name: t for name, t in tensors.items()
+                   if _kept(name, layers, config.family)}
     folder.mkdir(parents=True, exist_ok=True)
     save_file({name: t.contiguous() for name, t in tensors.items()},
               str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -83,11 +84,11 @@ def _check_layers(layers: int, total: int, source: Path) -> None:
                          "is faster, more agrees with the target more often)")
 
 
-def _kept(name: str, layers: int) -> bool:
+def _kept(name: str, layers: int, family: Family) -> bool:
     """Whether tensor `name` belongs to the draft: every tensor outside the decoder
     layers (embedding, final norm, head), and those of the first `layers` layers."""
-    match = _LAYER.match(name)
-    return match is None or int(match.group(1)) < layers
+    layer = family.layer_of(name)
+    return layer is None or layer < layers
 
 
 def _draft_config(hf_config: dict[str, Any], layers: int) -> dict[str, Any]:

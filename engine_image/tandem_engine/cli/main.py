@@ -42,6 +42,7 @@ from tandem_engine.config import (
 )
 from tandem_engine.errors import TandemError
 from tandem_engine.fleet.verify import DEFAULT_MIN_UNCERTAINTY_RATIO
+from tandem_engine.model.family import DEMO_FAMILIES
 from tandem_engine.refit_policy import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_UNAVAILABLE,
@@ -237,7 +238,7 @@ def _add_demo_model(sub) -> None:
     demo.add_argument("dir", nargs="?", metavar="DIR", help="folder to write the checkpoint "
                       "into")
     demo.add_argument("--dir", dest="dir_option", metavar="DIR", help="the same as DIR")
-    demo.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama",
+    demo.add_argument("--arch", choices=DEMO_FAMILIES, default="llama",
                       help="model family the checkpoint imitates")
     demo.add_argument("--seed", type=int, default=0,
                       help="seed of the random weights (same seed: byte-identical files)")

@@ -38,12 +38,10 @@ from tandem_engine.config import (
 from tandem_engine.config import (
     DEFAULT_MTP_FIT_TOKENS as DEFAULT_TOKENS,
 )
-from tandem_engine.config import (
-    ModelConfig,
-)
 from tandem_engine.model.attention import GatherBuffers, build_metadata
 from tandem_engine.model.checkpoint import INDEX_NAME, WEIGHTS_NAME, load_checkpoint
-from tandem_engine.model.llama import CausalLM, RotaryEmbedding, build_model
+from tandem_engine.model.family import ModelConfig
+from tandem_engine.model.layers import DecoderModel, build_model
 from tandem_engine.model.mtp import MtpHeads, fit_heads, take_mtp_heads
 from tandem_engine.weights import is_gguf_path
 
@@ -71,20 +69,20 @@ def corpus_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def hidden_states(model: CausalLM, rope: RotaryEmbedding, token_ids: list[int]) -> torch.Tensor:
+def hidden_states(model: DecoderModel, token_ids: list[int]) -> torch.Tensor:
     """[L, hidden] final-normed hidden states of every position of one sequence (one
     prefill into a scratch KV pool of its own)."""
     c = model.config
-    device = model.model.embed_tokens.weight.device
+    weight = next(model.parameters())
+    device = weight.device
     n = len(token_ids)
     blocks = math.ceil(n / _KV_BLOCK)
     kv = torch.zeros(c.num_layers, 2, blocks, _KV_BLOCK, c.num_kv_heads, c.head_dim,
-                     dtype=model.model.embed_tokens.weight.dtype, device=device)
+                     dtype=weight.dtype, device=device)
     meta = build_metadata([], [], [(0, n, list(range(blocks)))], list(range(n)), _KV_BLOCK,
                           device, GatherBuffers())
     positions = torch.arange(n, device=device)
-    cos, sin = rope.lookup(positions)
-    return model(torch.tensor(token_ids, device=device), cos, sin, kv, meta).float()
+    return model(torch.tensor(token_ids, device=device), positions, kv, meta).float()
 
 
 def fit_checkpoint(model_path: str | Path, out: str | Path, num_heads: int, *,
@@ -118,20 +116,19 @@ def fit_checkpoint(model_path: str | Path, out: str | Path, num_heads: int, *,
 
     config, tensors = load_checkpoint(model_path, "float32")
     take_mtp_heads(config, tensors)
-    model = build_model(config, dict(tensors), torch.device(device))
-    rope = RotaryEmbedding(config.rope, config.head_dim,
-                           max(len(s) + len(g) for s, g in zip(starts, generated, strict=True)),
-                           torch.device(device), torch.float32)
+    model = build_model(config, dict(tensors), torch.device(device),
+                        max(len(s) + len(g) for s, g in zip(starts, generated, strict=True)))
     log("collecting the hidden states")
     # From each prompt's last position on: the states whose next tokens the target chose
     # (states[j][t] produced generated[j][t]).
-    states = [hidden_states(model, rope, start + gen)[len(start) - 1:].cpu()
+    states = [hidden_states(model, start + gen)[len(start) - 1:].cpu()
               for start, gen in zip(starts, generated, strict=True)]
     held = len(states) // 8
     train = states[held:]
     log(f"fitting {num_heads} heads on {len(train)} sequences")
-    embeds = ([model.model.embed_tokens.weight[torch.tensor(g)].detach().cpu().float()
-               for g in generated] if token_input else None)
+    with torch.no_grad():
+        embeds = ([model.embed(torch.tensor(g, device=device)).cpu().float()
+                   for g in generated] if token_input else None)
     heads = fit_heads(train, num_heads, ridge, None if embeds is None else embeds[held:])
     agreement = _agreement(model, heads, states[:held] or train, generated[:held] or
                            generated, device)
@@ -140,7 +137,7 @@ def fit_checkpoint(model_path: str | Path, out: str | Path, num_heads: int, *,
 
 
 @torch.inference_mode()
-def _agreement(model: CausalLM, heads: MtpHeads, states: list[torch.Tensor],
+def _agreement(model: DecoderModel, heads: MtpHeads, states: list[torch.Tensor],
                generated: list[list[int]], device: str) -> tuple[float, ...]:
     """Per head i: the fraction of held-out positions t where head i's argmax is the token
     the target generated at t + 2 + i. (states[j][t] is the state whose lm_head gives
@@ -154,7 +151,7 @@ def _agreement(model: CausalLM, heads: MtpHeads, states: list[torch.Tensor],
             if n <= 0:
                 continue
             e = (None if heads.token_weight is None
-                 else model.model.embed_tokens(torch.tensor(toks[:n], device=device)))
+                 else model.embed(torch.tensor(toks[:n], device=device)))
             guess = heads.propose(state[:n].to(device), i + 1, model.compute_logits, e)
             hits += sum(g[i] == t for g, t in zip(guess, toks[1 + i:], strict=True))
             total += n

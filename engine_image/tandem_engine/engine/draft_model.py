@@ -44,12 +44,13 @@ from pathlib import Path
 
 import torch
 
-from tandem_engine.config import EngineConfig, ModelConfig, SpeculativeConfig
+from tandem_engine.config import EngineConfig, SpeculativeConfig
 from tandem_engine.core.kv import KVCacheManager
 from tandem_engine.core.request import Request
 from tandem_engine.engine.backoff import Backoffs
 from tandem_engine.errors import CheckpointError
 from tandem_engine.model.checkpoint import load_checkpoint
+from tandem_engine.model.family import ModelConfig
 from tandem_engine.model.runner import ModelRunner, TokenRun
 from tandem_engine.tokenizer import Tokenizer
 from tandem_engine.weights import checkpoint_problem

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +26,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tandem_engine.config import ModelConfig, normalize_dtype
+from tandem_engine.config import normalize_dtype
 from tandem_engine.errors import CheckpointError, list_problems, path_problem
+from tandem_engine.model.family import ModelConfig
 from tandem_engine.model.gguf import GGUFCheckpoint, read_gguf_checkpoint
 from tandem_engine.weights import is_gguf_path
 
@@ -39,7 +39,6 @@ FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_PROBLEMS_SHOWN = 10
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -327,8 +326,8 @@ def _check_tensors(
         if name in expected or name in mtp_optional or _ignored(name, config):
             continue
         hint = ""
-        match = _LAYER_INDEX.match(name)
-        if match and int(match.group(1)) >= config.num_layers:
+        layer = config.family.layer_of(name)
+        if layer is not None and layer >= config.num_layers:
             hint = f"; config.json says num_hidden_layers={config.num_layers}"
         elif name.startswith("mtp."):
             hint = (f"; config.json says num_mtp_heads={config.num_mtp_heads}, "

@@ -29,7 +29,7 @@ import torch
 
 from tandem_engine.model.attention import AttentionMetadata, GatherBuffers
 from tandem_engine.model.flex_attention import FlexPagedAttention, MaskBlocks
-from tandem_engine.model.llama import CausalLM, RotaryEmbedding
+from tandem_engine.model.layers import DecoderModel
 
 MAX_CAPTURED_BATCH = 256  # larger decode batches are throughput-bound: run them eagerly
 
@@ -98,11 +98,9 @@ class _Captured:
                 decode_lens=None, decode_mask=None, prefills=[], buffers=GatherBuffers(),
                 flex=step)
 
-    def forward(self, model: CausalLM, rope: RotaryEmbedding,
-                kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, model: DecoderModel, kv_cache: torch.Tensor) -> torch.Tensor:
         assert self.meta is not None, "load() before forward()"
-        cos, sin = rope.lookup(self.positions)
-        return model.compute_logits(model(self.input_ids, cos, sin, kv_cache, self.meta))
+        return model.compute_logits(model(self.input_ids, self.positions, kv_cache, self.meta))
 
 
 class DecodeGraphs:
@@ -120,8 +118,8 @@ class DecodeGraphs:
         self._graphs.clear()
         self._pool = None
 
-    def run(self, inputs: DecodeInputs, model: CausalLM, rope: RotaryEmbedding,
-            kv_cache: torch.Tensor, flex: FlexPagedAttention) -> torch.Tensor | None:
+    def run(self, inputs: DecodeInputs, model: DecoderModel, kv_cache: torch.Tensor,
+            flex: FlexPagedAttention) -> torch.Tensor | None:
         """The step's logits [n, vocab] (a view into the graph's output: use it before the
         next replay), or None when no bucket holds the step."""
         size = bucket_for(len(inputs), self.sizes)
@@ -130,16 +128,15 @@ class DecodeGraphs:
         padded = inputs.padded(size)
         captured = self._graphs.get(size)
         if captured is None:
-            captured = self._capture(size, padded, model, rope, kv_cache, flex)
+            captured = self._capture(size, padded, model, kv_cache, flex)
         else:
             captured.load(padded, flex)
         assert captured.graph is not None and captured.logits is not None
         captured.graph.replay()
         return captured.logits[:len(inputs)]
 
-    def _capture(self, size: int, padded: DecodeInputs, model: CausalLM,
-                 rope: RotaryEmbedding, kv_cache: torch.Tensor,
-                 flex: FlexPagedAttention) -> _Captured:
+    def _capture(self, size: int, padded: DecodeInputs, model: DecoderModel,
+                 kv_cache: torch.Tensor, flex: FlexPagedAttention) -> _Captured:
         captured = _Captured(size, flex, self.device)
         captured.load(padded, flex)
         # Warm up on a side stream (compiles flex attention, sets up cuBLAS) with the
@@ -148,12 +145,12 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                captured.forward(model, rope, kv_cache)
+                captured.forward(model, kv_cache)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the KV transfer agent's threads may touch CUDA meanwhile.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            captured.logits = captured.forward(model, rope, kv_cache)
+            captured.logits = captured.forward(model, kv_cache)
         self._pool = graph.pool()
         captured.graph = graph
         self._graphs[size] = captured

@@ -33,14 +33,15 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
-from tandem_engine.config import ModelConfig, normalize_dtype
+from tandem_engine.config import normalize_dtype
 from tandem_engine.errors import CheckpointError, list_problems
 from tandem_engine.generation_config import generation_defaults
 from tandem_engine.gguf_file import GGUFFile, GGUFTensor, open_gguf
+from tandem_engine.model.family import GGUF_FAMILIES, Family, ModelConfig
 from tandem_engine.tokenizer import Tokenizer
 
-# llama.cpp architecture names this loader maps; Mistral models convert as "llama".
-SUPPORTED_ARCHITECTURES = ("llama",)
+# llama.cpp architecture names this loader maps (the families with a GGUF layout).
+SUPPORTED_ARCHITECTURES = tuple(GGUF_FAMILIES)
 _Q = GGMLQuantizationType
 SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1,
                    _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)
@@ -50,38 +51,24 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 _MAX_PROBLEMS_SHOWN = 10
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
-_GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-# HF name inside model.layers.N. -> GGUF name inside blk.N.
-_LAYER_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _REQUANTIZE = ("re-quantize the model with llama.cpp's llama-quantize to one of them "
                "(Q8_0, Q4_0, Q4_K_M...), or give the HuggingFace checkpoint folder")
 
 
-def gguf_tensor_name(hf_name: str) -> str:
-    """The GGUF name of an HF parameter name (model.layers.3.self_attn.q_proj.weight ->
-    blk.3.attn_q.weight)."""
-    if hf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[hf_name]
+def gguf_tensor_name(hf_name: str, family: Family = GGUF_FAMILIES["llama"]) -> str:
+    """The GGUF name of an HF parameter name in `family`'s GGUF layout
+    (model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight)."""
+    layout = family.gguf
+    if layout is None:
+        raise KeyError(f"model family {family.name!r} has no GGUF layout")
+    if hf_name in layout.global_names:
+        return layout.global_names[hf_name]
     match = _HF_LAYER.match(hf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in layout.layer_names:
         raise KeyError(f"no GGUF name for tensor {hf_name!r}")
     layer, module, kind = match.groups()
-    return f"blk.{layer}.{_LAYER_NAMES[module]}.{kind}"
+    return f"blk.{layer}.{layout.layer_names[module]}.{kind}"
 
 
 @dataclass(frozen=True)
@@ -104,12 +91,14 @@ class GGUFCheckpoint:
         """Dequantize every tensor into `dtype`, with llama.cpp's Q/K row order undone.
         `on_tensor` is told the stored bytes of each tensor once it is done."""
         c = self.config
+        layout = c.family.gguf
+        permuted = layout is not None and layout.rotary_rows_permuted
         out: dict[str, torch.Tensor] = {}
         for name, tensor in self.tensors.items():
             weight = _dequantized(self.path, tensor)
-            if ".self_attn.q_proj." in name:
+            if permuted and ".self_attn.q_proj." in name:
                 weight = unpermute_rotary_rows(weight, c.num_heads)
-            elif ".self_attn.k_proj." in name:
+            elif permuted and ".self_attn.k_proj." in name:
                 weight = unpermute_rotary_rows(weight, c.num_kv_heads)
             out[name] = weight.to(dtype).contiguous()
             if on_tensor is not None:
@@ -175,11 +164,12 @@ def gguf_hf_config(file: GGUFFile) -> dict[str, Any]:
     validated with GGUF key names in every error. Long on purpose: one straight list of
     metadata keys and their checks reads better than the same list cut into pieces."""
     arch = file.string("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_FAMILIES:
         raise CheckpointError(
             f"{file.path}: general.architecture {arch!r} is not supported for GGUF files; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (Llama and Mistral models). "
             "Give the model's HuggingFace checkpoint folder instead")
+    family = GGUF_FAMILIES[arch]
     p = f"{arch}."
 
     def positive(key: str, default: Any = None) -> int:
@@ -239,8 +229,8 @@ def gguf_hf_config(file: GGUFFile) -> dict[str, Any]:
            if file.has(f"tokenizer.ggml.{k}_token_id")]
     eos = list(dict.fromkeys(eos))
     config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [family.architectures[0]],
+        "model_type": family.name,
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": ffn,
@@ -347,7 +337,7 @@ def _llama3_factors(params: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
 def _check_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, GGUFTensor]:
     """Every tensor the config needs, by HF name, after checking names, types and shapes."""
     expected = config.expected_tensors()
-    wanted = {gguf_tensor_name(name): name for name in expected}
+    wanted = {gguf_tensor_name(name, config.family): name for name in expected}
     problems: list[str] = []
     found: dict[str, GGUFTensor] = {}
     unsupported = False

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem_engine.config import ModelConfig
+from tandem_engine.model.family import ModelConfig
 
 MTP_PREFIX = "mtp."
 

@@ -17,22 +17,17 @@ from types import ModuleType
 
 import torch
 
-from tandem_engine.config import (
-    DEFAULT_KV_CACHE_MEMORY_BYTES,
-    EngineConfig,
-    ModelConfig,
-    normalize_dtype,
-)
+from tandem_engine.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig, normalize_dtype
 from tandem_engine.core.request import Request
 from tandem_engine.core.scheduler import SchedulerOutput
 from tandem_engine.model.attention import AttentionMetadata, GatherBuffers, build_metadata
 from tandem_engine.model.cuda_graphs import DecodeGraphs, DecodeInputs, bucket_for, capture_sizes
 from tandem_engine.model.device import MemoryProfile
+from tandem_engine.model.family import Family, ModelConfig
 from tandem_engine.model.flex_attention import FlexPagedAttention, kernel_options
 from tandem_engine.model.host_memory import keep_freed_memory
-from tandem_engine.model.llama import (
-    CausalLM,
-    RotaryEmbedding,
+from tandem_engine.model.layers import (
+    DecoderModel,
     build_model,
     pack_linears,
     packing_supported,
@@ -105,13 +100,20 @@ def kv_blocks_in_memory_fraction(profile: MemoryProfile, utilization: float, per
     return blocks
 
 
-def uses_flex(choice: str, device: torch.device, block_size: int) -> bool:
+def uses_flex(choice: str, device: torch.device, block_size: int,
+              family: Family | None = None) -> bool:
     """Whether attention runs on torch's flex_attention: `flex`, and `auto` on CUDA when
-    the block size suits its kernel (a multiple of 16; else the torch gather path)."""
+    the block size suits its kernel (a multiple of 16; else the torch gather path) and
+    the model `family` (None: any whose attention flex runs) runs on flex's masks."""
+    on_flex = family is None or family.flex_attention
     if choice == "flex":
+        if not on_flex:
+            raise ValueError(f"engine option kernels='flex' cannot run {family.name} models "
+                             "(their attention needs masks the flex backend does not "
+                             "build): use 'auto' or 'torch'")
         kernel_options(block_size, device)  # a clear error for a block size it cannot run
         return True
-    return choice == "auto" and device.type == "cuda" and block_size % 16 == 0
+    return choice == "auto" and device.type == "cuda" and block_size % 16 == 0 and on_flex
 
 
 def _decode_backend(choice: str, device: torch.device) -> ModuleType | None:
@@ -182,8 +184,6 @@ class ModelRunner:
             keep_freed_memory()
         self.dtype = DTYPES[resolve_dtype(model_config, engine_config)]
         self.block_size = engine_config.block_size
-        self.rope = RotaryEmbedding(model_config.rope, model_config.head_dim, max_model_len,
-                                    self.device, self.dtype)
         self.kv_shape = (model_config.num_layers, 2, num_blocks, self.block_size,
                          model_config.num_kv_heads, model_config.head_dim)
         self.kv_cache: torch.Tensor | None = None
@@ -197,7 +197,8 @@ class ModelRunner:
         self.native = _decode_backend(engine_config.kernels, self.device)
         self.kernels = "torch" if self.native is None else "native"
         self._flex: FlexPagedAttention | None = None  # built for the pool's size on first use
-        if uses_flex(engine_config.kernels, self.device, self.block_size):
+        if uses_flex(engine_config.kernels, self.device, self.block_size,
+                     family=model_config.family):
             self.kernels = "flex"
             if self.device.type == "cuda" and engine_config.cuda_graphs:
                 self.graphs = DecodeGraphs(capture_sizes(engine_config.max_num_seqs),
@@ -206,7 +207,7 @@ class ModelRunner:
         # Return the sampling rows' hidden states (`StepBatch.hidden`; speculative method
         # mtp). Steps then run eagerly: a captured CUDA graph returns logits only.
         self.capture_hidden = False
-        self.model: CausalLM
+        self.model: DecoderModel
         self.load_weights(tensors)
 
     # ---- weights and KV memory (the engine's lifecycle calls these) ------------------------
@@ -237,7 +238,7 @@ class ModelRunner:
         else:
             state = {k: v.to(self.dtype) for k, v in tensors.items()}
             tensors.clear()
-            model = build_model(self.config, state, self.device)
+            model = build_model(self.config, state, self.device, self._max_model_len)
             state.clear()
             if self.native is not None and packing_supported(self.dtype, self.device):
                 pack_linears(model)
@@ -395,14 +396,13 @@ class ModelRunner:
         assert self.kv_cache is not None, "forward while the KV pool is released"
         if step.graph is not None:
             assert self.graphs is not None
-            logits = self.graphs.run(step.graph, self.model, self.rope, self.kv_cache,
+            logits = self.graphs.run(step.graph, self.model, self.kv_cache,
                                      self._flex_backend())
             assert logits is not None, "prepare() chose a graph that holds the step"
             return StepBatch(logits.index_select(0, step.sample_rows), step.requests,
                              step.drafts)
         assert step.meta is not None
-        cos, sin = self.rope.lookup(step.positions)
-        hidden = self.model(step.input_ids, cos, sin, self.kv_cache, step.meta)
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         sampled = hidden.index_select(0, step.sample_rows)
         logits = self.model.compute_logits(sampled)
         prompt_logits = [(request, first, self.model.compute_logits(hidden.index_select(0, rows)))
@@ -445,8 +445,8 @@ class ModelRunner:
         if self.kernels == "flex":
             meta.flex = self._flex_backend().prepare(decode_tables, decode_lens, prefill_specs)
         dev = self.device
-        cos, sin = self.rope.lookup(torch.tensor(positions, dtype=torch.long, device=dev))
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), cos, sin,
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_cache, meta)
         rows = torch.tensor(last_rows, dtype=torch.long, device=dev)
         return self.model.compute_logits(hidden.index_select(0, rows))
