@@ -48,8 +48,7 @@ def test_state_pause_unpause_with_the_token(engine: EngineProcess) -> None:
 
     async def scenario(admin: EngineAdmin) -> None:
         state = await admin.state(base)
-        assert (state["role"], state["weight_version"], state["state"]) == ("decode", "v7",
-                                                                            "RUNNING")
+        assert (state.role, state.weight_version, state.state) == ("decode", "v7", "RUNNING")
         assert (await admin.call("e0", base, "/v1/pause"))["state"] == "PAUSED"
         with pytest.raises(AdminError) as twice:  # a signal the state refuses
             await admin.call("e0", base, "/v1/pause")
@@ -83,14 +82,14 @@ def test_drain_waits_for_the_running_request(engine: EngineProcess, tiny_llama: 
     base = f"http://127.0.0.1:{proc.admin_port}"
     try:
         probe = run(lambda admin: admin.state(base), token=None)
-        assert probe["num_running"] == 0
+        assert probe.num_running == 0
         client = proc.client()
         client.sock.send(p.encode(p.Submit("long", [5, 6, 7], {
             "max_tokens": 200, "temperature": 0.0, "ignore_eos": True})))
         client.next(p.Output)
         result = run(lambda admin: admin.drain("e1", base, timeout=60), token=None)
         assert result.supported and result.drained and result.seconds > 0
-        assert run(lambda admin: admin.state(base), token=None)["num_running"] == 0
+        assert run(lambda admin: admin.state(base), token=None).num_running == 0
     finally:
         proc.close()
 

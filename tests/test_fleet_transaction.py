@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import pytest
+from tandem_engine.admin_wire import decode_status
 from tandem_engine.fleet.orchestrator import advance, new_transaction, refit_body
 from tandem_engine.fleet.transaction import (
     Act,
@@ -551,7 +552,7 @@ def test_bad_options_are_refused_by_name(field: str, value: str, allowed: str) -
 def test_engine_observation_from_the_admin_state() -> None:
     state = {"state": "RUNNING", "weight_version": "v2", "weight_epoch": 4, "draining": True,
              "num_running": 2, "num_waiting": 1, "weight_uri": "file:///models/v2"}
-    obs = EngineObs.from_state("decode-0", "decode", "http://d:9", state)
+    obs = EngineObs.from_state("decode-0", "decode", "http://d:9", decode_status(state))
     assert obs == EngineObs("decode-0", "decode", "http://d:9", "RUNNING", "v2", 4, True, 2, 1,
                             "file:///models/v2")
     assert obs.state is EngineState.RUNNING and not obs.serving

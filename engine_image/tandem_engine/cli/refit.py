@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from tandem_engine.admin_wire import EngineStatus
 from tandem_engine.cli.serve import default_log_dir, read_stack
 from tandem_engine.errors import TandemError
 from tandem_engine.fleet import (
@@ -125,9 +126,9 @@ class RecordingAdmin(EngineAdmin):
     def __init__(self, token: str | None = None, **options: Any) -> None:
         super().__init__(token, **options)
         self.calls: list[AdminCall] = []
-        self.last: dict[str, dict[str, Any] | None] = {}
+        self.last: dict[str, EngineStatus | None] = {}
 
-    async def probe(self, url: str) -> dict[str, Any] | None:
+    async def probe(self, url: str) -> EngineStatus | None:
         self.last[url] = reply = await super().probe(url)
         return reply
 
@@ -156,17 +157,17 @@ def unavailable_window(calls: list[AdminCall], engines: list[str]) -> float | No
 
 
 def _engine_line(engines: list[tuple[str, str, str]],
-                 last: dict[str, dict[str, Any] | None]) -> str:
+                 last: dict[str, EngineStatus | None]) -> str:
     parts = []
     for name, _, url in engines:
         state = last.get(url)
         if state is None:
             parts.append(f"{name} unreachable")
             continue
-        what = str(state["state"]).lower()
-        if state["state"] == EngineState.RUNNING:
-            what = "draining" if state.get("draining") else "serving"
-        parts.append(f"{name} {state['weight_version']}/{state['weight_epoch']} {what}")
+        what = str(state.state).lower()
+        if state.state is EngineState.RUNNING:
+            what = "draining" if state.draining else "serving"
+        parts.append(f"{name} {state.weight_version}/{state.weight_epoch} {what}")
     return " | ".join(parts)
 
 

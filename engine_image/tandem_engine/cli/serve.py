@@ -58,6 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem_engine.admin_wire import decode_status
 from tandem_engine.cli.progress import Status, StatusBlock, render
 from tandem_engine.errors import TandemError
 from tandem_engine.lifecycle import EngineRole, EngineState
@@ -447,12 +448,14 @@ class LocalStack:
             if engine["name"] == besides:
                 continue
             state = self._engine_state(engine["admin_url"], timeout=2)
-            try:
-                weights = (str(state["weight_uri"]), str(state["weight_version"]),
-                           int(state["weight_epoch"]))
-            except (ValueError, KeyError, TypeError):  # no answer (None) included
+            if state is None or "weight_uri" not in state:  # no answer, or no weights named
                 continue
-            if state.get("state") != EngineState.RUNNING or state.get("draining"):
+            try:
+                status = decode_status(state)
+            except ValueError:  # msgspec.ValidationError: not an engine's state
+                continue
+            weights = (status.weight_uri, status.weight_version, status.weight_epoch)
+            if status.state is not EngineState.RUNNING or status.draining:
                 continue
             if best is None or weights[2] > best[2]:
                 best = weights

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from tandem_engine.config import EngineConfig, context_room
+from tandem_engine.admin_wire import RefitRequest
+from tandem_engine.config import EngineConfig, ModelConfig, context_room
 from tandem_engine.core.kv import KVCacheManager
 from tandem_engine.core.kv.hashing import block_salt
 from tandem_engine.core.request import FinishReason, Request
@@ -64,7 +65,6 @@ from tandem_engine.lifecycle import (
 )
 from tandem_engine.model.checkpoint import LoadProgressCallback, load_checkpoint
 from tandem_engine.model.device import profile_step_blocks, profile_step_memory, resolve_device
-from tandem_engine.model.family import ModelConfig
 from tandem_engine.model.mtp import MtpHeads, take_mtp_heads
 from tandem_engine.model.runner import (
     ModelRunner,
@@ -191,7 +191,7 @@ class LLMEngine:
 
     def _target_embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The serving model's input embedding (heads with mtp_token_input read it)."""
-        return self.runner.model.embed(token_ids)
+        return self.runner.model.model.embed_tokens(token_ids)
 
     def _heads_on_device(self, heads: MtpHeads | None) -> MtpHeads | None:
         return None if heads is None else heads.to(self.runner.device, self.runner.dtype)
@@ -730,17 +730,30 @@ class LLMEngine:
     def refit(self, source: str | Path, version: str | None = None,
               epoch: int | None = None, uri: str | None = None,
               low_memory: bool = False, draft: str | Path | None = None) -> int:
-        """Swap in the weights of checkpoint `source`, a folder or a GGUF file (PAUSED,
-        SUSPENDED or RESUMED only). Everything is validated before any parameter changes;
-        on error the old weights keep serving. Returns the new weight epoch: `epoch` when
-        given (a fleet's orchestrator numbers its refits pool-wide, so every engine on the
-        same refit has the same epoch), else the current one + 1. `uri` is how the fleet names
-        the checkpoint (default: its file:// URI). `low_memory` streams the new weights into
-        the serving ones tensor by tensor (device peak: 1x the weights plus one tensor,
-        instead of old + new; `runner.last_refit_peak_bytes` says what it was). `draft`
-        (method draft only) also swaps the draft model's weights for that checkpoint's
-        (same shape and vocabulary, validated with the rest before anything changes); its
-        KV of every request is dropped, and each request catches up once."""
+        """In process: `apply_refit` of a `RefitRequest` for checkpoint `source` (a folder
+        or a GGUF file) under `version` (default: the path), named `uri` (default: its
+        file:// URI), with the draft checkpoint `draft` (method draft only)."""
+        request = RefitRequest(
+            uri=uri or Path(source).resolve().as_uri(), version=version or str(source),
+            epoch=epoch, low_memory=low_memory,
+            draft_uri=None if draft is None else Path(draft).resolve().as_uri())
+        return self.apply_refit(request, source, draft)
+
+    def apply_refit(self, request: RefitRequest, checkpoint: str | Path,
+                    draft: str | Path | None = None) -> int:
+        """Swap in the weights `request` names, read from `checkpoint` (the local folder or
+        GGUF file its URI names, admitted by the caller), PAUSED, SUSPENDED or RESUMED only.
+        Everything is validated before any parameter changes; on error the old weights
+        keep serving. Returns the new weight epoch: `request.epoch` when given (a fleet's
+        orchestrator numbers its refits pool-wide, so every engine on the same refit has
+        the same epoch), else the current one + 1. The weights are then named
+        `request.uri` under `request.version` (default: the URI). `request.low_memory`
+        streams the new weights into the serving ones tensor by tensor (device peak: 1x the
+        weights plus one tensor, instead of old + new; `stats.last_refit_peak_bytes` says
+        what it was). `draft`, read for `request.draft_uri` (method draft only), also swaps
+        the draft model's weights for that checkpoint's (same shape and vocabulary,
+        validated with the rest before anything changes); its KV of every request is
+        dropped, and each request catches up once."""
         with self._lock:
             if self._state not in REFIT_STATES:
                 raise EngineStateError(
@@ -753,11 +766,11 @@ class LLMEngine:
                     f"(speculative decoding: {method}); give draft only to an engine "
                     "started with speculative method draft, or leave it out")
             dtype = str(self.runner.dtype).removeprefix("torch.")
-            config, tensors = load_checkpoint(source, dtype, reference=self.model_config)
+            config, tensors = load_checkpoint(checkpoint, dtype, reference=self.model_config)
             heads = take_mtp_heads(config, tensors)
             if isinstance(self.proposer, MtpProposer):
                 try:
-                    check_mtp_heads(self.proposer.config, heads, str(source))
+                    check_mtp_heads(self.proposer.config, heads, str(checkpoint))
                 except ValueError as exc:
                     raise CheckpointError(f"refit refused, the old weights keep serving: "
                                           f"{exc}") from None
@@ -765,9 +778,9 @@ class LLMEngine:
             if draft is not None:
                 assert self.draft is not None
                 draft_checkpoint = load_draft_checkpoint(
-                    draft, source, config, self.tokenizer, dtype,
+                    draft, checkpoint, config, self.tokenizer, dtype,
                     reference=self.draft.model_config)
-            self.runner.load_weights(tensors, low_memory=low_memory)
+            self.runner.load_weights(tensors, low_memory=request.low_memory)
             if draft_checkpoint is not None:
                 assert self.draft is not None
                 self.draft.load_weights(draft_checkpoint)
@@ -776,14 +789,14 @@ class LLMEngine:
                 assert heads is not None
                 self.proposer.load_heads(heads)
             self.model_config = config
-            new_epoch = self.weight_epoch + 1 if epoch is None else epoch
-            self._weights = WeightIdentity(uri or Path(source).resolve().as_uri(),
-                                           version or str(source), new_epoch)
+            new_epoch = self.weight_epoch + 1 if request.epoch is None else request.epoch
+            self._weights = WeightIdentity(request.uri, request.version or request.uri,
+                                           new_epoch)
             # Requests holding no KV yet compute everything under the new weights; the
             # ones with KV keep their salt (their leading blocks are old-weight KV).
-            for request in self.scheduler.waiting:
-                if request.num_computed_tokens == 0:
-                    request.resalt(block_salt(self.weight_epoch, request.cache_salt))
+            for waiting in self.scheduler.waiting:
+                if waiting.num_computed_tokens == 0:
+                    waiting.resalt(block_salt(self.weight_epoch, waiting.cache_salt))
             self._publish()
             return self.weight_epoch
 

@@ -8,6 +8,9 @@ Torch-free (httpx).
   engine's own message with its HTTP status, or what the connection did: refused, timed
   out). They end up in a Degraded condition or a command's stderr, read by a human.
 * The pool's bearer token is given once, to the client.
+* Typed replies: the engine's state is an `admin_wire.EngineStatus`, the struct the engine
+  builds it as; a reply that does not decode as one is an `AdminError` naming the field.
+  Request bodies are the `admin_wire` structs' `to_body()`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import msgspec
+
+from tandem_engine.admin_wire import EngineStatus, decode_status
 
 
 class AdminError(Exception):
@@ -87,11 +93,17 @@ class EngineAdmin:
                              r.status_code)
         return data
 
-    async def state(self, url: str, engine: str | None = None) -> dict[str, Any]:
-        """GET /v1/state: state, weight_version, weight_epoch, num_running, num_waiting..."""
-        return await self._request("GET", engine or url, url, "/v1/state")
+    async def state(self, url: str, engine: str | None = None) -> EngineStatus:
+        """GET /v1/state: state, weights, num_running, num_waiting, draining..."""
+        engine = engine or url
+        data = await self._request("GET", engine, url, "/v1/state")
+        try:
+            return decode_status(data)
+        except msgspec.ValidationError as exc:
+            raise AdminError(engine, "GET /v1/state", f"malformed state {str(data)[:200]}: "
+                             f"{exc}", 200) from exc
 
-    async def probe(self, url: str) -> dict[str, Any] | None:
+    async def probe(self, url: str) -> EngineStatus | None:
         """GET /v1/state, or None when the engine does not answer (an observation)."""
         try:
             return await self.state(url)
@@ -121,8 +133,8 @@ class EngineAdmin:
         deadline = started + timeout
         while True:
             state = await self.state(url, engine)
-            running, waiting = int(state.get("num_running", 0)), int(state.get("num_waiting", 0))
-            pinned = int(state.get("pinned_blocks", 0)) if pins else 0
+            running, waiting = state.num_running, state.num_waiting
+            pinned = state.num_pinned_blocks if pins else 0
             if running == 0 and waiting == 0 and pinned == 0:
                 return DrainResult(True, True, 0, 0, time.monotonic() - started)
             if time.monotonic() >= deadline:

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tandem_engine.admin_wire import SuspendRequest
 from tandem_engine.fleet.admin import AdminError, EngineAdmin
 from tandem_engine.fleet.transaction import (
     Act,
@@ -222,7 +223,8 @@ async def _step(tx: Transaction, engine: EngineObs, admin: EngineAdmin,
     elif act is Act.PAUSE:
         await admin.call(name, url, "/v1/pause")
     elif act is Act.SUSPEND:
-        await admin.call(name, url, "/v1/suspend", {"mode": suspend_mode(engine, tx.inflight)})
+        await admin.call(name, url, "/v1/suspend",
+                         SuspendRequest(mode=suspend_mode(engine, tx.inflight)).to_body())
     elif act is Act.REFIT:
         assert goal is not None
         await admin.call(name, url, "/v1/refit", refit_body(tx, goal),
@@ -245,14 +247,8 @@ async def _step(tx: Transaction, engine: EngineObs, admin: EngineAdmin,
 
 
 def refit_body(tx: Transaction, goal: WeightsRef) -> dict[str, Any]:
-    """The /v1/refit body that moves an engine to `goal`: its draft checkpoint (`draft_uri`)
-    only when the transaction names one, so engines without speculative decoding get the
-    body they always did."""
-    body: dict[str, Any] = {"uri": goal.uri, "version": goal.version, "epoch": tx.goal_epoch,
-                            "low_memory": tx.low_memory}
-    if tx.goal_draft is not None:
-        body["draft_uri"] = tx.goal_draft
-    return body
+    """The /v1/refit body that moves an engine to `goal` (`Transaction.refit_request`)."""
+    return tx.refit_request(goal).to_body()
 
 
 async def _verify(tx: Transaction, engine: EngineObs, admin: EngineAdmin) -> None:
@@ -283,7 +279,7 @@ async def _canary(admin: EngineAdmin, engine: EngineObs) -> CanaryReading:
                              timeout=CANARY_TIMEOUT_S + 10)
     try:
         return CanaryReading.from_reply(engine.name, engine.version, reply)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:  # msgspec.ValidationError included
         raise AdminError(engine.name, "/v1/canary", f"malformed reply {reply!r} ({exc!r})"
                          ) from exc
 

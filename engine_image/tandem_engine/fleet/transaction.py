@@ -19,6 +19,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tandem_engine.admin_wire import EngineStatus, RefitRequest
 from tandem_engine.fleet.verify import DEFAULT_MIN_UNCERTAINTY_RATIO, CanaryReading
 from tandem_engine.lifecycle import TRANSIENT_STATES, EngineState, KVMode
 from tandem_engine.refit_policy import (
@@ -90,13 +91,13 @@ class EngineObs:
 
     @classmethod
     def from_state(cls, name: str, role: str, admin_url: str,
-                   state: dict[str, Any] | None) -> EngineObs:
-        if state is None:
+                   status: EngineStatus | None) -> EngineObs:
+        """What the engine's `GET /v1/state` says (None: it does not answer)."""
+        if status is None:
             return cls(name, role, admin_url, None)
-        return cls(name, role, admin_url, state["state"], state["weight_version"],
-                   int(state["weight_epoch"]), bool(state.get("draining")),
-                   int(state["num_running"]), int(state["num_waiting"]),
-                   str(state.get("weight_uri", "")))
+        return cls(name, role, admin_url, status.state, status.weight_version,
+                   status.weight_epoch, status.draining, status.num_running,
+                   status.num_waiting, status.weight_uri)
 
 
 @dataclass
@@ -197,6 +198,12 @@ class Transaction:
         if self.phase is Phase.HALTING:
             return None
         return self.goal
+
+    def refit_request(self, goal: WeightsRef) -> RefitRequest:
+        """The `/v1/refit` that moves an engine to `goal`: under the goal's epoch, with the
+        goal's draft checkpoint (None when the transaction names none)."""
+        return RefitRequest(uri=goal.uri, version=goal.version, epoch=self.goal_epoch,
+                            low_memory=self.low_memory, draft_uri=self.goal_draft)
 
     # ---- persistence (the operator's status.refit) -----------------------------------------------
 

@@ -39,6 +39,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tandem_engine.admin_wire import CanaryReply, CanaryRequest, decode_canary
+
 PROBE_TEXT = ("The library opens at nine in the morning and closes at six in the evening. "
               "Visitors may borrow up to five books at a time, and each loan lasts three "
               "weeks. Late returns cost ten cents a day.")
@@ -51,7 +53,8 @@ DEFAULT_MIN_UNCERTAINTY_RATIO = 0.25
 
 def canary_request(timeout: float = CANARY_TIMEOUT_S) -> dict[str, Any]:
     """The body of `/v1/canary` every engine gets, so canaries of one version compare."""
-    return {"prompt": PROBE_TEXT, "max_tokens": CANARY_TOKENS, "timeout": timeout}
+    return CanaryRequest(prompt=PROBE_TEXT, max_tokens=CANARY_TOKENS,
+                         timeout=timeout).to_body()
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,13 @@ class CanaryReading:
     top1_mass: float | None = None
 
     @classmethod
-    def from_reply(cls, engine: str, version: str, reply: dict[str, Any]) -> CanaryReading:
-        return cls(engine, version, [int(t) for t in reply["token_ids"]],
-                   float(reply["mean_nll"]), _optional_float(reply.get("top1_mass")))
+    def from_reply(cls, engine: str, version: str, reply: CanaryReply | dict[str, Any]
+                   ) -> CanaryReading:
+        """From `/v1/canary`'s reply (its JSON object: a msgspec.ValidationError, a
+        ValueError, names the field that does not fit)."""
+        if not isinstance(reply, CanaryReply):
+            reply = decode_canary(reply)
+        return cls(engine, version, list(reply.token_ids), reply.mean_nll, reply.top1_mass)
 
     @property
     def perplexity(self) -> float:

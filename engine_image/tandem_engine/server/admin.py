@@ -17,17 +17,30 @@ mutating API need not be reachable from wherever metrics are scraped.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, Field
+from starlette.concurrency import run_in_threadpool
 
+from tandem_engine.admin_wire import (
+    AdminBodyError,
+    AdminRequest,
+    CanaryReply,
+    CanaryRequest,
+    EngineStatus,
+    RefitRequest,
+    SuspendRequest,
+    decode_body,
+    encode_status,
+)
 from tandem_engine.engine.stats import SpecDecodeStats
 from tandem_engine.errors import CheckpointError, RequestRejected
-from tandem_engine.lifecycle import EngineStateError, KVMode
+from tandem_engine.lifecycle import EngineStateError
 from tandem_engine.server.admin_guard import guard_admin_app
 from tandem_engine.server.control import EngineControl, ShuttingDown
 from tandem_engine.server.handoff import HandoffStats
@@ -41,32 +54,6 @@ from tandem_engine.server.metric_families import (
 
 # The finish reasons vLLM's request_success counter knows (a handover is no finish there).
 VLLM_FINISH_REASONS = ("stop", "length", "abort", "error")
-
-
-class SuspendBody(BaseModel):
-    mode: KVMode = KVMode.PERSIST
-
-
-class RefitBody(BaseModel):
-    uri: str = Field(min_length=1, max_length=4096)
-    version: str | None = Field(default=None, max_length=253)
-    epoch: int | None = Field(default=None, ge=0, le=2**62)
-    # Stream the new weights into the serving ones tensor by tensor: device peak 1x the
-    # weights plus one tensor instead of old + new (/v1/state: last_refit_peak_bytes).
-    low_memory: bool = False
-    # Speculative method draft: the draft checkpoint to load with the new weights (None:
-    # the engine keeps its draft).
-    draft_uri: str | None = Field(default=None, min_length=1, max_length=4096)
-
-
-class CanaryBody(BaseModel):
-    """A canary: a text (tokenized by the engine) or token ids, and greedy tokens to make."""
-
-    prompt: str | None = Field(default=None, min_length=1, max_length=4096)
-    prompt_token_ids: list[int] = Field(default=[1, 2, 3, 4, 5, 6, 7, 8], min_length=2,
-                                        max_length=256)
-    max_tokens: int = Field(default=4, ge=1, le=64)
-    timeout: float = Field(default=30.0, gt=0, le=600)
 
 
 def engine_registry(control: EngineControl) -> CollectorRegistry:
@@ -106,37 +93,52 @@ def build_metrics_app(control: EngineControl, registry: CollectorRegistry) -> Fa
     return app
 
 
-def _add_lifecycle_routes(app: FastAPI, control: EngineControl) -> None:
-    """The state machine: 409 for a signal the state does not allow."""
+def _status(status: EngineStatus) -> JSONResponse:
+    return JSONResponse(encode_status(status))
 
-    def signal(fn, *args) -> dict[str, Any]:
+
+async def _body(request: Request, kind: type[AdminRequest], *, optional: bool = False
+                ) -> Any:
+    """The route's body as the struct `kind` (admin_wire.py), or 422 naming the field."""
+    call = f"{request.method} {request.url.path}"
+    try:
+        return decode_body(call, await request.body(), kind, optional=optional)
+    except AdminBodyError as exc:
+        raise HTTPException(422, str(exc)) from exc
+
+
+def _add_lifecycle_routes(app: FastAPI, control: EngineControl) -> None:
+    """The state machine: 409 for a signal the state does not allow. A call that takes a
+    body reads it here and runs the signal on the threadpool (it waits for the engine
+    lock)."""
+
+    def signal(fn: Callable[..., Any], *args: Any) -> JSONResponse:
         try:
             fn(*args)
         except EngineStateError as exc:
             raise HTTPException(409, str(exc)) from exc
-        return control.status()
+        return _status(control.status())
 
     @app.post("/v1/pause")
-    def pause() -> dict[str, Any]:
+    def pause() -> JSONResponse:
         return signal(control.pause)
 
     @app.post("/v1/unpause")
-    def unpause() -> dict[str, Any]:
+    def unpause() -> JSONResponse:
         return signal(control.unpause)
 
     @app.post("/v1/suspend")
-    def suspend(body: SuspendBody | None = None) -> dict[str, Any]:
-        return signal(control.suspend, (body or SuspendBody()).mode)
+    async def suspend(request: Request) -> JSONResponse:
+        body: SuspendRequest = await _body(request, SuspendRequest, optional=True)
+        return await run_in_threadpool(signal, control.suspend, body.mode)
 
     @app.post("/v1/resume")
-    def resume() -> dict[str, Any]:
+    def resume() -> JSONResponse:
         return signal(control.resume)
 
-    @app.post("/v1/refit")
-    def refit(body: RefitBody) -> dict[str, Any]:
+    def refit(body: RefitRequest) -> JSONResponse:
         try:
-            control.refit(body.uri, body.version, body.epoch, body.low_memory,
-                          draft_uri=body.draft_uri)
+            control.refit(body)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from exc
         except CheckpointError as exc:
@@ -144,37 +146,35 @@ def _add_lifecycle_routes(app: FastAPI, control: EngineControl) -> None:
                                      f"serving: {exc}") from exc
         except EngineStateError as exc:
             raise HTTPException(409, str(exc)) from exc
-        return control.status()
+        return _status(control.status())
+
+    @app.post("/v1/refit")
+    async def refit_route(request: Request) -> JSONResponse:
+        return await run_in_threadpool(refit, await _body(request, RefitRequest))
 
 
 def _add_serving_routes(app: FastAPI, control: EngineControl) -> None:
     """Admission (drain, undrain) and a refit's verification (canary)."""
 
     @app.post("/v1/drain")
-    def drain() -> dict[str, Any]:
+    def drain() -> JSONResponse:
         """Stop admitting new requests (they get 503 and the router places them on another
         engine); running ones finish. The operator polls /v1/state until none is left,
         then deletes the pod. Not readiness-ready from now on."""
         control.drain()
-        return control.status()
+        return _status(control.status())
 
     @app.post("/v1/undrain")
-    def undrain() -> dict[str, Any]:
+    def undrain() -> JSONResponse:
         """Admit new requests again (after a refit's verification, or a cancelled
         scale-down). An engine shutting down (SIGTERM) stays draining: 409."""
         try:
             control.undrain()
         except ShuttingDown as exc:
             raise HTTPException(409, str(exc)) from exc
-        return control.status()
+        return _status(control.status())
 
-    @app.post("/v1/canary")
-    def canary(body: CanaryBody | None = None) -> dict[str, Any]:
-        """A short greedy generation that no router sees, its prompt scored (mean_nll, and
-        top1_mass: the mean probability of the most likely next token): a refit's
-        verification. Needs a RUNNING engine (unpause it while it still drains, so routers
-        send nothing). 409 when it cannot run or the weights give non-finite logits."""
-        body = body or CanaryBody()
+    def canary(body: CanaryRequest) -> JSONResponse:
         try:
             result = control.canary(body.prompt or body.prompt_token_ids, body.max_tokens,
                                     body.timeout)
@@ -185,17 +185,26 @@ def _add_serving_routes(app: FastAPI, control: EngineControl) -> None:
         except RequestRejected as exc:
             raise HTTPException(400, str(exc)) from exc
         weights = control.engine.stats.weights
-        return {"token_ids": result.token_ids, "mean_nll": result.mean_nll,
-                "top1_mass": result.top1_mass, "weight_version": weights.version,
-                "weight_epoch": weights.epoch}
+        return JSONResponse(msgspec.to_builtins(CanaryReply(
+            token_ids=result.token_ids, mean_nll=result.mean_nll, top1_mass=result.top1_mass,
+            weight_version=weights.version, weight_epoch=weights.epoch)))
+
+    @app.post("/v1/canary")
+    async def canary_route(request: Request) -> JSONResponse:
+        """A short greedy generation that no router sees, its prompt scored (mean_nll, and
+        top1_mass: the mean probability of the most likely next token): a refit's
+        verification. Needs a RUNNING engine (unpause it while it still drains, so routers
+        send nothing). 409 when it cannot run or the weights give non-finite logits."""
+        return await run_in_threadpool(
+            canary, await _body(request, CanaryRequest, optional=True))
 
 
 def _add_read_routes(app: FastAPI, control: EngineControl) -> None:
     """State: open, and never waiting for a step."""
 
     @app.get("/v1/state")
-    def state() -> dict[str, Any]:
-        return control.status()
+    def state() -> JSONResponse:
+        return _status(control.status())
 
 
 def _add_probe_routes(app: FastAPI, control: EngineControl,

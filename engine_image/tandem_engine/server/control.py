@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
 
+from tandem_engine.admin_wire import DeviceStatus, EngineStatus, RefitRequest
 from tandem_engine.errors import CheckpointError
 from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode
 from tandem_engine.model.device import DeviceReport, report_device
@@ -72,21 +72,19 @@ class EngineControl:
             self.worker.welcome_routers()
         self.worker.announce_state()
 
-    def refit(self, uri: str, version: str | None, epoch: int | None,
-              low_memory: bool = False, draft_uri: str | None = None) -> int:
-        """Load the checkpoint `uri` names (PAUSED, SUSPENDED or RESUMED), and with it the
-        draft checkpoint `draft_uri` names (speculative method draft; None keeps the
-        engine's draft). Raises WeightsURIError (a ValueError) for a URI naming no local
-        checkpoint, RefitPathRefused (a ValueError) for a path outside the weights roots or
-        no checkpoint there (either URI: both are checked before anything loads),
+    def refit(self, request: RefitRequest) -> int:
+        """Load the checkpoint `request.uri` names (PAUSED, SUSPENDED or RESUMED), and with
+        it the draft checkpoint `request.draft_uri` names (speculative method draft; None
+        keeps the engine's draft). Raises WeightsURIError (a ValueError) for a URI naming no
+        local checkpoint, RefitPathRefused (a ValueError) for a path outside the weights
+        roots or no checkpoint there (either URI: both are checked before anything loads),
         CheckpointError for one that does not fit the running model (the old weights keep
-        serving), EngineStateError in any other state. `low_memory` streams the weights in
-        tensor by tensor (peak 1x the weights plus one tensor)."""
+        serving), EngineStateError in any other state."""
         try:
-            path = self._admit(uri, "refit uri")
-            draft = None if draft_uri is None else self._admit(draft_uri, "refit draft_uri")
-            epoch = self.engine.refit(path, version or uri, epoch, uri=uri,
-                                      low_memory=low_memory, draft=draft)
+            path = self._admit(request.uri, "refit uri")
+            draft = (None if request.draft_uri is None
+                     else self._admit(request.draft_uri, "refit draft_uri"))
+            epoch = self.engine.apply_refit(request, path, draft)
         except EngineStateError:
             self.refits["conflict"] += 1
             raise
@@ -132,20 +130,19 @@ class EngineControl:
         w = self.worker
         return w.alive and self.engine.stats.state is EngineState.RUNNING and not w.draining
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> EngineStatus:
         """`GET /v1/state`: one snapshot of the engine and its process."""
         w, stats = self.worker, self.engine.stats
         handoff = (w.handoff.stats if w.handoff is not None else HandoffStats()).as_dict()
-        return {"engine_id": w.engine_id, "incarnation": w.incarnation, "role": w.role,
-                "model": w.model_name, "state": str(stats.state),
-                "weight_version": stats.weights.version, "weight_epoch": stats.weights.epoch,
-                "weight_uri": stats.weights.uri,
-                "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                "kv_usage": stats.kv_usage, "draining": w.draining,
-                "unhealthy": w.unhealthy,
-                "pinned_blocks": stats.num_pinned_blocks,
-                "quarantined_blocks": stats.num_quarantined_blocks,
-                "kv_pulls": {**handoff, "recomputed": stats.num_pull_fallbacks},
-                "device": self.device_probe().as_dict(),
-                "weight_bytes": self.engine.runner.weight_bytes,
-                "last_refit_peak_bytes": self.engine.runner.last_refit_peak_bytes}
+        return EngineStatus(
+            engine_id=w.engine_id, incarnation=w.incarnation, role=w.role, model=w.model_name,
+            state=stats.state, weight_version=stats.weights.version,
+            weight_epoch=stats.weights.epoch, weight_uri=stats.weights.uri,
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
+            kv_usage=stats.kv_usage, draining=w.draining, unhealthy=w.unhealthy,
+            pinned_blocks=stats.num_pinned_blocks,
+            quarantined_blocks=stats.num_quarantined_blocks,
+            kv_pulls={**handoff, "recomputed": stats.num_pull_fallbacks},
+            device=DeviceStatus(**self.device_probe().as_dict()),
+            weight_bytes=self.engine.runner.weight_bytes,
+            last_refit_peak_bytes=self.engine.runner.last_refit_peak_bytes)

@@ -23,12 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from tandem_engine.lifecycle import EngineState
+from tandem_engine.admin_wire import EngineStatus, LoadingProgress, encode_status
+from tandem_engine.lifecycle import EngineRole, EngineState
 from tandem_engine.server.metric_families import engine_state_family, weights_info_family
 from tandem_engine.weights import WeightIdentity, format_bytes
 
@@ -107,15 +109,18 @@ class ModelLoad:
                         TEST_LOAD_DELAY_ENV, self.test_delay_s)
             time.sleep(self.test_delay_s)
 
-    def as_dict(self) -> dict[str, Any]:
+    def progress(self) -> LoadingProgress:
         """The `loading` object of `GET /v1/state` (totals 0 until the checkpoint is
         validated)."""
         with self._lock:
             p = self._progress
         done = (p.bytes_done, p.bytes_total, p.files_done, p.files_total) if p else (0,) * 4
-        return {"phase": self.phase, "bytes_done": done[0], "bytes_total": done[1],
-                "files_done": done[2], "files_total": done[3],
-                "seconds": round(time.monotonic() - self.started, 1)}
+        return LoadingProgress(phase=self.phase, bytes_done=done[0], bytes_total=done[1],
+                               files_done=done[2], files_total=done[3],
+                               seconds=round(time.monotonic() - self.started, 1))
+
+    def as_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self.progress())
 
 
 def describe(p: LoadProgress) -> str:
@@ -133,15 +138,15 @@ class LoadingEngine:
     model_name: str
     weights: WeightIdentity
 
-    def status(self, load: ModelLoad) -> dict[str, Any]:
-        """`GET /v1/state` while loading: the keys every reader of the full status relies
-        on (state, weights, counts, draining), plus `loading`."""
+    def status(self, load: ModelLoad) -> EngineStatus:
+        """`GET /v1/state` while loading: what every reader of the full status relies on
+        (state, weights, counts, draining), plus `loading`; no KV numbers yet."""
         w = self.weights
-        return {"engine_id": self.engine_id, "role": self.role, "model": self.model_name,
-                "state": str(EngineState.LOADING), "weight_version": w.version,
-                "weight_epoch": w.epoch, "weight_uri": w.uri, "num_running": 0,
-                "num_waiting": 0, "kv_usage": 0.0, "draining": False, "unhealthy": None,
-                "loading": load.as_dict()}
+        return EngineStatus(
+            engine_id=self.engine_id, role=EngineRole(self.role), model=self.model_name,
+            state=EngineState.LOADING, weight_version=w.version, weight_epoch=w.epoch,
+            weight_uri=w.uri, num_running=0, num_waiting=0, kv_usage=0.0, draining=False,
+            unhealthy=None, loading=load.progress())
 
 
 class SwappableApp:
@@ -181,8 +186,8 @@ def build_loading_app(engine: LoadingEngine, load: ModelLoad, *, admin: bool) ->
         return app
 
     @app.get("/v1/state")
-    def state() -> dict[str, Any]:
-        return engine.status(load)
+    def state() -> JSONResponse:
+        return JSONResponse(encode_status(engine.status(load)))
 
     @app.post("/{path:path}")
     def not_yet(path: str) -> JSONResponse:
