@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from tandem_engine.admin_wire import RefitRequest
-from tandem_engine.config import EngineConfig, ModelConfig, context_room
+from tandem_engine.config import EngineConfig, context_room
 from tandem_engine.core.kv import KVCacheManager
 from tandem_engine.core.kv.hashing import block_salt
 from tandem_engine.core.request import FinishReason, Request
@@ -65,6 +65,7 @@ from tandem_engine.lifecycle import (
 )
 from tandem_engine.model.checkpoint import LoadProgressCallback, load_checkpoint
 from tandem_engine.model.device import profile_step_blocks, profile_step_memory, resolve_device
+from tandem_engine.model.family import ModelConfig
 from tandem_engine.model.mtp import MtpHeads, take_mtp_heads
 from tandem_engine.model.runner import (
     ModelRunner,
@@ -191,7 +192,7 @@ class LLMEngine:
 
     def _target_embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The serving model's input embedding (heads with mtp_token_input read it)."""
-        return self.runner.model.model.embed_tokens(token_ids)
+        return self.runner.model.embed(token_ids)
 
     def _heads_on_device(self, heads: MtpHeads | None) -> MtpHeads | None:
         return None if heads is None else heads.to(self.runner.device, self.runner.dtype)
