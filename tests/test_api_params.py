@@ -24,6 +24,7 @@ import openai
 import pytest
 from tandem_engine import SamplingParams
 from tandem_engine.router import api_params as ap
+from tandem_engine.router import param_table as table
 from tandem_engine.router.api_params import InvalidRequest
 from tandem_engine.router.chat import ChatEncoder, ChatPrompt, ChatTemplate
 from tandem_engine.tokenizer import Tokenizer
@@ -43,10 +44,10 @@ def _chat_ids(tokenizer: Tokenizer, messages: list[dict], allow: bool = False, *
 
 
 def test_the_tables_do_not_overlap() -> None:
-    implemented = ap.COMPLETION_PARAMS | ap.CHAT_PARAMS
+    implemented = table.COMPLETION_PARAMS | table.CHAT_PARAMS
     assert not implemented & set(ap.REFUSED)
-    assert not implemented & ap.INFORMATIONAL_PARAMS
-    assert not ap.INFORMATIONAL_PARAMS & set(ap.REFUSED)
+    assert not implemented & table.INFORMATIONAL_PARAMS
+    assert not table.INFORMATIONAL_PARAMS & set(ap.REFUSED)
 
 
 @pytest.mark.parametrize("parse", [ap.parse_completion, ap.parse_chat])
@@ -59,7 +60,116 @@ def test_neutral_values_of_refused_parameters_pass(parse) -> None:
     for name, neutral in ap.REFUSED.items():
         for value in neutral:
             parse({**body, name: value})
-    parse({**body, **dict.fromkeys(ap.INFORMATIONAL_PARAMS, "x")})
+    parse({**body, **dict.fromkeys(table.INFORMATIONAL_PARAMS, "x")})
+
+
+class _Reads(dict):
+    """A body that records each parameter a parser reads from it."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__(body)
+        self.read: set[str] = set()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: Any) -> bool:
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+_USER = [{"role": "user", "content": "x"}]
+# A valid value of every implemented parameter, by name (then by endpoint where the same
+# name takes another type there).
+_VALID: dict[str, Any] = {
+    "model": "m", "n": 2, "stream": False, "stream_options": {"include_usage": True},
+    "prompt_logprobs": 1, "max_tokens": 4, "seed": 1, "temperature": 0.5, "top_p": 0.9,
+    "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "presence_penalty": 0.5,
+    "frequency_penalty": -0.5, "min_tokens": 1, "stop": ["x", "yz"], "stop_token_ids": [1, 2],
+    "ignore_eos": True, "skip_special_tokens": False, "include_stop_str_in_output": True,
+    "cache_salt": "s", "return_token_ids": True, "prompt": "x", "logprobs": 2, "echo": True,
+    "add_special_tokens": False, "messages": _USER, "top_logprobs": 2,
+    "max_completion_tokens": 3, "add_generation_prompt": False,
+    "continue_final_message": True, "chat_template_kwargs": {"x": 1},
+    "return_token_strs": True, "tokens": [1, 2]}
+_VALID_IN = {table.CHAT: {"logprobs": True, "echo": False},
+             table.TOKENIZE_CHAT: {"continue_final_message": False}}
+
+
+def _full_body(endpoint: str) -> dict[str, Any]:
+    implemented = table.params(endpoint, table.Status.IMPLEMENTED)
+    return {p.name: _VALID_IN.get(endpoint, {}).get(p.name, _VALID[p.name])
+            for p in implemented}
+
+
+def _parsers() -> dict[str, Any]:
+    from tandem_engine.router.tokenize_params import parse_detokenize, parse_tokenize
+
+    return {table.COMPLETIONS: ap.parse_completion, table.CHAT: ap.parse_chat,
+            table.TOKENIZE: parse_tokenize, table.TOKENIZE_CHAT: parse_tokenize,
+            table.DETOKENIZE: lambda body: parse_detokenize(body, 100)}
+
+
+@pytest.mark.parametrize("endpoint", table.ENDPOINTS)
+def test_every_parameter_the_parsers_read_is_in_the_table(endpoint: str) -> None:
+    """A parser reads exactly the table's parameters of its endpoint: every implemented
+    one (a body holding all of them is valid), and nothing the table does not know. A
+    parameter the validation took without a table entry fails here."""
+    body = _Reads(_full_body(endpoint))
+    _parsers()[endpoint](body)
+    known = table.KNOWN[endpoint]
+    if endpoint in (table.TOKENIZE, table.TOKENIZE_CHAT):  # /tokenize looks for both forms
+        known = table.KNOWN[table.TOKENIZE] | table.KNOWN[table.TOKENIZE_CHAT]
+    assert body.read <= known, body.read - known
+    assert table.names(endpoint, table.Status.IMPLEMENTED) <= body.read
+
+
+def _openai_names() -> set[str]:
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import completion_create_params as chat
+
+    return set(completion.CompletionCreateParamsBase.__annotations__) \
+        | set(chat.CompletionCreateParamsBase.__annotations__)
+
+
+@pytest.mark.parametrize("endpoint", table.GENERATION)
+def test_a_name_is_accepted_exactly_when_the_table_has_it(endpoint: str) -> None:
+    """Every name the table knows gets past the name check; any other (the openai
+    client's newer parameters among them) is refused as unrecognized, naming it."""
+    parse = _parsers()[endpoint]
+    base = {"model": "m", **({"prompt": "x"} if endpoint == table.COMPLETIONS
+                             else {"messages": _USER})}
+    everything = {p.name for p in table.PARAMS} | _openai_names() | {"no_such_parameter"}
+    for name in sorted(everything - set(base)):
+        try:
+            parse({**base, name: None})
+        except InvalidRequest as err:
+            assert name not in table.KNOWN[endpoint], (name, err.message)
+            assert "unrecognized request argument" in err.message and err.param == name
+        else:
+            assert name in table.KNOWN[endpoint], name
+
+
+def test_the_sampling_fields_are_the_table_s() -> None:
+    """What a request sends reaches SamplingParams through the field its entry names, and
+    every SamplingParams field is set by some parameter."""
+    import dataclasses
+
+    for endpoint in table.GENERATION:
+        body = {**_full_body(endpoint), "n": 1}
+        options = _parsers()[endpoint](body).options
+        sampling = ap.engine_sampling(options, 4, 0)
+        for p in table.SAMPLED_AS_SENT:
+            value = body[p.name]
+            assert getattr(sampling, p.sampling) == (tuple(value) if isinstance(value, list)
+                                                     else value), p.name
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert fields == {p.sampling for p in table.PARAMS if p.sampling is not None}
 
 
 # Values no integer parameter takes: past 2**64 - 1 msgpack cannot send them, past a float's
@@ -84,7 +194,7 @@ def int_param_body(name: str, value: Any) -> tuple[str, dict[str, Any]]:
     return "/v1/completions", {**completion, name: value}
 
 
-def in_range(value: Any, bound: ap.IntRange) -> bool:
+def in_range(value: Any, bound: table.IntRange) -> bool:
     """Whether `value` is one of the integers `bound` admits (2.0 counts as 2)."""
     return isinstance(value, int | float) and not isinstance(value, bool) \
         and math.isfinite(value) and float(value).is_integer() \
@@ -95,7 +205,7 @@ def _parse(path: str, body: dict[str, Any]) -> None:
     from tandem_engine.router.tokenize_params import parse_detokenize
 
     if path == "/detokenize":
-        parse_detokenize(body, ap.MAX_TOKEN_ID + 1)
+        parse_detokenize(body, table.MAX_TOKEN_ID + 1)
     elif path == "/v1/chat/completions":
         ap.parse_chat(body)
     else:
@@ -144,7 +254,7 @@ def test_every_integer_of_the_openapi_description_has_a_table_bound() -> None:
             found.add(name)
             assert bound.low <= schema.get("minimum", bound.low), name
             assert schema.get("maximum", bound.high) <= bound.high, name
-    assert found == set(ap.INT_PARAMS) - {"prompt_logprobs"}, found  # not documented
+    assert found == set(ap.INT_PARAMS), found
 
 
 def test_the_router_reads_json_only_through_decode_body() -> None:

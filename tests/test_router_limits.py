@@ -19,7 +19,7 @@ from tandem_engine import protocol as p
 from tandem_engine.router import api_params as ap
 from tandem_engine.router.api_params import InvalidRequest, RequestLimits
 from tandem_engine.router.engines import EnginePool
-from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.sampling_params import MAX_TOKEN_ID, SamplingParams
 from tandem_engine.tokenizer import Tokenizer
 from test_router_disagg import scripted_dispatcher
 
@@ -98,7 +98,7 @@ def test_token_ids_out_of_range_are_refused(prompt, param) -> None:
     assert exc.value.param == param
 
 
-@pytest.mark.parametrize("ids", [[2**64], [2**63], [-1], [ap.MAX_TOKEN_ID + 1]])
+@pytest.mark.parametrize("ids", [[2**64], [2**63], [-1], [MAX_TOKEN_ID + 1]])
 def test_stop_token_ids_out_of_range_are_refused(ids) -> None:
     with pytest.raises(InvalidRequest) as exc:
         ap.parse_completion({"model": "tiny", "prompt": "x", "stop_token_ids": ids})
@@ -292,4 +292,4 @@ def test_the_router_flags_set_the_limits() -> None:
 
 def test_the_wire_limit_matches_the_router_bound() -> None:
     # Every id the router lets through can be encoded for the engine.
-    p.encode(p.Submit("r", [ap.MAX_TOKEN_ID], SamplingParams(stop_token_ids=[ap.MAX_TOKEN_ID])))
+    p.encode(p.Submit("r", [MAX_TOKEN_ID], SamplingParams(stop_token_ids=[MAX_TOKEN_ID])))

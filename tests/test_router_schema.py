@@ -189,6 +189,111 @@ def test_the_openapi_description_documents_bodies_errors_and_keys(
     assert "security" not in schema["paths"]["/health"]["get"]
 
 
+def _types(schema: dict) -> set[str]:
+    """Every JSON type a schema admits (through anyOf, and an enum's values)."""
+    found = set()
+    for branch in schema.get("anyOf", [schema]):
+        kind = branch.get("type", [])
+        found |= {kind} if isinstance(kind, str) else set(kind)
+        for value in branch.get("enum", []):
+            found.add({bool: "boolean", str: "string", type(None): "null"}[type(value)])
+    return found
+
+
+def _subschemas(schema: Any, kind: str) -> Iterator[dict]:
+    """The (sub)schemas of one JSON type: an anyOf's branches and arrays' items too."""
+    if not isinstance(schema, dict):
+        return
+    if kind in _types({k: v for k, v in schema.items() if k in ("type", "enum")}):
+        yield schema
+    for branch in schema.get("anyOf", []):
+        yield from _subschemas(branch, kind)
+    yield from _subschemas(schema.get("items"), kind)
+
+
+# A table type -> the JSON types its description admits (null aside).
+JSON_TYPES = {"string": {"string"}, "integer": {"integer"}, "number": {"number"},
+              "boolean": {"boolean"}, "object": {"object"}, "token_ids": {"array"},
+              "stop": {"string", "array"}, "prompt": {"string", "array"},
+              "messages": {"array"}, "any": set()}
+
+
+def _floats(*numbers: float) -> tuple[float, ...]:
+    """Bounds as FastAPI's OpenAPI model holds them: floats."""
+    return tuple(float(n) for n in numbers)
+
+
+def _assert_described(schema: dict, param) -> None:
+    """`schema` says what the table entry `param` says: its type and bounds."""
+    from tandem_engine.router import param_table as table
+
+    where = param.name
+    null = set() if param.required or param.type == "any" else {"null"}
+    assert _types(schema) == JSON_TYPES[param.type] | null, (where, schema)
+    bound = param.bound
+    if isinstance(bound, table.IntRange):
+        integers = list(_subschemas(schema, "integer"))
+        assert integers, where
+        for integer in integers:
+            assert _floats(integer["minimum"], integer["maximum"]) \
+                == _floats(bound.low, bound.high), where
+    elif isinstance(bound, table.NumberRange):
+        low = schema["exclusiveMinimum" if bound.low_open else "minimum"]
+        assert _floats(low, schema["maximum"]) == _floats(bound.low, bound.high), where
+    elif isinstance(bound, table.Length):
+        strings = list(_subschemas(schema, "string"))
+        assert strings, where
+        for string in strings:
+            assert (string["minLength"], string["maxLength"]) == (bound.low, bound.high)
+        if bound.max_items is not None:
+            assert [a["maxItems"] for a in _subschemas(schema, "array")] == [bound.max_items]
+    elif isinstance(bound, table.Choice):
+        assert schema["enum"] == [*bound.values, None], where
+    else:  # no bound but the shape's own
+        assert not {"minimum", "maximum", "minLength", "maxLength", "enum"} & set(schema) \
+            or param.name == "model", where
+    if param.name == "model":
+        assert "tiny" in schema["enum"]
+    if param.members:
+        assert set(schema["properties"]) == {m.name for m in param.members}, where
+    if param.type == "messages":
+        assert set(schema["items"]["properties"]) == set(table.MESSAGE_FIELDS)
+        assert schema["items"]["properties"]["role"]["enum"] == list(table.CHAT_ROLES)
+
+
+def test_the_openapi_request_bodies_are_the_parameter_table(tokenizer: Tokenizer) -> None:
+    """The served description documents, for each endpoint, exactly the table's
+    implemented and informational parameters (a refused one only takes a neutral value),
+    each with the table's type and bounds, required as the table says."""
+    from tandem_engine.router import param_table as table
+
+    paths = _client(tokenizer).get("/openapi.json").json()["paths"]
+
+    def body(path: str) -> dict:
+        return paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+    prompt_form, chat_form = body("/tokenize")["anyOf"]
+    bodies = {table.COMPLETIONS: body("/v1/completions"),
+              table.CHAT: body("/v1/chat/completions"), table.TOKENIZE: prompt_form,
+              table.TOKENIZE_CHAT: chat_form, table.DETOKENIZE: body("/detokenize")}
+    assert set(bodies) == set(table.ENDPOINTS)
+    for endpoint, described in bodies.items():
+        documented = table.params(endpoint, table.Status.IMPLEMENTED,
+                                  table.Status.INFORMATIONAL)
+        assert set(described["properties"]) == {p.name for p in documented}, endpoint
+        assert set(described["required"]) == {p.name for p in documented if p.required}
+        for param in documented:
+            _assert_described(described["properties"][param.name], param)
+    # The parameters the hand-written description had lost.
+    for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "prompt_logprobs"):
+        assert name in bodies[table.COMPLETIONS]["properties"]
+        assert name in bodies[table.CHAT]["properties"]
+    # The utility endpoints take no other field, and say so.
+    assert all(bodies[e]["additionalProperties"] is False
+               for e in (table.TOKENIZE, table.TOKENIZE_CHAT, table.DETOKENIZE))
+
+
 # ---- schemathesis against the real stack ----------------------------------------------------
 
 FUZZED = r"^/(v1/completions|v1/chat/completions|v1/models|tokenize|detokenize|version)$"

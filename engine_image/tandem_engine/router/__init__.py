@@ -10,7 +10,12 @@ parameters of `tandem_engine`, never the engine, runner or model.
     picker.py       the routing state: which engine or prefill/decode pair, prefix indexes
     attempts.py     one submission to one engine, streamed: Deltas, then its outcome
     dispatch.py     one choice across engines: failover, handoff to decode, deadlines
+    param_table.py  the one table of request parameters: name, type, bounds, status,
+                    SamplingParams field (validation and the OpenAPI schema derive from it)
+    request_errors.py  InvalidRequest, the refusal every parser raises
     api_params.py   OpenAI request bodies -> validated generation jobs (SamplingParams)
+    tokenize_params.py  vLLM's /tokenize and /detokenize bodies
+    openapi_schema.py  the OpenAPI description, its request bodies from the table
     chat.py         chat templates, rendered in a sandbox
     openai_format.py  OpenAI response, chunk, logprobs and error shapes; the renderer
     metrics.py      Prometheus metrics of the router

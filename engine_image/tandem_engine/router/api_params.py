@@ -1,12 +1,10 @@
 """OpenAI request bodies -> validated generation jobs, with errors a client can act on.
 
 Pure functions over the decoded JSON body: every problem is an `InvalidRequest` that
-names the parameter, the value and the limit (HTTP 400 in the OpenAI error shape).
-Every parameter of the OpenAI completions and chat-completions bodies, and of vLLM's
-extensions to them, is in one of the tables below: implemented (read by the parsers),
-informational (`user` and the like: no effect on the output by definition), or refused
-with a 400 naming it unless absent or at its neutral value (`REFUSED`); a name in no
-table is refused as unrecognized, as OpenAI does. Nothing is silently ignored.
+names the parameter, the value and the limit (HTTP 400 in the OpenAI error shape). Which
+parameters a body may hold, which are refused unless neutral, each one's type and bounds
+and the SamplingParams fields copied as sent all come from the one parameter table,
+`param_table.PARAMS`; this module reads a body by it.
 
 Implemented vLLM-style extensions (through the openai client's `extra_body`): `top_k`,
 `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos`,
@@ -26,170 +24,51 @@ Completions accept batches (a list of prompts): choice `i * n + j` is prompt `i`
 The raw body goes through `decode_body` first (every endpoint's one JSON loader), so
 nothing downstream meets what would crash it: JSON nested deeper than MAX_JSON_DEPTH, and
 strings, values or keys, holding lone surrogates (valid JSON escapes that no tokenizer or
-UTF-8 encoder accepts, the error body's included). Every integer a request can carry has
-its range in `INT_PARAMS`, checked before it reaches SamplingParams or the engine's
-msgpack wire (which encodes nothing past 2**64 - 1); token ids lie in [0, MAX_TOKEN_ID]
-there, and the vocabulary bound is the engine's (only it knows the model).
-`RequestLimits` bounds the body (checked before parsing) and the prompt's characters
-(`check_prompt_chars`, before tokenizing).
+UTF-8 encoder accepts, the error body's included). `RequestLimits` bounds the body
+(checked before parsing) and the prompt's characters (`check_prompt_chars`, before
+tokenizing).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import reprlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tandem_engine.config import context_room
 from tandem_engine.errors import RequestRejected
 from tandem_engine.generation_config import GenerationDefaults
-from tandem_engine.sampling_params import (
-    MAX_LOGPROBS,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_TOKEN_ID,
-    SamplingParams,
+from tandem_engine.router.param_table import (
+    CHAT,
+    CHAT_ROLES,
+    COMPLETIONS,
+    INT_PARAMS,
+    KNOWN,
+    MAX_CHOICES,
+    MAX_MESSAGE_FIELD_CHARS,
+    MAX_PROMPTS,
+    MAX_SEED,
+    MESSAGE_FIELDS,
+    REFUSED,
+    SAMPLED_AS_SENT,
+    Param,
+    entry,
 )
+from tandem_engine.router.request_errors import InvalidRequest, show
+from tandem_engine.sampling_params import SamplingParams
 
-MAX_N = 16  # samples per prompt
-MAX_PROMPTS = 32  # prompts per completions batch
-MAX_CHOICES = 64  # prompts x n
-MAX_SEED = 2**63 - 1
-MAX_CACHE_SALT_CHARS = 256
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default; chat defaults to the context left
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_JSON_DEPTH = 32  # an OpenAI body needs 5 (messages[i].content[j].text)
 # A 128k-token context is about 512k characters of English (4 per token); twice that
 # leaves room for text that tokenizes densely. The body limit fits such a prompt with
 # JSON escaping, or a 128k-token id list.
 DEFAULT_MAX_PROMPT_CHARS = 1_000_000
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-
-# Parameters each parser reads (and so implements).
-COMMON_PARAMS = frozenset({
-    "model", "n", "stream", "stream_options", "max_tokens", "seed", "temperature", "top_p",
-    "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "min_tokens", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-    "include_stop_str_in_output", "cache_salt", "return_token_ids", "prompt_logprobs"})
-COMPLETION_PARAMS = COMMON_PARAMS | {"prompt", "logprobs", "echo", "add_special_tokens"}
-CHAT_PARAMS = COMMON_PARAMS | {
-    "messages", "logprobs", "top_logprobs", "max_completion_tokens", "add_generation_prompt",
-    "continue_final_message", "chat_template_kwargs", "add_special_tokens"}
-# Accepted with no effect on the output, by their definition (end-user ids, metadata,
-# a cache-routing hint, a client's own request id).
-INFORMATIONAL_PARAMS = frozenset({
-    "user", "metadata", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-    "request_id", "parallel_tool_calls"})
-# Refused (400 naming it) unless absent or at one of these neutral values.
-REFUSED: dict[str, tuple[Any, ...]] = {
-    # OpenAI
-    "logit_bias": ({},), "best_of": (), "suffix": ("",), "tools": ([],),
-    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
-    "verbosity": (), "web_search_options": (), "store": (False,),
-    "service_tier": ("auto", "default"), "response_format": ({"type": "text"},),
-    # vLLM
-    "use_beam_search": (False,), "length_penalty": (1, 1.0),
-    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
-    "allowed_token_ids": (), "bad_words": ([],), "logits_processors": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "structural_tag": (),
-    "structured_outputs": (), "priority": (0,), "return_tokens_as_token_ids": (False,),
-    "kv_transfer_params": (), "vllm_xargs": (), "prompt_embeds": (), "documents": (),
-    "chat_template": (), "mm_processor_kwargs": (), "media_io_kwargs": (),
-    "thinking_token_budget": (), "include_reasoning": (), "prompt_embeds_list": ()}
-# What a chat message may hold (`tool_calls`, `audio` and the like are refused).
-MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id")
 # chat_template_kwargs may not set what the router passes to the template itself.
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
     "bos_token", "eos_token"})
-
-
-@dataclass(frozen=True)
-class IntRange:
-    """The integers one parameter takes, both ends included, and what the range means.
-
-    JSON integers have no size, and Python's neither: without a bound a 2**64 reaches
-    the engine's msgpack encoder (a 500) and 10**30 an error message. A float with an
-    integral value inside the range (`2.0`, `-0.0`) counts as that integer, as vLLM's
-    pydantic models read it."""
-
-    low: int
-    high: int
-    hint: str = ""  # what the bound is, said after the range in the error
-
-    def check(self, name: str, value: Any) -> int:
-        """`value` as an int, or an InvalidRequest naming `name` and the range."""
-        number = _integral(value, self)
-        if number is None:
-            raise InvalidRequest(f"{name}={_show(value)} is invalid: it must be an integer "
-                                 f"between {self.low} and {self.high}{self._hint()}", name)
-        return number
-
-    def check_each(self, name: str, values: list[Any], at: str = "") -> list[int]:
-        """Each element of a list parameter (token ids; `at`: which list of a batch): the
-        error names the element."""
-        out = []
-        for i, value in enumerate(values):
-            number = _integral(value, self)
-            if number is None:
-                raise InvalidRequest(f"{name}{at}[{i}]={_show(value)} is invalid: each must be "
-                                     f"an integer between {self.low} and {self.high}"
-                                     f"{self._hint()}", name)
-            out.append(number)
-        return out
-
-    def _hint(self) -> str:
-        return f" ({self.hint})" if self.hint else ""
-
-
-def _integral(value: Any, bound: IntRange) -> int | None:
-    if isinstance(value, float) and value.is_integer() and bound.low <= value <= bound.high:
-        return int(value)
-    if isinstance(value, int) and not isinstance(value, bool) \
-            and bound.low <= value <= bound.high:
-        return value
-    return None
-
-
-# No context is longer than this (and it fits every integer field of the wire); the
-# model's own limit is checked once the prompt is tokenized (`resolve_max_tokens`).
-MAX_TOKEN_COUNT = 2**31 - 1
-TOKEN_ID = IntRange(0, MAX_TOKEN_ID, "a token id, also checked against the model's "
-                    "vocabulary")
-_TOKEN_COUNT = "the model's context limit (max_model_len) bounds it further"
-# Every integer a request can carry, by parameter, in every endpoint (`logprobs` is an
-# integer in completions, a boolean in chat). A list parameter's bound is each element's.
-INT_PARAMS: dict[str, IntRange] = {
-    "n": IntRange(1, MAX_N, "samples per prompt"),
-    "max_tokens": IntRange(1, MAX_TOKEN_COUNT, _TOKEN_COUNT),
-    "max_completion_tokens": IntRange(1, MAX_TOKEN_COUNT, _TOKEN_COUNT),
-    "min_tokens": IntRange(0, MAX_TOKEN_COUNT, "and at most max_tokens"),
-    "top_k": IntRange(-1, MAX_TOKEN_COUNT, "-1 or 0: off; past the vocabulary it is off too"),
-    "seed": IntRange(0, MAX_SEED, "choice i of n uses seed + i"),
-    "logprobs": IntRange(0, MAX_LOGPROBS, "alternatives per token"),
-    "top_logprobs": IntRange(0, MAX_LOGPROBS, "alternatives per token"),
-    "prompt_logprobs": IntRange(0, MAX_LOGPROBS, "alternatives per prompt token"),
-    "prompt": TOKEN_ID,  # a token-id prompt, or each of a batch's
-    "stop_token_ids": TOKEN_ID,
-    "tokens": TOKEN_ID,  # /detokenize, then the vocabulary
-}
-
-
-class InvalidRequest(Exception):
-    """A request the router answers with an OpenAI error instead of running it."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 code: str | None = None, type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.code = code
-        self.type = type
 
 
 @dataclass(frozen=True)
@@ -351,7 +230,7 @@ def check_prompt_chars(request: CompletionRequest | ChatRequest, limits: Request
 
 def parse_completion(body: Any) -> CompletionRequest:
     body = _object(body)
-    _check_names(body, COMPLETION_PARAMS)
+    _check_names(body, COMPLETIONS)
     n = body.get("n") if body.get("n") is not None else 1
     if body.get("best_of") is not None and body["best_of"] == n:
         body = {k: v for k, v in body.items() if k != "best_of"}  # best_of == n: neutral
@@ -369,7 +248,7 @@ def parse_completion(body: Any) -> CompletionRequest:
 
 def parse_chat(body: Any) -> ChatRequest:
     body = _object(body)
-    _check_names(body, CHAT_PARAMS | {"echo"})
+    _check_names(body, CHAT)
     _refuse(body)
     if _bool(body, "echo", False):  # vLLM's chat echo (prepend the last message): not here
         raise InvalidRequest("echo=True is not supported for chat completions by this "
@@ -472,6 +351,11 @@ def rejected_param(message: str) -> str | None:
 
 # ---- shared options ----------------------------------------------------------------------------
 
+# What the parameters read by code of their own take, from their table entries.
+_STREAM_OPTIONS = tuple(m.name for m in entry(COMPLETIONS, "stream_options").members)
+_CACHE_SALT = entry(COMPLETIONS, "cache_salt").bound
+_STOP = entry(COMPLETIONS, "stop").bound
+
 
 def _options(body: dict[str, Any], *, logprobs: int | None,
              max_tokens: int | None = None, echo: bool = False) -> Options:
@@ -488,10 +372,10 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
             raise InvalidRequest("stream_options must be an object", "stream_options")
         include_usage = _bool(stream_options, "include_usage", False, "stream_options.")
         for key, value in stream_options.items():
-            if key != "include_usage" and value not in (None, False):
+            if key not in _STREAM_OPTIONS and value not in (None, False):
                 where = _child("stream_options", key)
-                raise InvalidRequest(f"{where}={_show(value)} is not supported by this "
-                                     "server (only include_usage is)", where)
+                raise InvalidRequest(f"{where}={show(value)} is not supported by this "
+                                     f"server (only {', '.join(_STREAM_OPTIONS)} is)", where)
     prompt_logprobs = _int(body, "prompt_logprobs")
     if prompt_logprobs is not None and stream:
         raise InvalidRequest("prompt_logprobs is not available with stream=true (as in "
@@ -505,42 +389,17 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
         raise InvalidRequest(f"seed={seed} is too large for n={n_value}: choice i uses "
                              f"seed + i, which must stay <= {MAX_SEED}", "seed")
     sampling: dict[str, Any] = {}  # Options.sampling_args
-    temperature = _number(body, "temperature", 0.0, 2.0)
-    if temperature is not None:
-        sampling["temperature"] = temperature
-    top_p = _number(body, "top_p", 0.0, 1.0, low_open=True)
-    if top_p is not None:
-        sampling["top_p"] = top_p
-    top_k = _int(body, "top_k")
-    if top_k is not None:
-        sampling["top_k"] = top_k
-    # Type-checked here; their ranges are SamplingParams' (engine_sampling names them).
-    for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        value = _real(body, name)
+    for p in SAMPLED_AS_SENT:
+        value = body.get(p.name)
         if value is not None:
-            sampling[name] = value
-    min_tokens = _int(body, "min_tokens")
-    if min_tokens is not None:
-        sampling["min_tokens"] = min_tokens
-    stop = _stop(body.get("stop"))
-    if stop:
-        sampling["stop"] = stop
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list):
-            raise InvalidRequest("stop_token_ids must be a list of token ids in "
-                                 f"[0, {MAX_TOKEN_ID}]", "stop_token_ids")
-        sampling["stop_token_ids"] = INT_PARAMS["stop_token_ids"].check_each(
-            "stop_token_ids", stop_ids)
-    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-        value = _bool(body, flag, None)
+            value = _READERS[p.type](p, value)
         if value is not None:
-            sampling[flag] = value
+            sampling[p.sampling] = value
     cache_salt = body.get("cache_salt")
-    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt
-                                   or len(cache_salt) > MAX_CACHE_SALT_CHARS):
-        raise InvalidRequest(f"cache_salt must be a string of 1..{MAX_CACHE_SALT_CHARS} "
-                             "characters", "cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not
+                                   _CACHE_SALT.low <= len(cache_salt) <= _CACHE_SALT.high):
+        raise InvalidRequest(f"cache_salt must be a string of {_CACHE_SALT.low}.."
+                             f"{_CACHE_SALT.high} characters", "cache_salt")
     return Options(model=model, n=n_value, stream=stream, include_usage=include_usage,
                    max_tokens=max_tokens, seed=seed, logprobs=logprobs,
                    cache_salt=cache_salt, sampling_args=sampling,
@@ -583,7 +442,7 @@ def _messages(messages: Any) -> list[dict[str, str]]:
             raise InvalidRequest(f"{where} must be an object with role and content", where)
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise InvalidRequest(f"{where}.role={_show(role)} is not one of "
+            raise InvalidRequest(f"{where}.role={show(role)} is not one of "
                                  f"{', '.join(CHAT_ROLES)}", f"{where}.role")
         for key, value in m.items():
             if key not in MESSAGE_FIELDS and value not in (None, [], ""):
@@ -595,9 +454,10 @@ def _messages(messages: Any) -> list[dict[str, str]]:
             value = m.get(key)
             if value is None:
                 continue
-            if not isinstance(value, str) or len(value) > 256:
-                raise InvalidRequest(f"{where}.{key} must be a string of at most 256 "
-                                     f"characters, not {_show(value)}", f"{where}.{key}")
+            if not isinstance(value, str) or len(value) > MAX_MESSAGE_FIELD_CHARS:
+                raise InvalidRequest(f"{where}.{key} must be a string of at most "
+                                     f"{MAX_MESSAGE_FIELD_CHARS} characters, not "
+                                     f"{show(value)}", f"{where}.{key}")
             message[key] = value
         out.append(message)
     return out
@@ -615,39 +475,14 @@ def _content(content: Any, role: str, where: str) -> str:
                     or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise InvalidRequest(f"{where}.content: only text parts are supported, got "
-                                     f"{_show(kind)}", f"{where}.content")
+                                     f"{show(kind)}", f"{where}.content")
             texts.append(part["text"])
         return "\n".join(texts)
     raise InvalidRequest(f"{where}.content must be a string or a list of text parts",
                          f"{where}.content")
 
 
-def _stop(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise InvalidRequest("stop must be a string or a list of strings", "stop")
-    if len(items) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"stop has {len(items)} strings, over the limit of "
-                             f"{MAX_STOP_STRINGS}", "stop")
-    for s in items:
-        if not s or len(s) > MAX_STOP_STRING_CHARS:
-            raise InvalidRequest(f"stop string {_show(s)} must have 1..{MAX_STOP_STRING_CHARS} "
-                                 "characters", "stop")
-    return items
-
-
 # ---- typed field readers ---------------------------------------------------------------------
-
-_reprs = reprlib.Repr()
-_reprs.maxstring = _reprs.maxother = 80
-_reprs.maxlong = 40
-
-
-def _show(value: Any) -> str:
-    """A value as an error message quotes it: repr, shortened (a body may be megabytes)."""
-    return _reprs.repr(value)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -666,58 +501,58 @@ def _int(body: dict[str, Any], name: str) -> int | None:
     return None if value is None else INT_PARAMS[name].check(name, value)
 
 
-def _number(body: dict[str, Any], name: str, low: float, high: float, *,
-            low_open: bool = False) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    ok = isinstance(value, int | float) and not isinstance(value, bool) \
-        and (low < value if low_open else low <= value) and value <= high
-    if not ok:
-        lo = "(" if low_open else "["
-        raise InvalidRequest(f"{name}={_show(value)} is invalid: it must be a number in "
-                             f"{lo}{low:g}, {high:g}]", name)
-    return float(value)
-
-
 def _bool(body: dict[str, Any], name: str, default: bool | None,
           prefix: str = "") -> bool | None:
     value = body.get(name)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise InvalidRequest(f"{prefix}{name}={_show(value)} must be true or false", prefix + name)
+        raise InvalidRequest(f"{prefix}{name}={show(value)} must be true or false", prefix + name)
     return value
 
 
-def _real(body: dict[str, Any], name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    number = _finite(value)
-    if number is None:
-        raise InvalidRequest(f"{name}={_show(value)} is invalid: it must be a number", name)
-    return number
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    bound = _STOP
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise InvalidRequest("stop must be a string or a list of strings", "stop")
+    if len(items) > bound.max_items:
+        raise InvalidRequest(f"stop has {len(items)} strings, over the limit of "
+                             f"{bound.max_items}", "stop")
+    for s in items:
+        if not bound.low <= len(s) <= bound.high:
+            raise InvalidRequest(f"stop string {show(s)} must have {bound.low}..{bound.high} "
+                                 "characters", "stop")
+    return items
 
 
-def _finite(value: Any) -> float | None:
-    """A JSON number as a finite float; None for anything else (NaN, Infinity, an integer
-    too large for a float, a string, a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:  # 10**400: an int no float holds
-        return None
-    return number if math.isfinite(number) else None
+def _token_ids(p: Param, value: Any) -> list[int]:
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{p.name} must be a list of token ids in "
+                             f"[{p.bound.low}, {p.bound.high}]", p.name)
+    return p.bound.check_each(p.name, value)
 
 
-def _check_names(body: dict[str, Any], implemented: frozenset[str]) -> None:
-    """Refuse a parameter no table knows (OpenAI's "unrecognized request argument")."""
+# A sampling parameter's reader by its type (its value present): the value to set, or
+# None for one that asks for nothing (an empty stop list).
+_READERS: dict[str, Callable[[Param, Any], Any]] = {
+    "integer": lambda p, value: p.bound.check(p.name, value),
+    "number": lambda p, value: p.bound.check(p.name, value),
+    "boolean": lambda p, value: _bool({p.name: value}, p.name, None),
+    "stop": lambda p, value: _stop(value) or None,
+    "token_ids": _token_ids,
+}
+
+
+def _check_names(body: dict[str, Any], endpoint: str) -> None:
+    """Refuse a parameter the table does not know for the endpoint (OpenAI's
+    "unrecognized request argument")."""
+    known = KNOWN[endpoint]
     for name in body:
-        if name not in implemented and name not in INFORMATIONAL_PARAMS \
-                and name not in REFUSED:
-            raise InvalidRequest(f"{_show(name)} is an unrecognized request argument: this "
+        if name not in known:
+            raise InvalidRequest(f"{show(name)} is an unrecognized request argument: this "
                                  "server does not know it, so it is refused rather than "
                                  "ignored", _child("", name))
 
@@ -728,4 +563,4 @@ def _refuse(body: dict[str, Any]) -> None:
         value = body.get(name)
         if value is None or any(value == ok and type(value) is type(ok) for ok in neutral):
             continue
-        raise InvalidRequest(f"{name}={_show(value)} is not supported by this server", name)
+        raise InvalidRequest(f"{name}={show(value)} is not supported by this server", name)

@@ -177,49 +177,40 @@ class Attempt:
                                              f"for {timeout} s")
 
 
-async def colocated(attempt: Attempt, progress: Progress, *, pulled: bool = False
-                    ) -> AsyncIterator[Step]:
+def colocated(attempt: Attempt, progress: Progress, *, pulled: bool = False
+              ) -> AsyncIterator[Step]:
     """A whole generation (or the rest of one) on one engine; ends with Finished or
     FailOver. A `pulled` attempt (a decode engine's, after a handoff) that is refused
     fails over too: the request itself was fine on the prefill engine."""
-    while True:
-        received_at, item = await attempt.next()
-        if isinstance(item, EngineLost | Stalled):
-            yield _lost(item)
-            return
-        if isinstance(item, p.Reject):
-            yield _refused(item, attempt, progress, fail_over=pulled)
-            return
-        _raise_if_failed(item, attempt)
-        aborted = item.finished and item.finish_reason == "abort"
-        delta = progress.record(item, attempt.client.view().weight_version, received_at,
-                                finished=item.finished and not aborted)
-        if delta is not None:
-            yield delta
-        if aborted:
-            yield _engine_aborted(attempt)
-            return
-        if item.finished:
-            yield Finished()
-            return
+    return _relay(attempt, progress, prefill=False, pulled=pulled)
 
 
-async def prefill(attempt: Attempt, progress: Progress) -> AsyncIterator[Step]:
+def prefill(attempt: Attempt, progress: Progress) -> AsyncIterator[Step]:
     """The first token on a prefill engine (submitted with `pin_for_handoff`); ends with
     Finished when that token ends the choice, HandOff when the rest goes on elsewhere,
-    FailOver when the prefill failed."""
+    FailOver when the prefill failed. Refused after a first token (a resumed choice), it
+    fails over: the request itself was fine."""
+    return _relay(attempt, progress, prefill=True, pulled=False)
+
+
+async def _relay(attempt: Attempt, progress: Progress, *, prefill: bool, pulled: bool
+                 ) -> AsyncIterator[Step]:
+    """The one loop of every attempt: relay the engine's outputs as Deltas until one
+    outcome. A prefill's final output without a finish reason is the prefill's end, not
+    the choice's: it hands off."""
     while True:
         received_at, item = await attempt.next()
         if isinstance(item, EngineLost | Stalled):
             yield _lost(item)
             return
         if isinstance(item, p.Reject):
-            yield _refused(item, attempt, progress, fail_over=bool(progress.generated))
+            fail_over = bool(progress.generated) if prefill else pulled
+            yield _refused(item, attempt, progress, fail_over=fail_over)
             return
         _raise_if_failed(item, attempt)
         aborted = item.finished and item.finish_reason == "abort"
-        # A final output without a finish reason is the prefill's end, not the choice's.
-        ends = item.finished and not aborted and item.finish_reason is not None
+        ends = item.finished and not aborted \
+            and (item.finish_reason is not None or not prefill)
         delta = progress.record(item, attempt.client.view().weight_version, received_at,
                                 finished=ends)
         if delta is not None:

@@ -1,20 +1,35 @@
 """The router's OpenAPI description (GET /openapi.json): request and response schemas.
 
 The handlers read raw JSON (`api_params` validates it, with messages that name the
-field), so FastAPI cannot derive these schemas; they are written here, as plain JSON
-Schema, and `route_docs` hands each route its request body and responses. They describe
-what the router accepts and answers, loosely where the router is more precise (it
-names the limit in its 400), and every error status as the OpenAI error object.
-`secure` marks the operations that need an API key when keys are configured, so a
-client generator (or schemathesis) knows to send one.
+field), so FastAPI cannot derive these schemas. The request bodies are derived from the
+parameter table (`param_table.PARAMS`): each implemented or informational parameter of an
+endpoint, with its type and bounds (a refused one is accepted only at a neutral value, so
+it is left out); the answers are written here, as plain JSON Schema. `route_docs` hands
+each route its request body and responses. They describe what the router accepts and
+answers, loosely where the router is more precise (it names the limit in its 400), and
+every error status as the OpenAI error object. `secure` marks the operations that need
+an API key when keys are configured, so a client generator (or schemathesis) knows to
+send one.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from tandem_engine.router.api_params import CHAT_ROLES, MAX_N, MAX_SEED
-from tandem_engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+from tandem_engine.router import param_table as table
+from tandem_engine.router.param_table import (
+    CHAT_ROLES,
+    MAX_MESSAGE_FIELD_CHARS,
+    MAX_PROMPTS,
+    TOKEN_ID,
+    Choice,
+    IntRange,
+    Length,
+    NumberRange,
+    Param,
+    Status,
+    params,
+)
 
 Schema = dict[str, Any]
 
@@ -26,35 +41,21 @@ ERROR: Schema = {
                        "param": {"type": ["string", "null"]},
                        "code": {"type": ["string", "integer", "null"]}}}}}
 
-_TOKEN_IDS: Schema = {"type": "array", "items": {"type": "integer", "minimum": 0}}
-_STOP: Schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"},
-                                                 "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]}
+
+def _integer(bound: IntRange) -> Schema:
+    return {"type": "integer", "minimum": bound.low, "maximum": bound.high}
 
 
-def _sampling(model: str) -> Schema:
-    """What completions and chat share."""
-    return {
-        "model": {"type": "string", "enum": [model]},
-        "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N},
-        "stream": {"type": ["boolean", "null"]},
-        "stream_options": {"type": ["object", "null"],
-                           "properties": {"include_usage": {"type": ["boolean", "null"]}}},
-        "max_tokens": {"type": ["integer", "null"], "minimum": 1},
-        "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_SEED},
-        "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
-        "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": {"type": ["integer", "null"], "minimum": -1},
-        "min_tokens": {"type": ["integer", "null"], "minimum": 0},
-        "stop": _STOP,
-        "stop_token_ids": {"anyOf": [_TOKEN_IDS, {"type": "null"}]},
-        "ignore_eos": {"type": ["boolean", "null"]},
-        "skip_special_tokens": {"type": ["boolean", "null"]},
-        "include_stop_str_in_output": {"type": ["boolean", "null"]},
-        "cache_salt": {"type": ["string", "null"], "minLength": 1, "maxLength": 256},
-        "return_token_ids": {"type": ["boolean", "null"]},
-    }
+def _token_ids(bound: IntRange) -> Schema:
+    return {"type": "array", "items": _integer(bound)}
 
 
+def _text(bound: Length) -> Schema:
+    return {"type": "string", "minLength": bound.low, "maxLength": bound.high}
+
+
+_TOKEN_IDS = _token_ids(TOKEN_ID)
+_NAME: Schema = {"type": "string", "maxLength": MAX_MESSAGE_FIELD_CHARS}
 _MESSAGES: Schema = {"type": "array", "minItems": 1, "items": {
     "type": "object", "required": ["role", "content"],
     "properties": {
@@ -64,46 +65,85 @@ _MESSAGES: Schema = {"type": "array", "minItems": 1, "items": {
             {"type": "array", "items": {
                 "type": "object", "required": ["type", "text"],
                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
-        "name": {"type": "string"}}}}
+        "name": _NAME, "tool_call_id": _NAME}}}
+
+
+def param_schema(param: Param, model: str) -> Schema:
+    """One parameter's JSON Schema, from its table entry: null (its absence) is allowed
+    for every parameter but a required one; `model` names the served model."""
+    def typed(name: str) -> str | list[str]:
+        return name if param.required else [name, "null"]
+
+    bound = param.bound
+    schema: Schema
+    if param.name == "model":
+        schema = {"type": typed("string"), "enum": [model] if param.required else [model, None]}
+    elif param.type == "any":
+        schema = {}
+    elif param.type == "boolean":
+        schema = {"enum": [*bound.values, None]} if isinstance(bound, Choice) \
+            else {"type": typed("boolean")}
+    elif param.type == "string":
+        schema = {**(_text(bound) if isinstance(bound, Length) else {}), "type": typed("string")}
+    elif param.type == "integer":
+        assert isinstance(bound, IntRange)
+        schema = {**_integer(bound), "type": typed("integer")}
+    elif param.type == "number":
+        assert isinstance(bound, NumberRange)
+        low = "exclusiveMinimum" if bound.low_open else "minimum"
+        schema = {"type": typed("number"), low: bound.low, "maximum": bound.high}
+    elif param.type == "object":
+        schema = {"type": typed("object")}
+        if param.members:
+            schema["properties"] = {m.name: param_schema(m, model) for m in param.members}
+    elif param.type == "token_ids":
+        assert isinstance(bound, IntRange)
+        schema = _token_ids(bound) if param.required \
+            else {"anyOf": [_token_ids(bound), {"type": "null"}]}
+    elif param.type == "stop":
+        assert isinstance(bound, Length)
+        schema = {"anyOf": [_text(bound), {"type": "array", "items": _text(bound),
+                                            "maxItems": bound.max_items}, {"type": "null"}]}
+    elif param.type == "prompt":
+        assert isinstance(bound, IntRange)
+        ids = {**_token_ids(bound), "minItems": 1}
+        batch = {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS}
+        schema = {"anyOf": [{"type": "string"}, ids, {**batch, "items": {"type": "string"}},
+                            {**batch, "items": ids}]}
+    else:  # messages
+        schema = dict(_MESSAGES)
+    if param.doc:
+        schema["description"] = param.doc
+    return schema
+
+
+def request_schema(endpoint: str, model: str, *, exact: bool = False) -> Schema:
+    """The body of `endpoint`: its implemented and informational parameters. `exact`: no
+    other field (the endpoint refuses any, so the description says so)."""
+    documented = params(endpoint, Status.IMPLEMENTED, Status.INFORMATIONAL)
+    schema: Schema = {"type": "object", "required": [p.name for p in documented if p.required]}
+    if exact:
+        schema["additionalProperties"] = False
+    schema["properties"] = {p.name: param_schema(p, model) for p in documented}
+    return schema
 
 
 def completion_request(model: str) -> Schema:
-    return {"type": "object", "required": ["model", "prompt"], "properties": {
-        **_sampling(model),
-        "prompt": {"anyOf": [{"type": "string"}, {**_TOKEN_IDS, "minItems": 1},
-                             {"type": "array", "minItems": 1, "items": {"type": "string"}},
-                             {"type": "array", "minItems": 1,
-                              "items": {**_TOKEN_IDS, "minItems": 1}}]},
-        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS}}}
+    return request_schema(table.COMPLETIONS, model)
 
 
 def chat_request(model: str) -> Schema:
-    return {"type": "object", "required": ["model", "messages"], "properties": {
-        **_sampling(model),
-        "messages": _MESSAGES,
-        "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1},
-        "logprobs": {"type": ["boolean", "null"]},
-        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_LOGPROBS}}}
+    return request_schema(table.CHAT, model)
 
 
 def tokenize_request(model: str) -> Schema:
     # Exact (no unknown field, null for "the default"): the router refuses anything else.
-    flag: Schema = {"type": ["boolean", "null"]}
-    off: Schema = {"enum": [False, None]}
-    common = {"model": {"type": ["string", "null"], "enum": [model, None]},
-              "return_token_strs": flag}
-    return {"anyOf": [
-        {"type": "object", "required": ["prompt"], "additionalProperties": False,
-         "properties": {**common, "prompt": {"type": "string"}, "add_special_tokens": flag}},
-        {"type": "object", "required": ["messages"], "additionalProperties": False,
-         "properties": {**common, "messages": _MESSAGES, "add_generation_prompt": flag,
-                        "add_special_tokens": off, "continue_final_message": off}}]}
+    return {"anyOf": [request_schema(table.TOKENIZE, model, exact=True),
+                      request_schema(table.TOKENIZE_CHAT, model, exact=True)]}
 
 
 def detokenize_request(model: str) -> Schema:
-    return {"type": "object", "required": ["tokens"], "additionalProperties": False,
-            "properties": {"model": {"type": ["string", "null"], "enum": [model, None]},
-                           "tokens": _TOKEN_IDS}}
+    return request_schema(table.DETOKENIZE, model, exact=True)
 
 
 _CHOICES: Schema = {"type": "array", "items": {"type": "object", "required": ["index"]}}

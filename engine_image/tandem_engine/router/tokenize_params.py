@@ -14,19 +14,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem_engine.router.api_params import (
+from tandem_engine.router.api_params import _bool, _child, _object
+from tandem_engine.router.param_table import (
+    DETOKENIZE,
     INT_PARAMS,
-    InvalidRequest,
-    _bool,
-    _child,
-    _object,
-    _show,
+    TOKENIZE,
+    TOKENIZE_CHAT,
+    names,
 )
+from tandem_engine.router.request_errors import InvalidRequest, show
 
-PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
-CHAT_FIELDS = frozenset({"model", "messages", "add_generation_prompt", "add_special_tokens",
-                         "continue_final_message", "return_token_strs"})
-DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
+# The fields of each body, from the parameter table.
+PROMPT_FIELDS = names(TOKENIZE)
+CHAT_FIELDS = names(TOKENIZE_CHAT)
+DETOKENIZE_FIELDS = names(DETOKENIZE)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
                                return_token_strs)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
-        raise InvalidRequest(f"prompt is required: a string, got {_show(prompt)} (or send "
+        raise InvalidRequest(f"prompt is required: a string, got {show(prompt)} (or send "
                              "messages, a chat)", "prompt")
     return TokenizeRequest(_model(body), prompt, None,
                            bool(_bool(body, "add_special_tokens", True)), True,
@@ -80,7 +81,7 @@ def parse_detokenize(body: Any, vocab_size: int) -> DetokenizeRequest:
     _refuse_unknown(body, DETOKENIZE_FIELDS)
     tokens = body.get("tokens")
     if not isinstance(tokens, list):
-        raise InvalidRequest(f"tokens is required: a list of token ids, got {_show(tokens)}",
+        raise InvalidRequest(f"tokens is required: a list of token ids, got {show(tokens)}",
                              "tokens")
     ids = INT_PARAMS["tokens"].check_each("tokens", tokens)
     for i, t in enumerate(ids):
@@ -93,7 +94,7 @@ def parse_detokenize(body: Any, vocab_size: int) -> DetokenizeRequest:
 def _model(body: dict[str, Any]) -> str | None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise InvalidRequest(f"model={_show(model)} must be a string: the served model's "
+        raise InvalidRequest(f"model={show(model)} must be a string: the served model's "
                              "name (GET /v1/models)", "model")
     return model
 
@@ -101,5 +102,5 @@ def _model(body: dict[str, Any]) -> str | None:
 def _refuse_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
     unknown = sorted(str(k) for k in body if k not in known)
     if unknown:
-        raise InvalidRequest(f"unknown field {_show(unknown[0])}: this endpoint takes "
+        raise InvalidRequest(f"unknown field {show(unknown[0])}: this endpoint takes "
                              f"{', '.join(sorted(known))}", _child("", unknown[0]))
