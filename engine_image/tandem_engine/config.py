@@ -11,6 +11,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tandem_engine.engine_flags import (
+    EngineFlag,
+    EngineOptionError,
+    PoolField,
+    check_fields,
+    namespace_values,
+)
 from tandem_engine.errors import CheckpointError
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -20,9 +27,9 @@ KERNEL_CHOICES = ("auto", "native", "torch", "flex")
 # `tandem demo-model --size`: 1b is ~1.0B parameters, for GPU throughput checks.
 DEMO_MODEL_SIZES = ("tiny", "small", "1b")
 
-# The engine's defaults, stated once: `EngineConfig`, the `tandem-engine` and `tandem` flags
-# and the operator's spec parser import them. The CRD repeats them as schema defaults
-# (tests/test_crd.py checks that they agree).
+# The engine's defaults, stated once: `EngineConfig` and its flag table (`ENGINE_FLAGS`,
+# below) take them from here. The CRD repeats them as schema defaults
+# (tests/test_engine_flags.py checks that they agree).
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
 DEFAULT_MAX_NUM_SEQS = 64
@@ -96,63 +103,14 @@ def fraction_arg(value: str) -> float:
     return fraction
 
 
-def add_speculative_flags(parser: argparse.ArgumentParser, whose: str = "") -> None:
-    """--speculative-method, --speculative-tokens, --speculative-ngram-min/-max and
-    --speculative-model, as `tandem-engine`, `tandem generate` and `tandem serve` take them
-    (off by default)."""
-    parser.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
-                        help=f"{whose}speculative decoding: propose tokens by this method "
-                        "and verify them all in one forward (ngram: prompt lookup in the "
-                        "request's own prompt and output; draft: a small model of the same "
-                        "tokenizer, --speculative-model; mtp: the checkpoint's "
-                        "multi-token-prediction heads, at most one token per head); "
-                        "default off")
-    parser.add_argument("--speculative-tokens", type=int, default=DEFAULT_SPECULATIVE_TOKENS,
-                        metavar="K", help="with --speculative-method: tokens proposed per "
-                        f"step at most (1-{MAX_SPECULATIVE_TOKENS}; default %(default)s)")
-    parser.add_argument("--speculative-ngram-min", type=int, default=DEFAULT_PROMPT_LOOKUP_MIN,
-                        metavar="N", help="ngram: shortest suffix of the request's tokens "
-                        "looked up (default %(default)s)")
-    parser.add_argument("--speculative-ngram-max", type=int, default=DEFAULT_PROMPT_LOOKUP_MAX,
-                        metavar="N", help="ngram: longest suffix looked up first "
-                        "(default %(default)s)")
-    parser.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
-                        metavar="N", help="propose nothing in a step with more than N running "
-                        "requests (at large batches verification costs more than it saves); "
-                        "default: always propose")
-    parser.add_argument("--speculative-model", default=None, metavar="PATH",
-                        help="draft: the draft checkpoint (a folder or GGUF file with the "
-                        "served model's tokenizer; `tandem draft-model` makes one)")
-
-
 def speculative_from_flags(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """The speculative config the flags of `add_speculative_flags` ask for (None: off);
-    ValueError naming the flag's field when a value is out of range."""
+    """The speculative config the `SPECULATIVE_FLAGS` of a command line ask for (None:
+    off); ValueError naming the field when a value breaks its rule."""
     if args.speculative_method is None:
         return None
-    config = SpeculativeConfig(args.speculative_method, args.speculative_tokens,
-                               args.speculative_ngram_min, args.speculative_ngram_max,
-                               args.speculative_model,
-                               args.speculative_disable_by_batch_size)
+    config = SpeculativeConfig(**namespace_values(SPECULATIVE_FLAGS, args))
     config.validate()
     return config
-
-
-def speculative_flags(args: argparse.Namespace) -> list[str]:
-    """The same flags again, for a command that starts engines (`tandem serve`); checked
-    here first, so a bad value fails before any engine starts."""
-    if speculative_from_flags(args) is None:
-        return []
-    flags = ["--speculative-method", args.speculative_method,
-             "--speculative-tokens", str(args.speculative_tokens),
-             "--speculative-ngram-min", str(args.speculative_ngram_min),
-             "--speculative-ngram-max", str(args.speculative_ngram_max)]
-    if args.speculative_model is not None:
-        flags += ["--speculative-model", args.speculative_model]
-    if args.speculative_disable_by_batch_size is not None:
-        flags += ["--speculative-disable-by-batch-size",
-                  str(args.speculative_disable_by_batch_size)]
-    return flags
 
 
 def normalize_dtype(value: Any, source: str, key: str = "dtype") -> str:
@@ -205,42 +163,17 @@ class SpeculativeConfig:
         return cls(**value)
 
     def validate(self) -> None:
-        def check(ok: bool, name: str, value: Any, limit: str) -> None:
-            if not ok:
-                raise ValueError(f"speculative option {name}={value!r} is invalid: {limit}")
-
-        check(self.method in SPECULATIVE_METHODS, "method", self.method,
-              f"use one of {', '.join(SPECULATIVE_METHODS)}")
-        if self.method == "draft":
-            check(bool(self.model), "model", self.model,
-                  "method draft needs the draft checkpoint: give model=PATH "
-                  "(--speculative-model)")
-        else:
-            check(self.model is None, "model", self.model,
-                  f"only method draft reads a second checkpoint; drop it for {self.method}")
-        check(_is_int(self.num_speculative_tokens)
-              and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
-              "num_speculative_tokens", self.num_speculative_tokens,
-              f"must be an integer between 1 and {MAX_SPECULATIVE_TOKENS} (proposals "
-              "beyond a few are rarely all accepted; 3-5 is typical)")
-        check(_is_int(self.prompt_lookup_min)
-              and 1 <= self.prompt_lookup_min <= MAX_PROMPT_LOOKUP,
-              "prompt_lookup_min", self.prompt_lookup_min,
-              f"must be an integer between 1 and {MAX_PROMPT_LOOKUP} tokens")
-        check(self.disable_by_batch_size is None or (
-              _is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
-              "disable_by_batch_size", self.disable_by_batch_size,
-              "must be a positive integer (the most running requests a step may have and "
-              "still propose), or unset to always propose")
-        check(_is_int(self.prompt_lookup_max)
-              and self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP,
-              "prompt_lookup_max", self.prompt_lookup_max,
-              f"must be an integer between prompt_lookup_min ({self.prompt_lookup_min}) and "
-              f"{MAX_PROMPT_LOOKUP}: raise it or lower prompt_lookup_min")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        """Each field within its flag's rule (`SPECULATIVE_FLAGS`), and a draft checkpoint
+        for method draft and for it only."""
+        check_fields(self, SPECULATIVE_FLAGS)
+        if self.method == "draft" and not self.model:
+            raise EngineOptionError("speculative", "model", self.model,
+                                    "method draft needs the draft checkpoint: give "
+                                    "model=PATH (--speculative-model)")
+        if self.method != "draft" and self.model is not None:
+            raise EngineOptionError("speculative", "model", self.model,
+                                    "only method draft reads a second checkpoint; drop it "
+                                    f"for {self.method}")
 
 
 @dataclass(frozen=True)
@@ -281,33 +214,153 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
     def validate(self) -> None:
-        def check(ok: bool, name: str, value: Any, limit: str) -> None:
-            if not ok:
-                raise ValueError(f"engine option {name}={value!r} is invalid: {limit}")
-
-        check(self.block_size > 0 and self.block_size <= 1024, "block_size", self.block_size,
-              "must be between 1 and 1024 tokens")
-        check(self.num_blocks is None or self.num_blocks > 0, "num_blocks", self.num_blocks,
-              "must be a positive block count")
-        check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-              "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be positive")
-        check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
-              self.gpu_memory_utilization, "must be a fraction in (0, 1], e.g. 0.9")
+        """Each field within its flag's rule (`ENGINE_FLAGS`), the device and dtype
+        spelled as the engine knows them, and the speculative config's own rules."""
+        check_fields(self, ENGINE_CONFIG_FLAGS)
         parse_device(self.device)
-        check(0 < self.kv_quarantine_ttl_s <= MAX_KV_QUARANTINE_TTL_S, "kv_quarantine_ttl_s",
-              self.kv_quarantine_ttl_s, f"must be in (0, {MAX_KV_QUARANTINE_TTL_S}] seconds")
-        check(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be at least 1")
-        check(self.max_num_batched_tokens > 0, "max_num_batched_tokens",
-              self.max_num_batched_tokens, "must be at least 1")
-        check(self.max_model_len is None or self.max_model_len > 0, "max_model_len",
-              self.max_model_len, "must be positive")
-        check(self.kernels in KERNEL_CHOICES, "kernels", self.kernels,
-              f"use one of {', '.join(KERNEL_CHOICES)}")
-        check(self.dtype == "auto" or _DTYPE_ALIASES.get(self.dtype, self.dtype)
-              in SUPPORTED_DTYPES, "dtype", self.dtype,
-              f"use auto or one of {', '.join(SUPPORTED_DTYPES)}")
-        check(self.speculative is None or isinstance(self.speculative, SpeculativeConfig),
-              "speculative", self.speculative,
-              "must be a SpeculativeConfig (SpeculativeConfig.of turns a dict into one)")
+        if self.dtype != "auto" and _DTYPE_ALIASES.get(self.dtype,
+                                                       self.dtype) not in SUPPORTED_DTYPES:
+            raise EngineOptionError("engine", "dtype", self.dtype,
+                                    f"use auto or one of {', '.join(SUPPORTED_DTYPES)}")
+        if self.speculative is not None and not isinstance(self.speculative,
+                                                           SpeculativeConfig):
+            raise EngineOptionError("engine", "speculative", self.speculative,
+                                    "must be a SpeculativeConfig (SpeculativeConfig.of turns "
+                                    "a dict into one)")
         if self.speculative is not None:
             self.speculative.validate()
+
+
+# The engine's flags, each stated once: field, flag, type, default, help, bounds and the
+# rule's words, and the InferencePool field that sets it (engine_flags.py says what derives
+# from them). The order is the command line's: the operator renders a pool's flags in it
+# (a pod's args, and so its template hash, keep it), `tandem-engine --help` lists them so.
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag("max_num_seqs", "--max-num-seqs", int, DEFAULT_MAX_NUM_SEQS,
+               "requests scheduled in one step at most", minimum=0, above_minimum=True,
+               limit="must be at least 1", serve=True,
+               pool=PoolField("engine.maxNumSeqs", 1, 1024)),
+    EngineFlag("max_num_batched_tokens", "--max-num-batched-tokens", int,
+               DEFAULT_MAX_NUM_BATCHED_TOKENS,
+               "tokens (prompt chunks and decodes) in one step at most", minimum=0,
+               above_minimum=True, limit="must be at least 1", serve=True,
+               pool=PoolField("engine.maxNumBatchedTokens", 16, 65536)),
+    EngineFlag("block_size", "--block-size", int, DEFAULT_BLOCK_SIZE, "tokens per KV block",
+               minimum=0, above_minimum=True, maximum=1024,
+               limit="must be between 1 and 1024 tokens",
+               pool=PoolField("engine.kvCache.blockSize", 1, 256)),
+    EngineFlag("threads", "--threads", int, DEFAULT_THREADS, "torch threads of each engine",
+               scope="process", serve=True, pool=PoolField("engine.threads", 1, 256)),
+    EngineFlag("device", "--device", device_arg, DEFAULT_DEVICE,
+               "auto, cpu, cuda or cuda:N; auto = cuda when torch sees a GPU, else cpu. "
+               "Asking for cuda where no GPU is visible fails at start", serve=True,
+               pool=PoolField("engine.device")),
+    EngineFlag("kv_pin_ttl_s", "--kv-pin-ttl", float, float(DEFAULT_KV_PIN_TTL_S),
+               "prefill: seconds a handed-off prompt's KV stays pinned at most",
+               pool=PoolField("kvTransfer.pinTTLSeconds", 1, 3600)),
+    EngineFlag("num_blocks", "--num-blocks", int, None,
+               "KV blocks in the pool (default: sized from the memory budget)", minimum=0,
+               above_minimum=True, limit="must be a positive block count",
+               pool=PoolField("engine.kvCache.numBlocks", 16, 1048576)),
+    EngineFlag("kv_cache_memory_bytes", "--kv-cache-memory-bytes", int, None,
+               f"the KV pool's byte budget (default: {DEFAULT_KV_CACHE_MEMORY_BYTES} on CPU; "
+               "on CUDA the pool takes what --gpu-memory-utilization leaves); --num-blocks "
+               "overrides it", minimum=0, above_minimum=True, limit="must be positive",
+               pool=PoolField("engine.kvCache.memoryMiB", 16, 1048576, scale=1024 * 1024)),
+    # Speculative decoding: off unless a method is given (a SpeculativeConfig's own
+    # method defaults to ngram).
+    EngineFlag("method", "--speculative-method", str, None,
+               "speculative decoding: propose tokens by this method and verify them all in "
+               "one forward (ngram: prompt lookup in the request's own prompt and output; "
+               "draft: a small model of the same tokenizer, --speculative-model; mtp: the "
+               "checkpoint's multi-token-prediction heads, at most one token per head); "
+               "default off", scope="speculative", choices=SPECULATIVE_METHODS,
+               limit=f"use one of {', '.join(SPECULATIVE_METHODS)}", serve=True,
+               pool=PoolField("engine.speculative.method")),
+    EngineFlag("num_speculative_tokens", "--speculative-tokens", int,
+               DEFAULT_SPECULATIVE_TOKENS, "with --speculative-method: tokens proposed per "
+               f"step at most (1-{MAX_SPECULATIVE_TOKENS}; default %(default)s)",
+               scope="speculative", minimum=1, maximum=MAX_SPECULATIVE_TOKENS, whole=True,
+               limit=f"must be an integer between 1 and {MAX_SPECULATIVE_TOKENS} (proposals "
+               "beyond a few are rarely all accepted; 3-5 is typical)", metavar="K",
+               serve=True, pool=PoolField("engine.speculative.numSpeculativeTokens", 1,
+                                          MAX_SPECULATIVE_TOKENS)),
+    EngineFlag("prompt_lookup_min", "--speculative-ngram-min", int,
+               DEFAULT_PROMPT_LOOKUP_MIN, "ngram: shortest suffix of the request's tokens "
+               "looked up (default %(default)s)", scope="speculative", minimum=1,
+               maximum=MAX_PROMPT_LOOKUP, whole=True,
+               limit=f"must be an integer between 1 and {MAX_PROMPT_LOOKUP} tokens",
+               metavar="N", serve=True, ngram_only=True,
+               pool=PoolField("engine.speculative.promptLookupMin", 1, MAX_PROMPT_LOOKUP,
+                              defaulted=False)),
+    EngineFlag("prompt_lookup_max", "--speculative-ngram-max", int,
+               DEFAULT_PROMPT_LOOKUP_MAX, "ngram: longest suffix looked up first "
+               "(default %(default)s)", scope="speculative", floor="prompt_lookup_min",
+               maximum=MAX_PROMPT_LOOKUP, whole=True,
+               limit="must be an integer between prompt_lookup_min ({floor}) and "
+               f"{MAX_PROMPT_LOOKUP}: raise it or lower prompt_lookup_min", metavar="N",
+               serve=True, ngram_only=True,
+               pool=PoolField("engine.speculative.promptLookupMax", 1, MAX_PROMPT_LOOKUP,
+                              defaulted=False)),
+    EngineFlag("disable_by_batch_size", "--speculative-disable-by-batch-size", int, None,
+               "propose nothing in a step with more than N running requests (at large "
+               "batches verification costs more than it saves); default: always propose",
+               scope="speculative", minimum=1, whole=True,
+               limit="must be a positive integer (the most running requests a step may "
+               "have and still propose), or unset to always propose", metavar="N",
+               serve=True, pool=PoolField("engine.speculative.disableByBatchSize", 1, 1024)),
+    EngineFlag("model", "--speculative-model", str, None,
+               "draft: the draft checkpoint (a folder or GGUF file with the served model's "
+               "tokenizer; `tandem draft-model` makes one)", scope="speculative",
+               metavar="PATH", serve=True, pool=PoolField("model.weights.draft.uri")),
+    # Flags a pool passes in spec.engine.args when it wants them.
+    EngineFlag("gpu_memory_utilization", "--gpu-memory-utilization", fraction_arg,
+               DEFAULT_GPU_MEMORY_UTILIZATION, "CUDA, with neither --num-blocks nor "
+               "--kv-cache-memory-bytes: the share (0 < F <= 1) of the GPU's memory the "
+               "engine fills; the KV pool gets what the weights and the largest step's "
+               "activations leave (default %(default)s)", minimum=0, above_minimum=True,
+               maximum=1, limit="must be a fraction in (0, 1], e.g. 0.9", metavar="F",
+               serve=True),
+    EngineFlag("max_model_len", "--max-model-len", int, None,
+               "longest sequence, prompt and output (default: the model's context)",
+               minimum=0, above_minimum=True, limit="must be positive"),
+    EngineFlag("dtype", "--dtype", str, "auto", "weights and activations: auto (the "
+               "checkpoint's), float32, bfloat16 or float16"),
+    EngineFlag("kernels", "--kernels", str, DEFAULT_KERNELS, "attention/projection "
+               "kernels: auto (native on CPU, flex on CUDA), native (CPU), torch (portable "
+               "gather path), flex (torch flex_attention over the paged KV) "
+               "(default %(default)s)", choices=KERNEL_CHOICES,
+               limit=f"use one of {', '.join(KERNEL_CHOICES)}", serve=True),
+    EngineFlag("cuda_graphs", "--cuda-graphs", bool, True, "CUDA: replay decode steps from "
+               "CUDA graphs at fixed batch sizes (ignored on CPU)"),
+    EngineFlag("seed", "--seed", int, 0, "seed of the sampler for requests that give none"),
+    EngineFlag("kv_quarantine_ttl_s", "--kv-quarantine-ttl", float,
+               float(DEFAULT_KV_QUARANTINE_TTL_S), "decode: seconds at most that the KV "
+               "blocks of a pull whose transfer state is unknown (a timeout) stay out of use "
+               f"(<= {MAX_KV_QUARANTINE_TTL_S})", minimum=0, above_minimum=True,
+               maximum=MAX_KV_QUARANTINE_TTL_S,
+               limit=f"must be in (0, {MAX_KV_QUARANTINE_TTL_S}] seconds"),
+)
+ENGINE_CONFIG_FLAGS = tuple(flag for flag in ENGINE_FLAGS if flag.scope == "engine")  # its own
+SPECULATIVE_FLAGS = tuple(flag for flag in ENGINE_FLAGS if flag.scope == "speculative")
+SERVE_FLAGS = tuple(flag for flag in ENGINE_FLAGS if flag.serve)  # what `tandem serve` passes
+POOL_FLAGS = tuple(flag for flag in ENGINE_FLAGS if flag.pool is not None)  # the operator's
+
+
+def engine_flag(field: str) -> EngineFlag:
+    """The table's entry for a config field (KeyError naming the known ones)."""
+    for flag in ENGINE_FLAGS:
+        if flag.field == field:
+            return flag
+    raise KeyError(f"no engine flag sets {field!r}; known: "
+                   f"{', '.join(f.field for f in ENGINE_FLAGS)}")
+
+
+def flag_values(config: EngineConfig, **process: Any) -> dict[str, Any]:
+    """The table's fields of `config` (its speculative config's too when on) and the
+    process flags' `process` values: what `flag_args` renders as a command line."""
+    values = {flag.field: getattr(config, flag.field) for flag in ENGINE_CONFIG_FLAGS}
+    if config.speculative is not None:
+        values.update({flag.field: getattr(config.speculative, flag.field)
+                       for flag in SPECULATIVE_FLAGS})
+    return {**values, **process}

@@ -14,29 +14,32 @@ import base64
 import hashlib
 import json
 import re
-from collections.abc import Mapping
-from pathlib import PurePosixPath
 from typing import Any
 
-from tandem_engine.weights import WeightsRef, checkpoint_path
+from tandem_engine.weights import WeightsRef
 
+from tandem_operator.engine_command import (
+    ENGINE_ADMIN_PORT,
+    ENGINE_METRICS_PORT,
+    ENGINE_ZMQ_PORT,
+    engine_args,
+    engine_resources,
+)
+
+# Part of this module's surface too (m.engine_device, m.weights_roots), though rendered there.
+from tandem_operator.engine_command import engine_device as engine_device
+from tandem_operator.engine_command import weights_roots as weights_roots
 from tandem_operator.spec import (
     API_VERSION,
-    GPU_RESOURCE,
     KIND,
     TMP_PATH,
     TMP_VOLUME,
-    EngineDevice,
     Group,
     InitContainer,
     Placement,
     PoolSpec,
-    SpeculativeMethod,
 )
 
-ENGINE_ZMQ_PORT = 5555
-ENGINE_ADMIN_PORT = 8080
-ENGINE_METRICS_PORT = 9100  # read-only: /metrics, /healthz, /readyz
 ROUTER_HTTP_PORT = 8000
 
 POOL_LABEL = "tandem.dev/pool"
@@ -146,101 +149,6 @@ def _credential_env(spec: PoolSpec, names: dict[str, str]) -> list[dict[str, Any
     """Env from the pool's credentials Secret: variable name -> Secret key."""
     secret = admin_secret_name(spec.name)
     return [_secret_env(name, secret, key) for name, key in names.items()]
-
-
-def weights_roots(spec: PoolSpec, weights: WeightsRef, draft_uri: str | None = None
-                  ) -> list[str]:
-    """The folders an engine on `weights` (and the draft checkpoint `draft_uri`) may refit
-    from (`--weights-root`; the engine refuses any other): `spec.engine.weightsRoots`, and
-    the engine volume mounts that hold those checkpoints. None (weights baked into the
-    image, or outside every mount, and no weightsRoots) leaves the engine's default, the
-    folder holding its start-up checkpoint."""
-    paths = [PurePosixPath(weights.path)]
-    if draft_uri is not None:
-        paths.append(PurePosixPath(checkpoint_path(draft_uri)))
-    roots = [*spec.engine.weights_roots,
-             *(str(mount["mountPath"]) for path in paths for mount in spec.engine.volume_mounts
-               if mount.get("mountPath") and path.is_relative_to(str(mount["mountPath"])))]
-    return list(dict.fromkeys(roots))
-
-
-def engine_resources(spec: PoolSpec, group: Group) -> Mapping[str, Any] | None:
-    """The group's engine container resources: the role's, else spec.engine's."""
-    role = spec.role(group)
-    return role.resources if role.resources is not None else spec.engine.resources
-
-
-def engine_device(device: EngineDevice, resources: Mapping[str, Any] | None) -> str:
-    """An engine's `--device`: CPU and CUDA as written; Auto is cuda when the container
-    requests or limits nvidia.com/gpu (> 0), so an engine on a GPU pod that sees no GPU
-    fails at start instead of running on the CPU; else cpu."""
-    if device is EngineDevice.AUTO:
-        asked = [(resources or {}).get(part) or {} for part in ("requests", "limits")]
-        return "cuda" if any(_positive(a.get(GPU_RESOURCE)) for a in asked) else "cpu"
-    return "cuda" if device is EngineDevice.CUDA else "cpu"
-
-
-def _positive(quantity: Any) -> bool:
-    """A GPU count (an integer quantity: 1, "2") above zero."""
-    try:
-        return int(str(quantity).strip()) > 0
-    except ValueError:
-        return False
-
-
-def speculative_args(spec: PoolSpec, draft_uri: str | None) -> list[str]:
-    """The engine's --speculative-* flags from spec.engine.speculative (none when unset),
-    with `draft_uri` as --speculative-model for method Draft.
-
-    Every engine gets them, prefill ones too: a prefill engine makes only a request's first
-    token, so it never speculates (nor runs a draft), but one set of flags keeps the pods of
-    a pool uniform (as `tandem serve` starts its engines) and lets every engine take the same
-    refit body, draft included."""
-    s = spec.engine.speculative
-    if s is None:
-        return []
-    args = ["--speculative-method", s.method.flag,
-            "--speculative-tokens", str(s.num_speculative_tokens)]
-    if s.method is SpeculativeMethod.NGRAM:
-        args += ["--speculative-ngram-min", str(s.prompt_lookup_min),
-                 "--speculative-ngram-max", str(s.prompt_lookup_max)]
-    if s.disable_by_batch_size is not None:
-        args += ["--speculative-disable-by-batch-size", str(s.disable_by_batch_size)]
-    if draft_uri is not None:
-        args += ["--speculative-model", checkpoint_path(draft_uri)]
-    return args
-
-
-def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: int,
-                epoch: int | None = None, draft_uri: str | None = None) -> list[str]:
-    """The engine's command line, loading `weights` and the draft checkpoint `draft_uri`;
-    `epoch` None leaves --weight-epoch out (the template hash, which a refit never
-    changes)."""
-    e = spec.engine
-    roots = weights_roots(spec, weights, draft_uri)
-    args = ["--role", str(spec.engine_role(group)), "--model", weights.path,
-            "--served-model-name", spec.model_name,
-            "--host", "$(POD_IP)", "--port", str(ENGINE_ZMQ_PORT),
-            "--admin-port", str(ENGINE_ADMIN_PORT), "--metrics-port", str(ENGINE_METRICS_PORT),
-            *(arg for root in roots for arg in ("--weights-root", root)),
-            "--engine-id", "$(POD_NAME)",
-            "--weight-version", weights.version,
-            *(("--weight-epoch", str(epoch)) if epoch is not None else ()),
-            "--max-num-seqs", str(e.max_num_seqs),
-            "--max-num-batched-tokens", str(e.max_num_batched_tokens),
-            "--block-size", str(e.kv_cache.block_size),
-            "--threads", str(e.threads),
-            "--device", engine_device(e.device, engine_resources(spec, group)),
-            "--kv-pin-ttl", str(spec.kv_transfer.pin_ttl_seconds)]
-    if e.kv_cache.num_blocks is not None:
-        args += ["--num-blocks", str(e.kv_cache.num_blocks)]
-    elif e.kv_cache.memory_mib is not None:
-        args += ["--kv-cache-memory-bytes", str(e.kv_cache.memory_mib * 1024 * 1024)]
-    args += speculative_args(spec, draft_uri)
-    # SIGTERM makes an engine stop admitting and finish what it runs: let it take as long as
-    # an operator drain may (the pod's grace period leaves 10 s on top).
-    args += ["--shutdown-grace", str(drain_seconds)]
-    return [*args, *e.args]
 
 
 def _writable_env() -> list[dict[str, Any]]:

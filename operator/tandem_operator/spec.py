@@ -6,8 +6,10 @@ crds/inferencepools.tandem.dev.yaml, so a body from an API server that did not d
 means the same thing), re-checks the cross-field rules the CRD states in CEL (the operator
 must never act on a spec the schema would refuse), and returns frozen dataclasses.
 
-Each default is stated once here, as the dataclass field's default; the engine's own ones
-come from `tandem_engine.config` and the refit's from `tandem_engine.refit_policy`. The one
+Each default is stated once here, as the dataclass field's default; the engine's own ones,
+with their bounds, come from its flag table (`tandem_engine.config.ENGINE_FLAGS`: the
+engine's own rules are applied by `EngineConfig.validate`, not stated again here) and the
+refit's from `tandem_engine.refit_policy`. The one
 exception is spec.engine.image, which the CRD leaves unset: `default_engine_image()`, the
 chart's engine image (TANDEM_ENGINE_IMAGE), so that pools follow the operator's release.
 """
@@ -16,8 +18,7 @@ from __future__ import annotations
 
 import enum
 import os
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
@@ -25,6 +26,7 @@ from typing import Any, Literal
 
 from tandem_engine.config import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_DEVICE,
     DEFAULT_KV_PIN_TTL_S,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -32,9 +34,12 @@ from tandem_engine.config import (
     DEFAULT_PROMPT_LOOKUP_MIN,
     DEFAULT_SPECULATIVE_TOKENS,
     DEFAULT_THREADS,
-    MAX_PROMPT_LOOKUP,
-    MAX_SPECULATIVE_TOKENS,
+    POOL_FLAGS,
+    EngineConfig,
+    SpeculativeConfig,
+    engine_flag,
 )
+from tandem_engine.engine_flags import EngineOptionError
 from tandem_engine.fleet.verify import DEFAULT_MIN_UNCERTAINTY_RATIO, uncertainty_ratio_problem
 from tandem_engine.lifecycle import EngineRole
 from tandem_engine.refit_policy import (
@@ -47,8 +52,41 @@ from tandem_engine.refit_policy import (
 )
 from tandem_engine.weights import WeightsRef, WeightsURIError, checkpoint_path
 
+from tandem_operator.fields import (
+    SpecError,
+    absolute_paths,
+    bool_field,
+    decimal_field,
+    int_field,
+    list_field,
+    object_field,
+    required_int,
+    str_field,
+    strings_field,
+    volume_mounts,
+)
+
+# Part of this module's surface too, though spec.pod's parser owns them.
+from tandem_operator.pod_spec import (
+    RESERVED_ANNOTATIONS as RESERVED_ANNOTATIONS,
+)
+from tandem_operator.pod_spec import (
+    RESERVED_LABELS as RESERVED_LABELS,
+)
+from tandem_operator.pod_spec import (
+    NetworkPolicySettings,
+    Placement,
+    PodMonitorSettings,
+    PodSettings,
+    SecretKey,
+    network_policy_settings,
+    placement,
+    pod_monitor_settings,
+    pod_settings,
+    secret_key,
+)
+
 GROUP = "tandem.dev"
-_DECIMAL = re.compile(r"[0-9]{1,7}(\.[0-9]{1,6})?")
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "InferencePool"
@@ -60,10 +98,6 @@ ENGINE_GROUPS: tuple[Group, ...] = ("prefill", "decode")
 
 
 # ---- the parsed spec ----------------------------------------------------------------------------
-
-
-class SpecError(ValueError):
-    """The body is not a spec the CRD accepts; the message names the field and the rule."""
 
 
 @dataclass(frozen=True)
@@ -172,42 +206,10 @@ class EngineSettings:
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where a group's pods may run: core/v1 nodeSelector, tolerations and affinity, passed
-    to the pods as written."""
-
-    node_selector: Mapping[str, str] | None = None
-    tolerations: tuple[Mapping[str, Any], ...] = ()
-    affinity: Mapping[str, Any] | None = None
-
-
-@dataclass(frozen=True)
-class PodSettings:
-    """spec.pod: pod-level fields of every engine and router pod. Extra labels and
-    annotations never replace the operator's own (`RESERVED_LABELS`, `RESERVED_ANNOTATIONS`);
-    a topology spread constraint without a labelSelector spreads the pod's own group."""
-
-    image_pull_secrets: tuple[str, ...] = ()
-    labels: Mapping[str, str] | None = None
-    annotations: Mapping[str, str] | None = None
-    priority_class_name: str | None = None
-    runtime_class_name: str | None = None
-    topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
-
-
-@dataclass(frozen=True)
 class RoleSettings:
     replicas: int = 1
     resources: Mapping[str, Any] | None = None  # replaces engine.resources when set
-    placement: Placement = Placement()
-
-
-@dataclass(frozen=True)
-class SecretKey:
-    """One key of a Secret in the pool's namespace (a secretKeyRef)."""
-
-    name: str
-    key: str
+    placement: Placement = field(default_factory=Placement)
 
 
 @dataclass(frozen=True)
@@ -216,29 +218,7 @@ class RouterSettings:
     service_type: str = "ClusterIP"
     service_port: int = 8000
     api_key_secret: SecretKey | None = None  # the router's API keys (comma-separated)
-    placement: Placement = Placement()
-
-
-@dataclass(frozen=True)
-class NetworkPolicySettings:
-    """spec.networkPolicy: who may reach the pool's pods. Peers are networking/v1
-    NetworkPolicyPeer objects; an empty `api_from` admits the router's API from anywhere, a
-    empty `metrics_from` admits the engines' metrics from anywhere; by default every pod in
-    the pool's namespace may scrape them."""
-
-    enabled: bool = False
-    api_from: tuple[Mapping[str, Any], ...] = ()
-    metrics_from: tuple[Mapping[str, Any], ...] = ({"podSelector": {}},)
-
-
-@dataclass(frozen=True)
-class PodMonitorSettings:
-    """spec.monitoring.podMonitor: a prometheus-operator PodMonitor over the pool's pods,
-    created only where its CRD is installed."""
-
-    enabled: bool = False
-    interval: str = "30s"
-    labels: Mapping[str, str] | None = None
+    placement: Placement = field(default_factory=Placement)
 
 
 @dataclass(frozen=True)
@@ -287,9 +267,9 @@ class PoolSpec:
     rollout: Rollout = Rollout()
     refit: RefitSettings = RefitSettings()
     kv_transfer: KVTransfer = KVTransfer()
-    network_policy: NetworkPolicySettings = NetworkPolicySettings()
-    pod_monitor: PodMonitorSettings = PodMonitorSettings()
-    pod: PodSettings = PodSettings()
+    network_policy: NetworkPolicySettings = field(default_factory=NetworkPolicySettings)
+    pod_monitor: PodMonitorSettings = field(default_factory=PodMonitorSettings)
+    pod: PodSettings = field(default_factory=PodSettings)
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PoolSpec:
@@ -320,25 +300,6 @@ class PoolSpec:
 # The defaults parse_pool applies: the dataclasses' own.
 _ENGINE, _KV, _ROLE = EngineSettings(), KVCache(), RoleSettings()
 _ROUTER, _ROLLOUT, _REFIT, _KVT = RouterSettings(), Rollout(), RefitSettings(), KVTransfer()
-_NETPOL = NetworkPolicySettings()
-_PODMON = PodMonitorSettings()
-_DURATION = re.compile(r"[0-9]+(ms|s|m|h)")
-API_KEYS_KEY = "api-keys"  # spec.router.apiKeySecret.key when not given
-_PEER_FIELDS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
-_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
-_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-# A label or annotation key: an optional DNS-subdomain prefix and a name of at most 63.
-_QUALIFIED_NAME = re.compile(rf"({_DNS_LABEL}(\.{_DNS_LABEL})*/)?"
-                             r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
-_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
-# What the operator itself sets on its pods (manifests.py): spec.pod may not replace it.
-OPERATOR_PREFIX = "tandem.dev/"
-RESERVED_LABELS = frozenset({"app.kubernetes.io/name", "app.kubernetes.io/instance",
-                             "app.kubernetes.io/managed-by", "app.kubernetes.io/part-of",
-                             "app.kubernetes.io/component"})
-RESERVED_ANNOTATIONS = frozenset({"prometheus.io/scrape", "prometheus.io/port",
-                                  "prometheus.io/path"})
 TMP_VOLUME = "tandem-tmp"  # the emptyDir at /tmp of every pool pod (the root fs is read-only)
 TMP_PATH = "/tmp"
 
@@ -346,273 +307,45 @@ TMP_PATH = "/tmp"
 # ---- parsing with the CRD's defaults and rules --------------------------------------------------
 
 
-def _obj(d: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
-    value = d.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise SpecError(f"{path}.{key} must be an object, not {type(value).__name__}")
-    return value
-
-
-def _int(d: Mapping[str, Any], key: str, path: str, default: int | None, lo: int, hi: int
-         ) -> int | None:
-    value = d.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{path}.{key} must be an integer, not {value!r}")
-    if not lo <= value <= hi:
-        raise SpecError(f"{path}.{key} = {value} is outside {lo}..{hi}")
-    return value
-
-
-def _req_int(d: Mapping[str, Any], key: str, path: str, default: int, lo: int, hi: int) -> int:
-    value = _int(d, key, path, default, lo, hi)
-    assert value is not None  # a default was given
-    return value
-
-
-def _str(d: Mapping[str, Any], key: str, path: str, default: str | None, max_len: int,
-         choices: tuple[str, ...] = (), min_len: int = 0) -> str:
-    value = d.get(key, default)
-    if value is None:
-        raise SpecError(f"{path}.{key} is required")
-    if not isinstance(value, str):
-        raise SpecError(f"{path}.{key} must be a string, not {value!r}")
-    if not min_len <= len(value) <= max_len:
-        raise SpecError(f"{path}.{key} must be {min_len}..{max_len} characters long")
-    if choices and value not in choices:
-        raise SpecError(f"{path}.{key} = {value!r} is not one of {', '.join(choices)}")
-    return value
-
-
-def _decimal(d: Mapping[str, Any], key: str, path: str, problem: Callable[[float], str | None],
-             example: str, default: float | None = None) -> float | None:
-    """A number written as a decimal string ("1.5": the Kubernetes API has no floats),
-    within the range `problem` checks; `default` when unset."""
-    if d.get(key) is None:
-        return default
-    text = _str(d, key, path, None, 14)
-    if not _DECIMAL.fullmatch(text):
-        raise SpecError(f'{path}.{key} = {text!r} is not a decimal number such as "{example}"')
-    value = float(text)
-    if (why := problem(value)) is not None:
-        raise SpecError(f"{path}.{key}: {why}")
-    return value
-
-
-def _list(d: Mapping[str, Any], key: str, path: str, max_items: int) -> tuple[Any, ...]:
-    value = d.get(key)
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise SpecError(f"{path}.{key} must be a list")
-    if len(value) > max_items:
-        raise SpecError(f"{path}.{key} has {len(value)} items; at most {max_items} are allowed")
-    return tuple(value)
-
-
-def _mounts(d: Mapping[str, Any], path: str, volumes: tuple[Any, ...], read_only: bool
-            ) -> tuple[Mapping[str, Any], ...]:
-    """volumeMounts, each naming one of spec.engine.volumes (`read_only` by default)."""
-    names = {v.get("name") for v in volumes if isinstance(v, Mapping)}
-    mounts = []
-    for m in _list(d, "volumeMounts", path, 16):
-        if not isinstance(m, Mapping) or m.get("name") not in names:
-            raise SpecError(f"{path}.volumeMounts entry {m!r} names no volume of "
-                            f"spec.engine.volumes ({', '.join(sorted(map(str, names))) or 'none'})")
-        mounts.append({"readOnly": True, **m} if read_only else dict(m))
-    return tuple(mounts)
-
-
-def _strings(d: Mapping[str, Any], key: str, path: str, max_items: int) -> tuple[str, ...]:
-    items = _list(d, key, path, max_items)
-    for i, item in enumerate(items):
-        if not isinstance(item, str) or len(item) > 1024:
-            raise SpecError(f"{path}.{key}[{i}] must be a string of at most 1024 characters")
-    return items
-
-
-def _absolute_paths(d: Mapping[str, Any], key: str, path: str, max_items: int
-                    ) -> tuple[str, ...]:
-    items = _strings(d, key, path, max_items)
-    for i, item in enumerate(items):
-        if not item.startswith("/"):
-            raise SpecError(f"{path}.{key}[{i}] = {item!r} must be an absolute path")
-    return items
-
-
 def _init_containers(e: Mapping[str, Any], volumes: tuple[Any, ...]
                      ) -> tuple[InitContainer, ...]:
     containers: list[InitContainer] = []
-    for i, c in enumerate(_list(e, "initContainers", "spec.engine", 4)):
+    for i, c in enumerate(list_field(e, "initContainers", "spec.engine", 4)):
         path = f"spec.engine.initContainers[{i}]"
         if not isinstance(c, Mapping):
             raise SpecError(f"{path} must be an object")
-        name = _str(c, "name", path, None, 63, min_len=1)
+        name = str_field(c, "name", path, None, 63, min_len=1)
         if any(other.name == name for other in containers):
             raise SpecError(f"{path}.name {name!r} is used twice; init containers need "
                             "unique names")
-        command = _strings(c, "command", path, 64)
+        command = strings_field(c, "command", path, 64)
         if not command:
             raise SpecError(f"{path}.command is required (the program to run)")
         env = []
-        for j, v in enumerate(_list(c, "env", path, 32)):
+        for j, v in enumerate(list_field(c, "env", path, 32)):
             if not isinstance(v, Mapping):
                 raise SpecError(f"{path}.env[{j}] must be an object")
-            env.append((_str(v, "name", f"{path}.env[{j}]", None, 256, min_len=1),
-                        _str(v, "value", f"{path}.env[{j}]", "", 4096)))
+            env.append((str_field(v, "name", f"{path}.env[{j}]", None, 256, min_len=1),
+                        str_field(v, "value", f"{path}.env[{j}]", "", 4096)))
         containers.append(InitContainer(
-            name=name, command=command, args=_strings(c, "args", path, 64),
-            image=_str(c, "image", path, None, 512, min_len=1) if "image" in c else None,
-            env=tuple(env), volume_mounts=_mounts(c, path, volumes, read_only=False)))
+            name=name, command=command, args=strings_field(c, "args", path, 64),
+            image=str_field(c, "image", path, None, 512, min_len=1) if "image" in c else None,
+            env=tuple(env), volume_mounts=volume_mounts(c, path, volumes, read_only=False)))
     return tuple(containers)
 
 
-def _bool(d: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
-    value = d.get(key, default)
-    if not isinstance(value, bool):
-        raise SpecError(f"{path}.{key} must be true or false, not {value!r}")
-    return value
-
-
-def _secret_key(d: Mapping[str, Any], key: str, path: str) -> SecretKey | None:
-    ref = _obj(d, key, path)
-    if not ref:
-        return None
-    path = f"{path}.{key}"
-    name = _str(ref, "name", path, None, 253, min_len=1)
-    if not _DNS_SUBDOMAIN.fullmatch(name):
-        raise SpecError(f"{path}.name {name!r} is not a Secret name (lowercase letters, "
-                        "digits, '-' and '.')")
-    secret_key = _str(ref, "key", path, API_KEYS_KEY, 253, min_len=1)
-    if not _SECRET_KEY.fullmatch(secret_key):
-        raise SpecError(f"{path}.key {secret_key!r} is not a Secret key (letters, digits, "
-                        "'-', '_' and '.')")
-    return SecretKey(name=name, key=secret_key)
-
-
-def _peers(d: Mapping[str, Any], key: str, path: str) -> tuple[Mapping[str, Any], ...]:
-    """NetworkPolicyPeer objects: each one of podSelector, namespaceSelector (together or
-    alone) or ipBlock, passed to the NetworkPolicy as written."""
-    peers = _list(d, key, path, 16)
-    for i, peer in enumerate(peers):
-        where = f"{path}.{key}[{i}]"
-        if not isinstance(peer, Mapping) or not peer or not set(peer) <= _PEER_FIELDS:
-            raise SpecError(f"{where} must be a NetworkPolicyPeer: an object with podSelector "
-                            "and/or namespaceSelector, or ipBlock")
-        if "ipBlock" in peer and len(peer) > 1:
-            raise SpecError(f"{where}: ipBlock cannot be combined with a selector")
-    return tuple(dict(p) for p in peers)
-
-
-def _network_policy(spec: Mapping[str, Any]) -> NetworkPolicySettings:
-    d = _obj(spec, "networkPolicy", "spec")
-    path = "spec.networkPolicy"
-    return NetworkPolicySettings(
-        enabled=_bool(d, "enabled", path, _NETPOL.enabled),
-        api_from=_peers(d, "apiFrom", path),
-        metrics_from=(_peers(d, "metricsFrom", path) if "metricsFrom" in d
-                      else _NETPOL.metrics_from))
-
-
-def _pod_monitor(spec: Mapping[str, Any]) -> PodMonitorSettings:
-    d = _obj(_obj(spec, "monitoring", "spec"), "podMonitor", "spec.monitoring")
-    path = "spec.monitoring.podMonitor"
-    interval = _str(d, "interval", path, _PODMON.interval, 16, min_len=2)
-    if not _DURATION.fullmatch(interval):
-        raise SpecError(f"{path}.interval {interval!r} is not a Prometheus duration such as "
-                        "30s, 1m or 500ms")
-    return PodMonitorSettings(enabled=_bool(d, "enabled", path, _PODMON.enabled),
-                              interval=interval,
-                              labels=_string_map(d, "labels", path, 16, label_values=True))
-
-
-def _placement(d: Mapping[str, Any], path: str) -> Placement:
-    return Placement(node_selector=_string_map(d, "nodeSelector", path, 32, label_values=True),
-                     tolerations=_list(d, "tolerations", path, 32),
-                     affinity=_obj(d, "affinity", path) or None)
-
-
 def _role(spec: Mapping[str, Any], key: str) -> RoleSettings:
-    d = _obj(spec, key, "spec")
+    d = object_field(spec, key, "spec")
     path = f"spec.{key}"
     return RoleSettings(
-        replicas=_req_int(d, "replicas", path, _ROLE.replicas, 0, 64),
-        resources=_obj(d, "resources", path) or None,
-        placement=_placement(d, path))
-
-
-def _string_map(d: Mapping[str, Any], key: str, path: str, max_items: int,
-                label_values: bool, reserved: frozenset[str] = frozenset(),
-                ) -> Mapping[str, str] | None:
-    """A map of label or annotation keys to strings (label values when `label_values`);
-    `reserved` keys and the operator's `tandem.dev/` prefix are refused."""
-    value = _obj(d, key, path)
-    if len(value) > max_items:
-        raise SpecError(f"{path}.{key} has {len(value)} entries; at most {max_items} are "
-                        "allowed")
-    for k, v in value.items():
-        if not isinstance(k, str) or len(k) > 317 or not _QUALIFIED_NAME.fullmatch(k):
-            raise SpecError(f"{path}.{key}: {k!r} is not a label or annotation key "
-                            "([prefix/]name, the name at most 63 characters)")
-        if reserved and (k in reserved or k.startswith(OPERATOR_PREFIX)):
-            raise SpecError(f"{path}.{key}: {k!r} is the operator's own; pick another key")
-        limit = 63 if label_values else 4096
-        if not isinstance(v, str) or len(v) > limit or (label_values
-                                                        and not _LABEL_VALUE.fullmatch(v)):
-            raise SpecError(f"{path}.{key}[{k!r}] must be a "
-                            f"{'label value' if label_values else 'string'} of at most "
-                            f"{limit} characters")
-    return dict(value) or None
-
-
-def _dns_name(d: Mapping[str, Any], key: str, path: str) -> str | None:
-    """An optional object name (a DNS subdomain: PriorityClass, RuntimeClass, Secret)."""
-    if d.get(key) is None:
-        return None
-    name = _str(d, key, path, None, 253, min_len=1)
-    if not _DNS_SUBDOMAIN.fullmatch(name):
-        raise SpecError(f"{path}.{key} {name!r} is not an object name (lowercase letters, "
-                        "digits, '-' and '.')")
-    return name
-
-
-def _pod_settings(spec: Mapping[str, Any]) -> PodSettings:
-    d = _obj(spec, "pod", "spec")
-    path = "spec.pod"
-    secrets = []
-    for i, ref in enumerate(_list(d, "imagePullSecrets", path, 8)):
-        name = _dns_name(ref, "name", f"{path}.imagePullSecrets[{i}]") if isinstance(
-            ref, Mapping) else None
-        if name is None:
-            raise SpecError(f"{path}.imagePullSecrets[{i}] must be an object with the name "
-                            "of a Secret in the pool's namespace")
-        secrets.append(name)
-    spread = _list(d, "topologySpreadConstraints", path, 8)
-    for i, c in enumerate(spread):
-        where = f"{path}.topologySpreadConstraints[{i}]"
-        if not isinstance(c, Mapping):
-            raise SpecError(f"{where} must be an object")
-        if _int(c, "maxSkew", where, None, 1, 1024) is None:
-            raise SpecError(f"{where}.maxSkew is required")
-        _str(c, "topologyKey", where, None, 317, min_len=1)
-        _str(c, "whenUnsatisfiable", where, None, 32, ("DoNotSchedule", "ScheduleAnyway"))
-    return PodSettings(
-        image_pull_secrets=tuple(secrets),
-        labels=_string_map(d, "labels", path, 32, label_values=True,
-                           reserved=RESERVED_LABELS),
-        annotations=_string_map(d, "annotations", path, 32, label_values=False,
-                                reserved=RESERVED_ANNOTATIONS),
-        priority_class_name=_dns_name(d, "priorityClassName", path),
-        runtime_class_name=_dns_name(d, "runtimeClassName", path),
-        topology_spread_constraints=tuple(dict(c) for c in spread))
+        replicas=required_int(d, "replicas", path, _ROLE.replicas, 0, 64),
+        resources=object_field(d, "resources", path) or None,
+        placement=placement(d, path))
 
 
 def _volumes(e: Mapping[str, Any]) -> tuple[Any, ...]:
     """spec.engine.volumes; the name and the path of the pods' own /tmp stay the operator's."""
-    volumes = _list(e, "volumes", "spec.engine", 16)
+    volumes = list_field(e, "volumes", "spec.engine", 16)
     for i, v in enumerate(volumes):
         if isinstance(v, Mapping) and v.get("name") == TMP_VOLUME:
             raise SpecError(f"spec.engine.volumes[{i}].name {TMP_VOLUME!r} is the operator's "
@@ -620,7 +353,7 @@ def _volumes(e: Mapping[str, Any]) -> tuple[Any, ...]:
     return volumes
 
 
-def _check_tmp_mounts(mounts: tuple[Mapping[str, Any], ...], path: str) -> None:
+def _check_tmpvolume_mounts(mounts: tuple[Mapping[str, Any], ...], path: str) -> None:
     for i, mount in enumerate(mounts):
         if str(mount.get("mountPath", "")).rstrip("/") == TMP_PATH:
             raise SpecError(f"{path}.volumeMounts[{i}].mountPath {TMP_PATH} is the pod's own "
@@ -633,8 +366,8 @@ def _draft_uri(weights: Mapping[str, Any]) -> str | None:
     if weights.get("draft") is None:
         return None
     path = "spec.model.weights.draft"
-    uri = _str(_obj(weights, "draft", "spec.model.weights"), "uri", path, None, 1024,
-               min_len=8)
+    uri = str_field(object_field(weights, "draft", "spec.model.weights"), "uri", path, None,
+                    1024, min_len=8)
     try:
         checkpoint_path(uri, what=f"{path}.uri")
     except WeightsURIError as exc:
@@ -644,7 +377,7 @@ def _draft_uri(weights: Mapping[str, Any]) -> str | None:
 
 def _engine_args(e: Mapping[str, Any]) -> tuple[str, ...]:
     """spec.engine.args, less the flags the operator renders from fields of their own."""
-    args = tuple(str(a) for a in _list(e, "args", "spec.engine", 64))
+    args = tuple(str(a) for a in list_field(e, "args", "spec.engine", 64))
     for i, arg in enumerate(args):
         if arg.startswith(SPECULATIVE_FLAG_PREFIX):
             raise SpecError(f"spec.engine.args[{i}] {arg!r}: the operator renders the "
@@ -658,27 +391,31 @@ def _speculative(e: Mapping[str, Any]) -> Speculative | None:
     """spec.engine.speculative, within the engine's own limits (SpeculativeConfig)."""
     if e.get("speculative") is None:
         return None
-    d = _obj(e, "speculative", "spec.engine")
+    d = object_field(e, "speculative", "spec.engine")
     path = "spec.engine.speculative"
     if d.get("method") is None:
         raise SpecError(f"{path}.method is required: one of "
                         f"{', '.join(choices(SpeculativeMethod))}")
-    method = SpeculativeMethod(_str(d, "method", path, None, 8, choices(SpeculativeMethod)))
-    tokens = _req_int(d, "numSpeculativeTokens", path, DEFAULT_SPECULATIVE_TOKENS, 1,
-                      MAX_SPECULATIVE_TOKENS)
+    method = SpeculativeMethod(str_field(d, "method", path, None, 8, choices(SpeculativeMethod)))
+    tokens = _flag_int(d, "num_speculative_tokens")
     lookup = [k for k in ("promptLookupMin", "promptLookupMax") if d.get(k) is not None]
     if lookup and method is not SpeculativeMethod.NGRAM:
         raise SpecError(f"{path}.{lookup[0]} applies to method Ngram only (prompt lookup); "
                         f"remove it for method {method}")
-    low = _req_int(d, "promptLookupMin", path, DEFAULT_PROMPT_LOOKUP_MIN, 1, MAX_PROMPT_LOOKUP)
-    high = _req_int(d, "promptLookupMax", path, DEFAULT_PROMPT_LOOKUP_MAX, 1,
-                    MAX_PROMPT_LOOKUP)
-    if high < low:
-        raise SpecError(f"{path}.promptLookupMax = {high} is below promptLookupMin = {low}: "
-                        "raise promptLookupMax or lower promptLookupMin")
-    cap = _int(d, "disableByBatchSize", path, None, 1, 1024)  # as maxNumSeqs
-    return Speculative(method=method, num_speculative_tokens=tokens, prompt_lookup_min=low,
-                       prompt_lookup_max=high, disable_by_batch_size=cap)
+    return Speculative(method=method, num_speculative_tokens=tokens,
+                       prompt_lookup_min=_flag_int(d, "prompt_lookup_min"),
+                       prompt_lookup_max=_flag_int(d, "prompt_lookup_max"),
+                       disable_by_batch_size=_flag_int(d, "disable_by_batch_size"))
+
+
+def _flag_int(d: Mapping[str, Any], field: str) -> Any:
+    """The pool field that sets engine flag `field` (config.POOL_FLAGS), read from its
+    section `d`: within the CRD's range; unset, the flag's default in the field's unit (the
+    CRD states it, or a CEL rule fills it in), or None where the flag has none."""
+    flag = engine_flag(field)
+    pool = flag.pool
+    assert pool is not None and pool.minimum is not None and pool.maximum is not None
+    return int_field(d, pool.key, pool.parent, flag.pool_default, pool.minimum, pool.maximum)
 
 
 def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
@@ -689,107 +426,106 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
     spec = body.get("spec")
     if not isinstance(spec, Mapping):
         raise SpecError("spec is required")
-    model = _obj(spec, "model", "spec")
-    weights = _obj(model, "weights", "spec.model")
-    uri = _str(weights, "uri", "spec.model.weights", None, 1024, min_len=8)
+    model = object_field(spec, "model", "spec")
+    weights = object_field(model, "weights", "spec.model")
+    uri = str_field(weights, "uri", "spec.model.weights", None, 1024, min_len=8)
     try:
         checkpoint_path(uri, what="spec.model.weights.uri")
     except WeightsURIError as exc:
         raise SpecError(str(exc)) from None
-    version = _str(weights, "version", "spec.model.weights", None, 63, min_len=1)
+    version = str_field(weights, "version", "spec.model.weights", None, 63, min_len=1)
     draft_uri = _draft_uri(weights)
 
-    e = _obj(spec, "engine", "spec")
-    kv = _obj(e, "kvCache", "spec.engine")
+    e = object_field(spec, "engine", "spec")
+    kv = object_field(e, "kvCache", "spec.engine")
     volumes = _volumes(e)
     engine = EngineSettings(
-        image=_str(e, "image", "spec.engine", default_engine_image(), 512, min_len=1),
-        image_pull_policy=_str(e, "imagePullPolicy", "spec.engine", _ENGINE.image_pull_policy,
-                               32, ("Always", "IfNotPresent", "Never")),
-        resources=_obj(e, "resources", "spec.engine") or None,
-        env=_list(e, "env", "spec.engine", 64),
+        image=str_field(e, "image", "spec.engine", default_engine_image(), 512, min_len=1),
+        image_pull_policy=str_field(e, "imagePullPolicy", "spec.engine",
+                                    _ENGINE.image_pull_policy, 32,
+                                    ("Always", "IfNotPresent", "Never")),
+        resources=object_field(e, "resources", "spec.engine") or None,
+        env=list_field(e, "env", "spec.engine", 64),
         args=_engine_args(e),
         volumes=volumes,
-        volume_mounts=_mounts(e, "spec.engine", volumes, read_only=True),
-        weights_roots=_absolute_paths(e, "weightsRoots", "spec.engine", 8),
+        volume_mounts=volume_mounts(e, "spec.engine", volumes, read_only=True),
+        weights_roots=absolute_paths(e, "weightsRoots", "spec.engine", 8),
         init_containers=_init_containers(e, volumes),
-        kv_cache=KVCache(
-            block_size=_req_int(kv, "blockSize", "spec.engine.kvCache", _KV.block_size, 1, 256),
-            num_blocks=_int(kv, "numBlocks", "spec.engine.kvCache", None, 16, 1048576),
-            memory_mib=_int(kv, "memoryMiB", "spec.engine.kvCache", None, 16, 1048576)),
-        max_num_seqs=_req_int(e, "maxNumSeqs", "spec.engine", _ENGINE.max_num_seqs, 1, 1024),
-        max_num_batched_tokens=_req_int(e, "maxNumBatchedTokens", "spec.engine",
-                                        _ENGINE.max_num_batched_tokens, 16, 65536),
-        threads=_req_int(e, "threads", "spec.engine", _ENGINE.threads, 1, 256),
-        device=EngineDevice(_str(e, "device", "spec.engine", _ENGINE.device.value, 8,
-                                 choices(EngineDevice))),
-        startup_timeout_seconds=_req_int(e, "startupTimeoutSeconds", "spec.engine",
-                                         _ENGINE.startup_timeout_seconds, 10, 86400),
-        rdma_ipc_lock=_bool(_obj(e, "rdma", "spec.engine"), "ipcLock", "spec.engine.rdma",
-                            _ENGINE.rdma_ipc_lock),
+        kv_cache=KVCache(block_size=_flag_int(kv, "block_size"),
+                         num_blocks=_flag_int(kv, "num_blocks"),
+                         memory_mib=_flag_int(kv, "kv_cache_memory_bytes")),
+        max_num_seqs=_flag_int(e, "max_num_seqs"),
+        max_num_batched_tokens=_flag_int(e, "max_num_batched_tokens"),
+        threads=_flag_int(e, "threads"),
+        device=EngineDevice(str_field(e, "device", "spec.engine", _ENGINE.device.value, 8,
+                                      choices(EngineDevice))),
+        startup_timeout_seconds=required_int(e, "startupTimeoutSeconds", "spec.engine",
+                                             _ENGINE.startup_timeout_seconds, 10, 86400),
+        rdma_ipc_lock=bool_field(object_field(e, "rdma", "spec.engine"), "ipcLock",
+                                 "spec.engine.rdma", _ENGINE.rdma_ipc_lock),
         speculative=_speculative(e))
-    _check_tmp_mounts(engine.volume_mounts, "spec.engine")
+    _check_tmpvolume_mounts(engine.volume_mounts, "spec.engine")
     for i, c in enumerate(engine.init_containers):
-        _check_tmp_mounts(c.volume_mounts, f"spec.engine.initContainers[{i}]")
+        _check_tmpvolume_mounts(c.volume_mounts, f"spec.engine.initContainers[{i}]")
 
-    r = _obj(spec, "router", "spec")
-    svc = _obj(r, "service", "spec.router")
-    ro = _obj(spec, "rollout", "spec")
-    rf = _obj(spec, "refit", "spec")
-    kt = _obj(spec, "kvTransfer", "spec")
-    ucx = _obj(kt, "ucx", "spec.kvTransfer")
+    r = object_field(spec, "router", "spec")
+    svc = object_field(r, "service", "spec.router")
+    ro = object_field(spec, "rollout", "spec")
+    rf = object_field(spec, "refit", "spec")
+    kt = object_field(spec, "kvTransfer", "spec")
+    ucx = object_field(kt, "ucx", "spec.kvTransfer")
     pool = PoolSpec(
         name=str(meta.get("name") or ""),
         namespace=str(meta.get("namespace") or "default"),
         uid=str(meta.get("uid") or ""),
         generation=int(meta.get("generation") or 0),
-        model_name=_str(model, "name", "spec.model", None, 253, min_len=1),
+        model_name=str_field(model, "name", "spec.model", None, 253, min_len=1),
         weights=WeightsRef(uri=uri, version=version),
         draft_uri=draft_uri,
         engine=engine,
         prefill=_role(spec, "prefill"),
         decode=_role(spec, "decode"),
         router=RouterSettings(
-            replicas=_req_int(r, "replicas", "spec.router", _ROUTER.replicas, 1, 16),
-            service_type=_str(svc, "type", "spec.router.service", _ROUTER.service_type, 32,
-                              ("ClusterIP", "NodePort", "LoadBalancer")),
-            service_port=_req_int(svc, "port", "spec.router.service", _ROUTER.service_port, 1,
-                                  65535),
-            api_key_secret=_secret_key(r, "apiKeySecret", "spec.router"),
-            placement=_placement(r, "spec.router")),
+            replicas=required_int(r, "replicas", "spec.router", _ROUTER.replicas, 1, 16),
+            service_type=str_field(svc, "type", "spec.router.service", _ROUTER.service_type,
+                                   32, ("ClusterIP", "NodePort", "LoadBalancer")),
+            service_port=required_int(svc, "port", "spec.router.service",
+                                      _ROUTER.service_port, 1, 65535),
+            api_key_secret=secret_key(r, "apiKeySecret", "spec.router"),
+            placement=placement(r, "spec.router")),
         rollout=Rollout(
-            max_surge=_req_int(ro, "maxSurge", "spec.rollout", _ROLLOUT.max_surge, 0, 64),
-            max_unavailable=_req_int(ro, "maxUnavailable", "spec.rollout",
-                                     _ROLLOUT.max_unavailable, 0, 64)),
+            max_surge=required_int(ro, "maxSurge", "spec.rollout", _ROLLOUT.max_surge, 0, 64),
+            max_unavailable=required_int(ro, "maxUnavailable", "spec.rollout",
+                                         _ROLLOUT.max_unavailable, 0, 64)),
         refit=RefitSettings(
-            strategy=RefitStrategy(_str(rf, "strategy", "spec.refit", _REFIT.strategy, 32,
-                                        choices(RefitStrategy))),
-            inflight=InFlight(_str(rf, "inflight", "spec.refit", _REFIT.inflight, 32,
-                                   choices(InFlight))),
-            drain_timeout_seconds=_req_int(rf, "drainTimeoutSeconds", "spec.refit",
-                                           _REFIT.drain_timeout_seconds, 1, 3600),
-            on_failure=OnFailure(_str(rf, "onFailure", "spec.refit", _REFIT.on_failure, 32,
-                                      choices(OnFailure))),
-            max_perplexity_ratio=_decimal(_obj(rf, "verify", "spec.refit"),
-                                          "maxPerplexityRatio", "spec.refit.verify",
-                                          perplexity_ratio_problem, "1.5"),
-            min_uncertainty_ratio=_decimal(_obj(rf, "verify", "spec.refit"),
-                                           "minUncertaintyRatio", "spec.refit.verify",
-                                           uncertainty_ratio_problem, "0.25",
-                                           _REFIT.min_uncertainty_ratio),
-            low_memory=_bool(rf, "lowMemory", "spec.refit", _REFIT.low_memory)),
+            strategy=RefitStrategy(str_field(rf, "strategy", "spec.refit", _REFIT.strategy,
+                                             32, choices(RefitStrategy))),
+            inflight=InFlight(str_field(rf, "inflight", "spec.refit", _REFIT.inflight, 32,
+                                        choices(InFlight))),
+            drain_timeout_seconds=required_int(rf, "drainTimeoutSeconds", "spec.refit",
+                                               _REFIT.drain_timeout_seconds, 1, 3600),
+            on_failure=OnFailure(str_field(rf, "onFailure", "spec.refit", _REFIT.on_failure,
+                                           32, choices(OnFailure))),
+            max_perplexity_ratio=decimal_field(object_field(rf, "verify", "spec.refit"),
+                                               "maxPerplexityRatio", "spec.refit.verify",
+                                               perplexity_ratio_problem, "1.5"),
+            min_uncertainty_ratio=decimal_field(object_field(rf, "verify", "spec.refit"),
+                                                "minUncertaintyRatio", "spec.refit.verify",
+                                                uncertainty_ratio_problem, "0.25",
+                                                _REFIT.min_uncertainty_ratio),
+            low_memory=bool_field(rf, "lowMemory", "spec.refit", _REFIT.low_memory)),
         kv_transfer=KVTransfer(
-            backend=_str(kt, "backend", "spec.kvTransfer", _KVT.backend, 32, ("NIXL",)),
-            pin_ttl_seconds=_req_int(kt, "pinTTLSeconds", "spec.kvTransfer",
-                                     _KVT.pin_ttl_seconds, 1, 3600),
-            ucx_transports=_str(ucx, "transports", "spec.kvTransfer.ucx", _KVT.ucx_transports,
-                                256),
-            ucx_net_devices=_str(ucx, "netDevices", "spec.kvTransfer.ucx",
-                                 _KVT.ucx_net_devices, 256)),
-        network_policy=_network_policy(spec),
-        pod_monitor=_pod_monitor(spec),
-        pod=_pod_settings(spec))
+            backend=str_field(kt, "backend", "spec.kvTransfer", _KVT.backend, 32, ("NIXL",)),
+            pin_ttl_seconds=_flag_int(kt, "kv_pin_ttl_s"),
+            ucx_transports=str_field(ucx, "transports", "spec.kvTransfer.ucx",
+                                     _KVT.ucx_transports, 256),
+            ucx_net_devices=str_field(ucx, "netDevices", "spec.kvTransfer.ucx",
+                                      _KVT.ucx_net_devices, 256)),
+        network_policy=network_policy_settings(spec),
+        pod_monitor=pod_monitor_settings(spec),
+        pod=pod_settings(spec))
     _check_rules(pool)
+    _check_engine_config(pool)
     return pool
 
 
@@ -812,3 +548,40 @@ def _check_rules(pool: PoolSpec) -> None:
     if pool.draft_uri is not None and not drafting:
         raise SpecError("model.weights.draft is read only by engine.speculative.method Draft; "
                         "remove it or set that method")
+
+
+def engine_config(spec: PoolSpec, device: str = DEFAULT_DEVICE,
+                  draft_uri: str | None = None) -> EngineConfig:
+    """What the pool asks of its engines as the engine's own config, whose flags the
+    operator renders (manifests.engine_args): the spec's KV cache, batch limits, pin TTL
+    and speculative decoding, on `device`, with the draft checkpoint `draft_uri`."""
+    e, s = spec.engine, spec.engine.speculative
+    speculative = None if s is None else SpeculativeConfig(
+        s.method.flag, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max,
+        None if draft_uri is None else checkpoint_path(draft_uri), s.disable_by_batch_size)
+    memory = e.kv_cache.memory_mib
+    return EngineConfig(
+        block_size=e.kv_cache.block_size, num_blocks=e.kv_cache.num_blocks,
+        kv_cache_memory_bytes=None if memory is None
+        else memory * _POOL_FLAG["kv_cache_memory_bytes"].scale,
+        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+        device=device, kv_pin_ttl_s=spec.kv_transfer.pin_ttl_seconds, speculative=speculative)
+
+
+_POOL_FLAG = {flag.field: flag.pool for flag in POOL_FLAGS if flag.pool is not None}
+
+
+def _check_engine_config(pool: PoolSpec) -> None:
+    """The engine's own rules (EngineConfig.validate, not stated again here) on what the
+    pool asks, each refusal naming the pool's fields."""
+    try:
+        engine_config(pool, draft_uri=pool.draft_uri).validate()
+    except EngineOptionError as exc:
+        field = _POOL_FLAG.get(exc.field)
+        if field is None:
+            raise SpecError(f"spec.engine: {exc}") from None
+        if exc.floor is not None and exc.floor in _POOL_FLAG:
+            low = _POOL_FLAG[exc.floor].key
+            raise SpecError(f"spec.{field.path} = {exc.value} is below {low} = "
+                            f"{exc.floor_value}: raise {field.key} or lower {low}") from None
+        raise SpecError(f"spec.{field.path} = {exc.value!r}: {exc.limit}") from None

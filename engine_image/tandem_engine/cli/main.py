@@ -24,22 +24,17 @@ from tandem_engine.cli.models import (
 )
 from tandem_engine.cli_help import ArgumentParser
 from tandem_engine.config import (
-    DEFAULT_DEVICE,
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_KERNELS,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
     DEFAULT_MTP_FIT_PROMPTS,
     DEFAULT_MTP_FIT_RIDGE,
     DEFAULT_MTP_FIT_TOKENS,
-    DEFAULT_THREADS,
     DEMO_MODEL_SIZES,
-    KERNEL_CHOICES,
-    add_speculative_flags,
+    SERVE_FLAGS,
+    SPECULATIVE_FLAGS,
     device_arg,
-    fraction_arg,
-    speculative_flags,
+    engine_flag,
+    speculative_from_flags,
 )
+from tandem_engine.engine_flags import add_flags, flag_args, namespace_values
 from tandem_engine.errors import TandemError
 from tandem_engine.fleet.verify import DEFAULT_MIN_UNCERTAINTY_RATIO
 from tandem_engine.model.family import DEMO_FAMILIES
@@ -158,12 +153,11 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def serve_engine_args(args: argparse.Namespace) -> list[str]:
-    """The `tandem-engine` flags `tandem serve` gives every engine it starts."""
-    return ["--threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--kernels", args.kernels, "--device", args.device,
-            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-            *speculative_flags(args)]
+    """The `tandem-engine` flags `tandem serve` gives every engine it starts (SERVE_FLAGS);
+    the speculative ones checked here first, so a bad value fails before any engine
+    starts."""
+    speculative_from_flags(args)
+    return flag_args(SERVE_FLAGS, namespace_values(SERVE_FLAGS, args))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -361,10 +355,10 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens_default: str
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     """How a command that runs a model in process runs it: dtype, threads, device,
     speculative decoding."""
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    add_flags(parser, [engine_flag("dtype")])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    _add_device_flags(parser)
-    add_speculative_flags(parser)
+    add_flags(parser, [engine_flag("device"), engine_flag("gpu_memory_utilization"),
+                       *SPECULATIVE_FLAGS])
 
 
 def _add_serve(sub) -> None:
@@ -388,13 +382,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--port", type=int, default=8000, help="router (OpenAI API) port")
     serve.add_argument("--served-model-name", default=None,
                        help="model name clients use (default: from --model)")
-    serve.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                       help="torch threads per engine")
-    _add_batch_flags(serve)
-    serve.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
-                       help="every engine's kernels (`tandem-engine --help`)")
-    _add_device_flags(serve, "every engine's ")
-    add_speculative_flags(serve, "every engine's ")
+    add_flags(serve.add_argument_group(
+        "engine flags", "given to every engine the stack starts, as `tandem-engine` takes "
+        "them (`tandem-engine --help`)"), SERVE_FLAGS)
     serve.add_argument("--weights-root", type=Path, action="append", default=[],
                        metavar="DIR", help="a folder `tandem refit` may load checkpoints "
                        "from, besides the one holding --model (repeatable)")
@@ -412,23 +402,7 @@ def _add_serve(sub) -> None:
 
 def _add_batch_flags(parser: argparse.ArgumentParser) -> None:
     """--max-num-seqs and --max-num-batched-tokens, as `tandem-engine` takes them."""
-    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-                        help="requests scheduled in one step at most")
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                        help="tokens (prompt chunks and decodes) in one step at most")
-
-
-def _add_device_flags(parser: argparse.ArgumentParser, whose: str = "") -> None:
-    """--device and --gpu-memory-utilization, as `tandem-engine` takes them."""
-    parser.add_argument("--device", type=device_arg, default=DEFAULT_DEVICE,
-                        help=f"{whose}device: auto, cpu, cuda or cuda:N (auto = cuda when "
-                        "torch sees a GPU, else cpu; cuda with no GPU visible fails at start)")
-    parser.add_argument("--gpu-memory-utilization", type=fraction_arg, metavar="F",
-                        default=DEFAULT_GPU_MEMORY_UTILIZATION,
-                        help="on CUDA: the share (0 < F <= 1) of the GPU's memory the engine "
-                        "fills; the KV cache gets what the weights and activations leave "
-                        "(default %(default)s)")
+    add_flags(parser, [engine_flag("max_num_seqs"), engine_flag("max_num_batched_tokens")])
 
 
 def _add_models(sub) -> None:

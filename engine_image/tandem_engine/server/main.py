@@ -31,25 +31,13 @@ import prometheus_client
 
 from tandem_engine.cli_help import ArgumentParser
 from tandem_engine.config import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_DEVICE,
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_KERNELS,
-    DEFAULT_KV_CACHE_MEMORY_BYTES,
-    DEFAULT_KV_PIN_TTL_S,
-    DEFAULT_KV_QUARANTINE_TTL_S,
-    DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_MAX_NUM_SEQS,
-    DEFAULT_THREADS,
-    KERNEL_CHOICES,
-    MAX_KV_QUARANTINE_TTL_S,
+    ENGINE_CONFIG_FLAGS,
+    ENGINE_FLAGS,
     EngineConfig,
-    add_speculative_flags,
-    device_arg,
-    fraction_arg,
     parse_device,
     speculative_from_flags,
 )
+from tandem_engine.engine_flags import add_flags, namespace_values
 from tandem_engine.http_guard import add_deadline_flags, protocol_class
 from tandem_engine.lifecycle import EngineRole
 from tandem_engine.server.loading import (
@@ -98,13 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "least recently heard (default 1024)")
     p.add_argument("--pull-timeout", type=float, default=10.0,
                    help="decode: deadline of one KV pull from a prefill engine (s)")
-    p.add_argument("--kv-pin-ttl", type=float, default=float(DEFAULT_KV_PIN_TTL_S),
-                   help="prefill: seconds a handed-off prompt's KV stays pinned at most")
-    p.add_argument("--kv-quarantine-ttl", type=float,
-                   default=float(DEFAULT_KV_QUARANTINE_TTL_S),
-                   help="decode: seconds at most that the KV blocks of a pull whose "
-                        "transfer state is unknown (a timeout) stay out of use "
-                        f"(<= {MAX_KV_QUARANTINE_TTL_S})")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     add_deadline_flags(p, "an admin or metrics client")
@@ -114,44 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="DIR", help="a folder refits may load checkpoints from "
                    "(repeatable; symlinks are resolved first); default: the folder "
                    "holding --model")
-    p.add_argument("--device", type=device_arg, default=DEFAULT_DEVICE,
-                   help="auto, cpu, cuda or cuda:N; auto = cuda when torch sees a GPU, else "
-                        "cpu. Asking for cuda where no GPU is visible fails at start")
-    p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="torch threads")
-    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-                   help="requests scheduled in one step at most")
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                   help="tokens (prompt chunks and decodes) in one step at most")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks in the pool (default: sized from the memory budget)")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                   help="tokens per KV block")
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="the KV pool's byte budget (default: "
-                        f"{DEFAULT_KV_CACHE_MEMORY_BYTES} on CPU; on CUDA the pool takes what "
-                        "--gpu-memory-utilization leaves); --num-blocks overrides it")
-    p.add_argument("--gpu-memory-utilization", type=fraction_arg,
-                   default=DEFAULT_GPU_MEMORY_UTILIZATION, metavar="F",
-                   help="CUDA, with neither --num-blocks nor --kv-cache-memory-bytes: the "
-                        "share (0 < F <= 1) of the GPU's memory the engine fills; the KV pool "
-                        "gets what the weights and the largest step's activations leave "
-                        "(default %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest sequence, prompt and output (default: the model's context)")
-    p.add_argument("--dtype", default="auto",
-                   help="weights and activations: auto (the checkpoint's), float32, "
-                        "bfloat16 or float16")
-    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=DEFAULT_KERNELS,
-                   help="attention/projection kernels: auto (native on CPU, flex on CUDA), "
-                        "native (CPU), torch (portable gather path), flex (torch "
-                        "flex_attention over the paged KV) (default %(default)s)")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
-                   help="CUDA: replay decode steps from CUDA graphs at fixed batch sizes "
-                        "(ignored on CPU)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of the sampler for requests that give none")
-    add_speculative_flags(p)
+    # The engine's own flags (EngineConfig's, and torch's threads): config.ENGINE_FLAGS.
+    add_flags(p, ENGINE_FLAGS)
     p.add_argument("--weight-version", default="initial",
                    help="the version name of the weights at --model (the pool's weights.version)")
     p.add_argument("--weight-epoch", type=int, default=0,
@@ -163,15 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine options, checked before the model loads: a bad value, or a GPU asked for
     where none is visible, fails at start (exit 2)."""
-    config = EngineConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_blocks=args.num_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
-        max_model_len=args.max_model_len, dtype=args.dtype, kernels=args.kernels,
-        device=args.device, cuda_graphs=args.cuda_graphs, seed=args.seed,
-        kv_pin_ttl_s=args.kv_pin_ttl,
-        kv_quarantine_ttl_s=args.kv_quarantine_ttl,
-        speculative=speculative_from_flags(args))
+    config = EngineConfig(**namespace_values(ENGINE_CONFIG_FLAGS, args),
+                          speculative=speculative_from_flags(args))
     config.validate()
     if parse_device(config.device)[0] == "cuda":  # torch is imported only when a GPU is asked
         from tandem_engine.model.device import resolve_device

@@ -1,0 +1,135 @@
+"""Reading one field of a raw InferencePool body: its type, its bounds, the CRD's default.
+
+`tandem_operator.spec` and `tandem_operator.pod_spec` parse a body section by section with
+these; each refusal is a `SpecError` naming the field (`spec.engine.maxNumSeqs`) and the
+rule, as the API server's own message would.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+_DECIMAL = re.compile(r"[0-9]{1,7}(\.[0-9]{1,6})?")
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+
+
+class SpecError(ValueError):
+    """The body is not a spec the CRD accepts; the message names the field and the rule."""
+
+
+def object_field(d: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
+    value = d.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{path}.{key} must be an object, not {type(value).__name__}")
+    return value
+
+
+def int_field(d: Mapping[str, Any], key: str, path: str, default: int | None, lo: int,
+              hi: int) -> int | None:
+    value = d.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{path}.{key} must be an integer, not {value!r}")
+    if not lo <= value <= hi:
+        raise SpecError(f"{path}.{key} = {value} is outside {lo}..{hi}")
+    return value
+
+
+def required_int(d: Mapping[str, Any], key: str, path: str, default: int, lo: int, hi: int) -> int:
+    value = int_field(d, key, path, default, lo, hi)
+    assert value is not None  # a default was given
+    return value
+
+
+def str_field(d: Mapping[str, Any], key: str, path: str, default: str | None, max_len: int,
+              choices: tuple[str, ...] = (), min_len: int = 0) -> str:
+    value = d.get(key, default)
+    if value is None:
+        raise SpecError(f"{path}.{key} is required")
+    if not isinstance(value, str):
+        raise SpecError(f"{path}.{key} must be a string, not {value!r}")
+    if not min_len <= len(value) <= max_len:
+        raise SpecError(f"{path}.{key} must be {min_len}..{max_len} characters long")
+    if choices and value not in choices:
+        raise SpecError(f"{path}.{key} = {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def decimal_field(d: Mapping[str, Any], key: str, path: str,
+                  problem: Callable[[float], str | None], example: str,
+                  default: float | None = None) -> float | None:
+    """A number written as a decimal string ("1.5": the Kubernetes API has no floats),
+    within the range `problem` checks; `default` when unset."""
+    if d.get(key) is None:
+        return default
+    text = str_field(d, key, path, None, 14)
+    if not _DECIMAL.fullmatch(text):
+        raise SpecError(f'{path}.{key} = {text!r} is not a decimal number such as "{example}"')
+    value = float(text)
+    if (why := problem(value)) is not None:
+        raise SpecError(f"{path}.{key}: {why}")
+    return value
+
+
+def list_field(d: Mapping[str, Any], key: str, path: str, max_items: int) -> tuple[Any, ...]:
+    value = d.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise SpecError(f"{path}.{key} must be a list")
+    if len(value) > max_items:
+        raise SpecError(f"{path}.{key} has {len(value)} items; at most {max_items} are allowed")
+    return tuple(value)
+
+
+def strings_field(d: Mapping[str, Any], key: str, path: str, max_items: int) -> tuple[str, ...]:
+    items = list_field(d, key, path, max_items)
+    for i, item in enumerate(items):
+        if not isinstance(item, str) or len(item) > 1024:
+            raise SpecError(f"{path}.{key}[{i}] must be a string of at most 1024 characters")
+    return items
+
+
+def absolute_paths(d: Mapping[str, Any], key: str, path: str, max_items: int
+                   ) -> tuple[str, ...]:
+    items = strings_field(d, key, path, max_items)
+    for i, item in enumerate(items):
+        if not item.startswith("/"):
+            raise SpecError(f"{path}.{key}[{i}] = {item!r} must be an absolute path")
+    return items
+
+
+def bool_field(d: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
+    value = d.get(key, default)
+    if not isinstance(value, bool):
+        raise SpecError(f"{path}.{key} must be true or false, not {value!r}")
+    return value
+
+
+def dns_name(d: Mapping[str, Any], key: str, path: str) -> str | None:
+    """An optional object name (a DNS subdomain: PriorityClass, RuntimeClass, Secret)."""
+    if d.get(key) is None:
+        return None
+    name = str_field(d, key, path, None, 253, min_len=1)
+    if not DNS_SUBDOMAIN.fullmatch(name):
+        raise SpecError(f"{path}.{key} {name!r} is not an object name (lowercase letters, "
+                        "digits, '-' and '.')")
+    return name
+
+
+def volume_mounts(d: Mapping[str, Any], path: str, volumes: tuple[Any, ...], read_only: bool
+                  ) -> tuple[Mapping[str, Any], ...]:
+    """volumeMounts, each naming one of spec.engine.volumes (`read_only` by default)."""
+    names = {v.get("name") for v in volumes if isinstance(v, Mapping)}
+    mounts = []
+    for m in list_field(d, "volumeMounts", path, 16):
+        if not isinstance(m, Mapping) or m.get("name") not in names:
+            raise SpecError(f"{path}.volumeMounts entry {m!r} names no volume of "
+                            f"spec.engine.volumes ({', '.join(sorted(map(str, names))) or 'none'})")
+        mounts.append({"readOnly": True, **m} if read_only else dict(m))
+    return tuple(mounts)
