@@ -430,7 +430,7 @@ def test_a_value_that_is_not_utf8_names_its_key(tiny_gguf: Path, tmp_path: Path)
     data[at] = 0xFF  # the first byte of "llama"
     path = tmp_path / "latin1.gguf"
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="'general.architecture' cannot be read"):
+    with pytest.raises(CheckpointError, match=r"'general\.architecture' cannot be read"):
         open_gguf(path).string("general.architecture")
 
 
