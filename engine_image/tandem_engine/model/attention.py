@@ -9,6 +9,11 @@ runs of memory, far faster than gathering slot by slot) and call
 its own with a causal mask offset by the context already cached. With the native
 backend (`native.py`), decodes instead read their keys and values in place; with the
 flex backend (`flex_attention.py`, for CUDA) every query reads its blocks in place.
+
+A sliding-window layer (`window`: each query sees its own and the window - 1 keys
+before it, as transformers' sliding_window_overlay) masks the rest on the gather path;
+the blocks outside the window stay allocated (no block is freed early). Its families
+keep off the flex backend (`Family.flex_attention`).
 """
 
 from __future__ import annotations
@@ -129,16 +134,35 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> tor
     return out.view(-1, heads, dim)
 
 
+def _window_mask(q_pos: torch.Tensor, kv_len: int, window: int) -> torch.Tensor:
+    """[..., kv_len] bool: key position p is seen from query position q when
+    q - window < p <= q."""
+    pos = torch.arange(kv_len, device=q_pos.device)
+    q = q_pos.unsqueeze(-1)
+    return (pos <= q) & (pos > q - window)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads, head_dim], attending over the paged caches."""
+                    meta: AttentionMetadata, scale: float,
+                    window: int | None = None) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads, head_dim], attending over the paged caches
+    (only the last `window` positions, a query's own included, when given)."""
     if meta.flex is not None:
+        if window is not None:
+            raise ValueError("the flex attention backend has no sliding-window mask; "
+                             "this model's family runs on kernels 'torch' or 'native'")
         return flex_paged_attention(q, k_cache, v_cache, meta.flex, scale)
     out = torch.empty_like(q)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // kv_heads
     b = meta.num_decodes
-    if b and meta.native is not None:
+    decode_mask = meta.decode_mask
+    if b and window is not None:
+        # The native kernel reads every key up to the context length: a windowed layer's
+        # decodes take the gather path with the window in the mask.
+        width = meta.decode_blocks.shape[1] * k_cache.shape[1]
+        decode_mask = _window_mask(meta.decode_lens - 1, width, window)[:, None, None, :]
+    if b and meta.native is not None and window is None:
         out[:b] = meta.native.paged_decode_attention(
             q[:b], k_cache, v_cache, meta.decode_blocks, meta.decode_lens, scale)
     elif b:
@@ -149,15 +173,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k = _gather(k_cache, blocks, kb).view(b, -1, kv_heads, head_dim).transpose(1, 2)
         v = _gather(v_cache, blocks, vb).view(b, -1, kv_heads, head_dim).transpose(1, 2)
         qd = q[:b].view(b, kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=decode_mask, scale=scale)
         out[:b] = o.reshape(b, kv_heads * group, head_dim)
     for span in meta.prefills:
         kb, vb = meta.buffers.get(span.blocks.shape[0], k_cache)
         k = _gather(k_cache, span.blocks, kb)[:span.ctx_len].transpose(0, 1).unsqueeze(0)
         v = _gather(v_cache, span.blocks, vb)[:span.ctx_len].transpose(0, 1).unsqueeze(0)
         qp = q[span.q_start:span.q_start + span.q_len].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=span.mask,
-                                           is_causal=span.mask is None, scale=scale,
+        mask = span.mask
+        if window is not None and span.ctx_len > window:
+            q_pos = torch.arange(span.ctx_len - span.q_len, span.ctx_len, device=q.device)
+            mask = _window_mask(q_pos, span.ctx_len, window)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask,
+                                           is_causal=mask is None, scale=scale,
                                            enable_gqa=group > 1)
         out[span.q_start:span.q_start + span.q_len] = o[0].transpose(0, 1)
     return out

@@ -86,6 +86,14 @@ class ModelConfig:
     # "mtp_token_input": each head also reads the embedding of the token just emitted
     # (`mtp.{i}.token_weight`).
     mtp_token_input: bool = False
+    # Sliding-window attention (Gemma 3): per layer "sliding_attention" or
+    # "full_attention" (HF's layer_types; empty: every layer full), the window of the
+    # sliding ones (a query sees its own and window - 1 earlier keys) and their RoPE.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    local_rope: RopeConfig | None = None
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -430,6 +438,100 @@ def _demo_qwen(model_type: str) -> Callable[[DemoShape, dict[str, Any]], dict[st
     return config
 
 
+# ---- Gemma 3 (text) ---------------------------------------------------------------------------
+
+_GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _gemma3_config(raw: dict[str, Any], source: str, arch: str) -> ModelConfig:
+    """Gemma 3's config.json, with transformers' defaults for what it leaves out: tied
+    embeddings, head_dim 256, query_pre_attn_scalar 256, a 4096-token window on five of
+    every six layers, RoPE bases 1e6 (full layers, with rope_scaling) and 1e4 (sliding;
+    `rope_local_base_freq`), or 5.x's rope_parameters per layer type."""
+    raw = {"head_dim": 256, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+           "rope_theta": 1_000_000.0, **raw}
+    fields = decoder_fields(raw, source, arch)
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise CheckpointError(f"{source}: hidden_activation {act!r} is not supported for "
+                              f"{arch}; expected 'gelu_pytorch_tanh'")
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if raw.get(key):
+            raise CheckpointError(f"{source}: {key}={raw[key]!r} is not supported (Gemma 3 "
+                                  "text models leave it unset)")
+    layers = fields["num_layers"]
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = positive_int(source, "sliding_window_pattern",
+                               raw.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(layers)]
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in _GEMMA3_LAYER_TYPES for t in types)):
+        raise CheckpointError(f"{source}: layer_types must list one of "
+                              f"{', '.join(_GEMMA3_LAYER_TYPES)} per layer ({layers}), got "
+                              f"{types!r}")
+    window = positive_int(source, "sliding_window", raw.get("sliding_window", 4096))
+    nested = raw.get("rope_parameters")
+    if isinstance(nested, dict) and isinstance(nested.get("full_attention"), dict):
+        full = nested["full_attention"]
+        local = nested.get("sliding_attention") or {"rope_theta": 10000.0}
+    else:
+        full = {**(raw.get("rope_scaling") or {}), "rope_theta": raw["rope_theta"]}
+        local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    scalar = raw.get("query_pre_attn_scalar", 256)
+    cap = raw.get("final_logit_softcapping")
+    if not isinstance(scalar, (int, float)) or scalar <= 0 or (
+            cap is not None and (not isinstance(cap, (int, float)) or cap <= 0)):
+        raise CheckpointError(f"{source}: query_pre_attn_scalar ({scalar!r}) and "
+                              f"final_logit_softcapping ({cap!r}) must be positive numbers")
+    bias = bool(raw.get("attention_bias", False))
+    fields.update(rope=parse_rope(raw, source, full), mlp_bias=False)
+    return ModelConfig(**fields, qkv_bias=bias, o_bias=bias, layer_types=tuple(types),
+                       sliding_window=window, local_rope=parse_rope(raw, source, local),
+                       attention_scale=float(scalar) ** -0.5,
+                       final_logit_softcapping=None if cap is None else float(cap))
+
+
+def _gemma3_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Llama layout without MLP biases, plus q/k norms always and a norm after
+    attention and around the MLP (pre_feedforward_layernorm, post_feedforward_layernorm)."""
+    out = _llama_tensors(c)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        out[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+        out[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+        out[p + "pre_feedforward_layernorm.weight"] = (c.hidden_size,)
+        out[p + "post_feedforward_layernorm.weight"] = (c.hidden_size,)
+    return out
+
+
+def _demo_gemma3(s: DemoShape, common: dict[str, Any]) -> dict[str, Any]:
+    common = {k: v for k, v in common.items() if k != "hidden_act"}
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        **common,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "head_dim": s.head_dim,
+        "rms_norm_eps": 1e-6,
+        # untied, so the demo exercises lm_head (real Gemma 3 ties it)
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "query_pre_attn_scalar": s.head_dim // 2,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": None,
+        # alternating, so even the two-layer tiny demo has both kinds; a window that
+        # is no multiple of the block size
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                        for i in range(s.num_layers)],
+        "sliding_window": s.original_context // 10,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+    }
+
+
 _LLAMA_MODEL = "tandem_engine.model.llama:CausalLM"
 
 FAMILIES: tuple[Family, ...] = (
@@ -440,6 +542,9 @@ FAMILIES: tuple[Family, ...] = (
            demo=DemoRecipe(_demo_qwen("qwen2"))),
     Family("qwen3", ("Qwen3ForCausalLM",), _LLAMA_MODEL, _llama_config, _llama_tensors,
            demo=DemoRecipe(_demo_qwen("qwen3"))),
+    Family("gemma3", ("Gemma3ForCausalLM",), "tandem_engine.model.gemma3:Gemma3ForCausalLM",
+           _gemma3_config, _gemma3_tensors, demo=DemoRecipe(_demo_gemma3, bos=True),
+           flex_attention=False),
 )
 
 
@@ -505,11 +610,16 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return ()
 
 
-def parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
+def parse_rope(raw: dict[str, Any], source: str,
+               params: Mapping[str, Any] | None = None) -> RopeConfig:
     """transformers 5.x: rope_parameters {rope_theta, rope_type, ...}; 4.x: top-level
-    rope_theta and an optional rope_scaling {rope_type|type, ...}."""
-    merged = dict(raw.get("rope_scaling") or {})
-    merged.update(raw.get("rope_parameters") or {})
+    rope_theta and an optional rope_scaling {rope_type|type, ...}. `params`: one of a
+    family's several parameter sets (Gemma 3's per layer type), read instead."""
+    if params is None:
+        merged = dict(raw.get("rope_scaling") or {})
+        merged.update(raw.get("rope_parameters") or {})
+    else:
+        merged = dict(params)
     theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
     kind = merged.get("rope_type") or merged.get("type") or "default"
     if kind not in SUPPORTED_ROPE_TYPES:
