@@ -143,7 +143,7 @@ def test_the_admin_app_answers_the_status_struct(admin, tiny_llama: Path) -> Non
     assert list(state) == RUNNING_KEYS
     status = decode_status(state)
     assert (status.role, status.state, status.weight_bytes) == (
-        EngineRole.DECODE, EngineState.RUNNING, llm.engine.runner.weight_bytes)
+        EngineRole.DECODE, EngineState.RUNNING, llm.engine.stats.weight_bytes)
     # A refit request as the fleet sends it travels to the engine: name, version, epoch.
     assert client.post("/v1/pause").status_code == 200
     body = RefitRequest(uri=tiny_llama.as_uri(), version="v9", epoch=7).to_body()
@@ -151,4 +151,6 @@ def test_the_admin_app_answers_the_status_struct(admin, tiny_llama: Path) -> Non
     assert (refitted.weight_uri, refitted.weight_version, refitted.weight_epoch) == (
         tiny_llama.as_uri(), "v9", 7)
     assert isinstance(refitted.last_refit_peak_bytes, int)
+    assert refitted.last_refit_peak_bytes == llm.engine.runner.last_refit_peak_bytes
+    assert llm.engine.stats.weight_bytes == llm.engine.runner.weight_bytes > 0
     assert client.post("/v1/unpause").status_code == 200

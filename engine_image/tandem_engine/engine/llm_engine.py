@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -31,29 +30,21 @@ from pathlib import Path
 import torch
 
 from tandem_engine.admin_wire import RefitRequest
-from tandem_engine.config import EngineConfig, context_room
+from tandem_engine.config import EngineConfig
 from tandem_engine.core.kv import KVCacheManager
 from tandem_engine.core.kv.hashing import block_salt
 from tandem_engine.core.request import FinishReason, Request
 from tandem_engine.core.scheduler import Scheduler
-from tandem_engine.engine.draft_model import (
-    DraftModelProposer,
-    draft_kv_blocks,
-    load_draft_checkpoint,
-)
+from tandem_engine.engine.admission import check_tokens
+from tandem_engine.engine.handoff_ledger import HandoffLedger
+from tandem_engine.engine.kv_modes import release_pool, restore_pool
+from tandem_engine.engine.kv_sizing import size_kv_pool
 from tandem_engine.engine.output_processor import OutputProcessor
 from tandem_engine.engine.outputs import PullPlan, RequestOutput
-from tandem_engine.engine.speculative import (
-    DraftedHistory,
-    MtpProposer,
-    SpecDecodeCounters,
-    accepted_length,
-    check_mtp_heads,
-    make_proposer,
-)
+from tandem_engine.engine.speculation import Speculation, speculation_inputs
+from tandem_engine.engine.speculative import Proposer
 from tandem_engine.engine.stats import EngineStats, PrefixCacheStats, StepTiming
-from tandem_engine.engine.step_guard import sample_contained
-from tandem_engine.errors import CheckpointError, RequestRejected
+from tandem_engine.errors import RequestRejected
 from tandem_engine.lifecycle import (
     REFIT_STATES,
     STABLE_STATES,
@@ -64,22 +55,13 @@ from tandem_engine.lifecycle import (
     transition_for,
 )
 from tandem_engine.model.checkpoint import LoadProgressCallback, load_checkpoint
-from tandem_engine.model.device import profile_step_blocks, profile_step_memory, resolve_device
+from tandem_engine.model.device import resolve_device
 from tandem_engine.model.family import ModelConfig
-from tandem_engine.model.mtp import MtpHeads, take_mtp_heads
-from tandem_engine.model.runner import (
-    ModelRunner,
-    StepBatch,
-    kv_sized_by_memory_fraction,
-    num_kv_blocks,
-    resolve_dtype,
-)
-from tandem_engine.model.sampler import Sampler, SampleResult, TokenHistory
+from tandem_engine.model.runner import ModelRunner, resolve_dtype
+from tandem_engine.model.sampler import Sampler
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.tokenizer import Tokenizer
 from tandem_engine.weights import WeightIdentity
-
-log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -96,80 +78,48 @@ class LLMEngine:
         self.config = engine_config
         self.tokenizer = tokenizer
         dtype = resolve_dtype(model_config, engine_config)
-        # The checkpoint's multi-token-prediction heads are not part of the model: the mtp
-        # proposer owns them (a served checkpoint's heads are unused otherwise).
-        spec = engine_config.speculative
-        checkpoint = str(source) if source is not None else "(tensors given)"
-        mtp_heads = take_mtp_heads(model_config, tensors)
-        if spec is not None and spec.method == "mtp":
-            check_mtp_heads(spec, mtp_heads, checkpoint)
-
+        mtp_heads, draft = speculation_inputs(engine_config, model_config, tensors, tokenizer,
+                                              dtype, source)
         context = model_config.max_position_embeddings
         if engine_config.max_model_len is not None and engine_config.max_model_len > context:
             raise ValueError(
                 f"engine option max_model_len={engine_config.max_model_len} exceeds the "
                 f"model's context of {context} tokens (max_position_embeddings): lower it")
         self.model_context = engine_config.max_model_len or context
-        # The draft method's checkpoint, validated against this model before any sizing:
-        # its weights and pool share the memory the KV pool is sized from.
-        draft = None
-        if spec is not None and spec.method == "draft":
-            assert spec.model is not None  # SpeculativeConfig.validate
-            draft = load_draft_checkpoint(spec.model, source or "the served model",
-                                          model_config, tokenizer, dtype)
-        runner: ModelRunner | None = None
-        if kv_sized_by_memory_fraction(engine_config):
-            # Load the weights beside a scratch pool, profile the largest step, then size
-            # the pool from what gpu_memory_utilization leaves (refused unless a request
-            # of model_context tokens fits).
-            runner = ModelRunner(model_config, engine_config, tensors,
-                                 profile_step_blocks(engine_config), self.model_context)
-            profile = profile_step_memory(runner, engine_config)
-            if draft is not None:  # the draft's weights and a pool of as many blocks
-                profile = dataclasses.replace(profile,
-                                              weights=profile.weights + draft.weight_bytes)
-            num_blocks = num_kv_blocks(model_config, engine_config, dtype, profile,
-                                       self.model_context)
-            if draft is not None:
-                num_blocks = draft_kv_blocks(num_blocks, model_config, draft.config)
-            runner.resize_kv(num_blocks)
-            log.info("KV cache sized by gpu_memory_utilization=%s: %d blocks (%.2f GiB)",
-                     engine_config.gpu_memory_utilization, num_blocks, runner.kv_bytes / 2**30)
-        else:
-            num_blocks = num_kv_blocks(model_config, engine_config, dtype)
+        sizing = size_kv_pool(model_config, engine_config, tensors, dtype, self.model_context,
+                              draft)
+        num_blocks = sizing.num_blocks
         self.kv = KVCacheManager(num_blocks, engine_config.block_size,
                                  engine_config.enable_prefix_caching)
         # A request may never need more KV than the whole pool holds.
         self.max_model_len = min(self.model_context, self.kv.capacity_tokens)
 
-        self.runner = runner or ModelRunner(model_config, engine_config, tensors, num_blocks,
-                                            self.max_model_len)
+        self.runner = sizing.runner or ModelRunner(model_config, engine_config, tensors,
+                                                   num_blocks, self.max_model_len)
         self.scheduler = Scheduler(self.kv, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens)
         self.sampler = Sampler(engine_config.seed, device=self.runner.device)
         self.outputs = OutputProcessor(
             tokenizer, frozenset(tokenizer.eos_token_ids or model_config.eos_token_ids),
             self.max_model_len)
-        self.proposer = None if spec is None else make_proposer(
-            spec, engine_config, draft, num_blocks, self.max_model_len, dtype,
-            mtp_heads=self._heads_on_device(mtp_heads), target_logits=self._target_logits,
+        self.speculation = Speculation(
+            engine_config, draft, mtp_heads, num_blocks, self.max_model_len, dtype,
+            self.runner, self.sampler, self.outputs, target_logits=self._target_logits,
             target_embed=self._target_embed,
-            checkpoint=checkpoint)
-        # The draft method's proposer again, for the lifecycle (suspend, resume, refit).
-        self.draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
-        self.runner.capture_hidden = isinstance(self.proposer, MtpProposer)
-        self.spec_counters = SpecDecodeCounters()
+            checkpoint=str(source) if source is not None else "(tensors given)")
+        self.draft = self.speculation.draft  # method draft's model (None: another method)
+        self.runner.capture_hidden = self.speculation.needs_hidden
+        self.handoffs = HandoffLedger(self.kv, self.scheduler,
+                                      pin_ttl_s=engine_config.kv_pin_ttl_s,
+                                      quarantine_ttl_s=engine_config.kv_quarantine_ttl_s)
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.step_timings: list[StepTiming] = []
         self.num_preemptions = 0
         self._weights = WeightIdentity(uri="", version="initial", epoch=0)
+        self._weight_bytes = self.runner.weight_bytes  # changes only with a refit
         self._state = EngineState.RUNNING
-        self._pulling: dict[str, Request] = {}
-        # Handed-over requests with the prefill engine's proposals, until their first step.
-        self._carrying: dict[str, Request] = {}
-        self.num_pull_fallbacks = 0
         self._suspend_mode: KVMode | None = None
         self._lock = threading.RLock()
         self._state_changed = threading.Condition(self._lock)
@@ -194,9 +144,6 @@ class LLMEngine:
         """The serving model's input embedding (heads with mtp_token_input read it)."""
         return self.runner.model.embed(token_ids)
 
-    def _heads_on_device(self, heads: MtpHeads | None) -> MtpHeads | None:
-        return None if heads is None else heads.to(self.runner.device, self.runner.dtype)
-
     # ---- what other threads read --------------------------------------------------------------
 
     @property
@@ -215,12 +162,17 @@ class LLMEngine:
         return self.kv.num_pinned_blocks
 
     @property
-    def state(self) -> EngineState:
-        return self._state
+    def proposer(self) -> Proposer | None:
+        """Who proposes draft tokens (None: speculative decoding off)."""
+        return self.speculation.proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        self.speculation.proposer = proposer
 
     @property
-    def weights(self) -> WeightIdentity:
-        return self._weights
+    def state(self) -> EngineState:
+        return self._state
 
     @property
     def weight_version(self) -> str:
@@ -230,24 +182,22 @@ class LLMEngine:
     def weight_epoch(self) -> int:
         return self._weights.epoch
 
-    @property
-    def weight_uri(self) -> str:
-        return self._weights.uri
-
     def _publish(self) -> None:
         """Called with the lock held (or before any other thread exists)."""
         kv = self.kv
         self._stats = EngineStats(
             state=self._state, weights=self._weights,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_pulling=len(self._pulling), kv_usage=kv.usage,
+            num_pulling=len(self.handoffs.pulling), kv_usage=kv.usage,
             num_pinned_blocks=kv.num_pinned_blocks,
             num_quarantined_blocks=kv.num_quarantined_blocks, block_size=kv.block_size,
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             prefix_cache=PrefixCacheStats(kv.queried_tokens, kv.hit_tokens,
                                           kv.pool.evictions, kv.pool.num_cached),
-            num_preemptions=self.num_preemptions, num_pull_fallbacks=self.num_pull_fallbacks,
-            speculative=None if self.proposer is None else self.spec_counters.snapshot())
+            num_preemptions=self.num_preemptions,
+            num_pull_fallbacks=self.handoffs.num_fallbacks,
+            speculative=self.speculation.snapshot(), weight_bytes=self._weight_bytes,
+            last_refit_peak_bytes=self.runner.last_refit_peak_bytes)
 
     def set_weights(self, weights: WeightIdentity) -> None:
         """Name the weights serving now (the checkpoint loaded at start, under the version
@@ -299,7 +249,8 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         resumed = list(resumed_token_ids)
-        self._check_tokens(token_ids, resumed, params)
+        check_tokens(token_ids, resumed, params, self.model_config.vocab_size,
+                     self.max_model_len, self.model_context, self.kv.capacity_tokens)
         request = Request(request_id, token_ids, params, next(self._arrivals), prompt=text,
                           token_ids=token_ids + resumed, cache_salt=cache_salt,
                           salt=block_salt(self.weight_epoch, cache_salt))
@@ -321,25 +272,6 @@ class LLMEngine:
         self._finish(request, reason)
         self._pending_outputs.append(self.outputs.output(request))
         return True
-
-    def _check_tokens(self, token_ids: list[int], resumed: list[int],
-                      params: SamplingParams) -> None:
-        if not token_ids:
-            raise RequestRejected("prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        for what, ids in (("prompt", token_ids), ("resumed", resumed)):
-            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-            if bad is not None:
-                raise RequestRejected(
-                    f"{what} token id {bad!r} is outside the model's vocabulary [0, {vocab})")
-        params.check_vocabulary(vocab)
-        if context_room(len(token_ids), self.max_model_len) < 1:
-            raise RequestRejected(
-                f"prompt has {len(token_ids)} tokens, which leaves no room to generate within "
-                f"this engine's limit of {self.max_model_len} tokens (model context "
-                f"{self.model_context}, KV cache {self.kv.capacity_tokens} tokens): shorten "
-                f"the prompt to at most {self.max_model_len - 1} tokens or give the engine "
-                "a larger KV cache")
 
     # ---- KV handoff (disaggregated prefill/decode) ----------------------------------------
 
@@ -364,37 +296,22 @@ class LLMEngine:
         with self._lock:
             request = self._new_request(request_id, list(prompt_token_ids), params,
                                         cache_salt, resumed_token_ids, sent_chars)
-            if proposals:
-                request.carried_proposals = list(proposals)
-                request.carried_for = request.num_tokens
-                self._carrying[request_id] = request
             if self._end_at_admission(request):
                 self._publish()
                 return PullPlan(request_id, [], [], reused_blocks=0)
             try:
-                hit = self.kv.acquire_cached_prefix(request)
-                n = request.num_prompt_tokens
-                if not self.kv.allocate_slots(request_id, n):
-                    raise RequestRejected(
-                        f"no room for {n} prompt tokens of KV on this engine right now")
+                plan = self.handoffs.plan_pull(request, list(proposals))
             except RequestRejected:
-                self.kv.free(request_id)
                 self._forget(request)
                 raise
-            table = self.kv.block_table(request_id)
-            first = hit // self.kv.block_size
-            self._pulling[request_id] = request
             self._publish()
-            return PullPlan(request_id, list(range(first, len(table))), table[first:],
-                            reused_blocks=first)
+            return plan
 
     def quarantine(self, request_id: str, block_ids: list[int]) -> int | None:
         """Before `complete_pull` of a pull whose transfer state is unknown: keep its
         `block_ids` unused until `release_quarantine(id)` or the TTL (None: none kept)."""
         with self._lock:
-            ttl = time.monotonic() + self.config.kv_quarantine_ttl_s
-            qid = (self.kv.quarantine(request_id, block_ids, ttl)
-                   if request_id in self._pulling else None)
+            qid = self.handoffs.quarantine(request_id, block_ids, time.monotonic())
             self._publish()
             return qid
 
@@ -408,18 +325,7 @@ class LLMEngine:
         """End a pull. ok: the request decodes from its pulled KV at once. Not ok: it is
         recomputed here from prompt + first token (it still completes)."""
         with self._lock:
-            request = self._pulling.pop(request_id, None)
-            if request is None:
-                return  # aborted meanwhile
-            if ok:
-                request.num_computed_tokens = request.num_prompt_tokens
-                self.kv.cache_computed_blocks(request)
-            else:
-                self.kv.free(request_id)
-                request.num_computed_tokens = 0
-                request.num_cached_blocks = 0
-                self.num_pull_fallbacks += 1
-            self.scheduler.admit_pulled(request)
+            self.handoffs.complete(request_id, ok)
             self._publish()
 
     def abort(self, request_id: str) -> bool:
@@ -434,7 +340,7 @@ class LLMEngine:
             return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished + len(self._pulling) > 0
+        return self.scheduler.num_unfinished + len(self.handoffs.pulling) > 0
 
     @property
     def num_running(self) -> int:
@@ -461,8 +367,7 @@ class LLMEngine:
         self.kv.expire_pins(time.monotonic())
         self.kv.expire_quarantine(time.monotonic())
         t0 = time.perf_counter()
-        if self.proposer is not None:
-            self._propose()
+        self.speculation.propose(self.scheduler.running, self.handoffs)
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)
         if scheduled.empty:
@@ -472,39 +377,16 @@ class LLMEngine:
         t2 = time.perf_counter()
         batch = self.runner.forward(prepared)
         t3 = time.perf_counter()
-        requests = batch.requests
-        result, seeded_states = self._sample(batch)
+        result, seeded_states = self.speculation.sample(batch)
         for request, first, logits in batch.prompt_logits:
             targets = request.token_ids[first:first + len(logits)]
             request.prompt_logprobs.extend(self.sampler.prompt_logprobs(
                 logits, targets, request.params.prompt_logprobs))
         t4 = time.perf_counter()
-        reasons: list[FinishReason | None] = []
-        accepted: dict[str, int] = {}
-        last_rows: list[int] = []  # per request: the row that produced its last token
-        first = 0
-        for request, draft in zip(requests, batch.drafts, strict=True):
-            before = request.num_tokens
-            reasons.append(self._emit(request, draft, first, result, accepted,
-                                      seeded_states.get(request.request_id),
-                                      batch.logits.shape[-1]))
-            last_rows.append(first + request.num_tokens - before - 1)
-            first += 1 + len(draft)
-        if batch.hidden is not None and isinstance(self.proposer, MtpProposer):
-            # Requests going on propose from their row next step; a handoff proposes now,
-            # and its proposals travel with it to the decode engine.
-            going_on = [i for i, reason in enumerate(reasons)
-                        if reason is None or reason is FinishReason.HANDOFF]
-            self.proposer.remember([requests[i] for i in going_on], batch.hidden[
-                torch.tensor([last_rows[i] for i in going_on], dtype=torch.long,
-                             device=batch.hidden.device)])
-            handoffs = [requests[i] for i in going_on if reasons[i] is FinishReason.HANDOFF]
-            limits = [self._proposal_limit(request) for request in handoffs]
-            for request, draft in zip(handoffs, self.proposer.propose(handoffs, limits),
-                                      strict=True):
-                request.carried_proposals = draft
+        reasons, accepted = self.speculation.emit(batch, result, seeded_states,
+                                                  self.weight_epoch)
         self.scheduler.advance(scheduled, accepted)
-        for request, reason in zip(requests, reasons, strict=True):
+        for request, reason in zip(batch.requests, reasons, strict=True):
             if reason is not None:
                 self._finish(request, reason)
             outputs.append(self.outputs.output(request))
@@ -517,130 +399,14 @@ class LLMEngine:
             postprocess_s=t5 - t4))
         return outputs
 
-    def _propose(self) -> None:
-        """Give every running decode its proposals for this step (none past its
-        max_tokens or the context: a step emits at most proposals + 1 tokens). The
-        proposer sees the step's candidates together (a draft model proposes for all of
-        them in one batch)."""
-        assert self.proposer is not None
-        cap = self.config.speculative.disable_by_batch_size if self.config.speculative else None
-        if cap is not None and len(self.scheduler.running) > cap:
-            for request in self.scheduler.running:
-                request.spec_token_ids = []
-            return
-        carried = self._use_carried_proposals()
-        candidates: list[Request] = []
-        limits: list[int] = []
-        for request in self.scheduler.running:
-            if request.request_id in carried:
-                continue
-            request.spec_token_ids = []
-            if (request.num_tokens - request.num_computed_tokens != 1
-                    or request.pin_for_handoff):
-                continue
-            limit = self._proposal_limit(request)
-            if limit >= 1:
-                candidates.append(request)
-                limits.append(limit)
-        if candidates:
-            for request, draft in zip(candidates, self.proposer.propose(candidates, limits),
-                                      strict=True):
-                request.spec_token_ids = draft
-
-    def _use_carried_proposals(self) -> set[str]:
-        """Handed-over requests ready for their first decode step (KV pulled or
-        recomputed, still running or admitted this step) get the proposals the prefill
-        engine made, for exactly the tokens they have; returns their ids. Proposals for
-        tokens the request no longer ends with are dropped."""
-        used = set()
-        for request_id, request in list(self._carrying.items()):
-            if request.finished or request.carried_for != request.num_tokens:
-                del self._carrying[request_id]
-            elif (request_id not in self._pulling
-                  and request.num_tokens - request.num_computed_tokens == 1):
-                limit = max(self._proposal_limit(request), 0)
-                request.spec_token_ids = request.carried_proposals[:limit]
-                request.carried_proposals = []
-                del self._carrying[request_id]
-                used.add(request_id)
-        return used
-
-    def _proposal_limit(self, request: Request) -> int:
-        """How many tokens may be proposed after the request's last: none past its
-        max_tokens or the context (a step emits at most proposals + 1 tokens)."""
-        return min(request.params.max_tokens - request.num_output_tokens,
-                   self.max_model_len - request.num_tokens) - 1
-
-    def _sample(self, batch: StepBatch) -> tuple[SampleResult, dict[str, torch.Tensor]]:
-        """One token per logits row. A request verifying a draft has one row per position,
-        sampled with the history it has there (the proposals before it taken as given).
-        Also returns, for seeded requests with a draft, their generators' states before."""
-        ids: list[str] = []
-        params = []
-        banned: list[tuple[int, ...]] = []
-        histories: list[TokenHistory] = []
-        seeded_states: dict[str, torch.Tensor] = {}
-        for request, draft in zip(batch.requests, batch.drafts, strict=True):
-            if draft:
-                state = self.sampler.seeded_state(request.request_id, request.params)
-                if state is not None:
-                    seeded_states[request.request_id] = state
-            for ahead in range(len(draft) + 1):
-                ids.append(request.request_id)
-                params.append(request.params)
-                banned.append(self.outputs.banned_tokens(request, ahead))
-                histories.append(DraftedHistory(request, draft[:ahead]) if ahead else request)
-        result = sample_contained(self.sampler, batch.logits, ids, params, banned, histories)
-        return result, seeded_states
-
-    def _emit(self, request: Request, draft: tuple[int, ...], first: int,
-              result: SampleResult, accepted: dict[str, int], seeded_state: torch.Tensor | None,
-              vocab: int) -> FinishReason | None:
-        """Append the tokens a request gets this step (rows `first`...: the accepted
-        proposals, then the draw at the first mismatch) until one ends it; record in
-        `accepted` how many proposals now count as computed. Returns why it ends, if it
-        does."""
-        drawn = result.token_ids[first:first + 1 + len(draft)]
-        n = 1 + accepted_length(draft, drawn)  # tokens emitted
-        if seeded_state is not None and n < len(drawn):
-            # Take back the draws made after the first rejection (they belong to later
-            # tokens), so a seeded request draws what it would without speculation.
-            self.sampler.rewind(request.request_id, request.params, seeded_state, n, vocab)
-        request.error = next((result.errors[r] for r in range(first, first + n)
-                              if r in result.errors), None)
-        if request.error is not None:
-            return FinishReason.ERROR  # this request alone cannot go on
-        if draft:
-            assert self.proposer is not None
-            self.proposer.observe(request, len(draft), n - 1)
-            self.spec_counters.record(len(draft), n - 1)
-            request.num_spec_proposed += len(draft)
-            request.num_spec_accepted += n - 1
-        segments = request.epoch_segments
-        if not segments or segments[-1][0] != self.weight_epoch:
-            segments.append((self.weight_epoch, request.num_output_tokens))
-        reason = None
-        appended = 0
-        for row in range(first, first + n):
-            appended += 1
-            reason = self.outputs.append(request, drawn[row - first], row, result)
-            if reason is not None:
-                break
-        if draft:
-            # The positions computed are the last token's and the appended proposals'.
-            accepted[request.request_id] = appended - 1
-        return reason
-
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.finish_reason = reason
         if reason is FinishReason.HANDOFF:
-            request.pinned_blocks = self.kv.pin(
-                request.request_id, time.monotonic() + self.config.kv_pin_ttl_s)
-        self._pulling.pop(request.request_id, None)
+            self.handoffs.pin(request, time.monotonic())
+        self.handoffs.forget(request.request_id)
         self.scheduler.finish(request)
         self.sampler.forget(request.request_id)
-        if self.proposer is not None:
-            self.proposer.forget(request.request_id)
+        self.speculation.forget(request.request_id)
         self.requests.pop(request.request_id, None)
 
     def _forget(self, request: Request) -> None:
@@ -671,23 +437,8 @@ class LLMEngine:
 
         def release() -> None:
             nonlocal released
-            if kv_mode is not KVMode.PERSIST:
-                # The pool is copied away or dropped: pulls still writing into it count as
-                # failed (their requests recompute after the resume; a late completion is
-                # ignored).
-                for request_id in list(self._pulling):
-                    self.complete_pull(request_id, ok=False)
-            if self.draft is not None and kv_mode is not KVMode.PERSIST:
-                # The draft's pool is not kept: every request catches up after the resume.
-                released += self.draft.release_kv()
-            if kv_mode is KVMode.OFFLOAD:
-                released += self.runner.offload_kv()
-            elif kv_mode is KVMode.RECOMPUTE:
-                # Checkpoint every in-flight request as prompt + generated tokens; the
-                # cache's contents are gone, so nothing may match them any more.
-                self.scheduler.preempt_all()
-                self.kv.reset_prefix_cache()
-                released += self.runner.free_kv()
+            released = release_pool(kv_mode, self.runner, self.scheduler, self.kv,
+                                    self.handoffs, self.speculation)
             self._suspend_mode = kv_mode
 
         self._signal(Signal.SUSPEND, release)
@@ -697,12 +448,7 @@ class LLMEngine:
         """Bring KV memory back (to RESUMED, a paused state: unpause to run)."""
 
         def restore() -> None:
-            if self._suspend_mode is KVMode.OFFLOAD:
-                self.runner.restore_kv()
-            elif self._suspend_mode is KVMode.RECOMPUTE:
-                self.runner.allocate_kv()
-            if self.draft is not None:
-                self.draft.restore_kv()
+            restore_pool(self._suspend_mode, self.runner, self.speculation)
             self._suspend_mode = None
 
         self._signal(Signal.RESUME, restore)
@@ -760,35 +506,14 @@ class LLMEngine:
                 raise EngineStateError(
                     f"refit is not allowed in state {self._state}; allowed in "
                     f"{', '.join(sorted(str(s) for s in REFIT_STATES))}: pause first")
-            if draft is not None and self.draft is None:
-                method = "off" if self.proposer is None else self.config.speculative.method
-                raise ValueError(
-                    f"refit draft={str(draft)!r}: this engine has no draft model "
-                    f"(speculative decoding: {method}); give draft only to an engine "
-                    "started with speculative method draft, or leave it out")
+            self.speculation.check_refit_draft(draft)
             dtype = str(self.runner.dtype).removeprefix("torch.")
             config, tensors = load_checkpoint(checkpoint, dtype, reference=self.model_config)
-            heads = take_mtp_heads(config, tensors)
-            if isinstance(self.proposer, MtpProposer):
-                try:
-                    check_mtp_heads(self.proposer.config, heads, str(checkpoint))
-                except ValueError as exc:
-                    raise CheckpointError(f"refit refused, the old weights keep serving: "
-                                          f"{exc}") from None
-            draft_checkpoint = None
-            if draft is not None:
-                assert self.draft is not None
-                draft_checkpoint = load_draft_checkpoint(
-                    draft, checkpoint, config, self.tokenizer, dtype,
-                    reference=self.draft.model_config)
+            swap_speculation = self.speculation.prepare_refit(config, tensors, checkpoint,
+                                                              draft, self.tokenizer, dtype)
             self.runner.load_weights(tensors, low_memory=request.low_memory)
-            if draft_checkpoint is not None:
-                assert self.draft is not None
-                self.draft.load_weights(draft_checkpoint)
-            if isinstance(self.proposer, MtpProposer):
-                heads = self._heads_on_device(heads)
-                assert heads is not None
-                self.proposer.load_heads(heads)
+            swap_speculation()
+            self._weight_bytes = self.runner.weight_bytes
             self.model_config = config
             new_epoch = self.weight_epoch + 1 if request.epoch is None else request.epoch
             self._weights = WeightIdentity(request.uri, request.version or request.uri,

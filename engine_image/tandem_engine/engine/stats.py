@@ -71,6 +71,10 @@ class EngineStats:
     num_preemptions: int
     num_pull_fallbacks: int  # handed-over requests recomputed here
     speculative: SpecDecodeStats | None = None  # None when speculative decoding is off
+    weight_bytes: int = 0  # the serving weights on the device
+    # Peak weight memory during the last refit (None: none yet): old + new, or with
+    # low_memory 1x the weights plus one tensor.
+    last_refit_peak_bytes: int | None = None
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -144,5 +144,4 @@ class EngineControl:
             quarantined_blocks=stats.num_quarantined_blocks,
             kv_pulls={**handoff, "recomputed": stats.num_pull_fallbacks},
             device=DeviceStatus(**self.device_probe().as_dict()),
-            weight_bytes=self.engine.runner.weight_bytes,
-            last_refit_peak_bytes=self.engine.runner.last_refit_peak_bytes)
+            weight_bytes=stats.weight_bytes, last_refit_peak_bytes=stats.last_refit_peak_bytes)
