@@ -152,7 +152,7 @@ def _agreement(model: DecoderModel, heads: MtpHeads, states: list[torch.Tensor],
                 continue
             e = (None if heads.token_weight is None
                  else model.embed(torch.tensor(toks[:n], device=device)))
-            guess = heads.propose(state[:n].to(device), i + 1, model.compute_logits, e)
+            guess = heads.propose(state[:n].to(device), i + 1, model.logits, e)
             hits += sum(g[i] == t for g, t in zip(guess, toks[1 + i:], strict=True))
             total += n
         rates.append(hits / max(total, 1))

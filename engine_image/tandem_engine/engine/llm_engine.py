@@ -138,7 +138,7 @@ class LLMEngine:
 
     def _target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The serving model's lm_head (the mtp heads' output goes through it)."""
-        return self.runner.model.compute_logits(hidden)
+        return self.runner.model.logits(hidden)
 
     def _target_embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """The serving model's input embedding (heads with mtp_token_input read it)."""

@@ -100,7 +100,7 @@ class _Captured:
 
     def forward(self, model: DecoderModel, kv_cache: torch.Tensor) -> torch.Tensor:
         assert self.meta is not None, "load() before forward()"
-        return model.compute_logits(model(self.input_ids, self.positions, kv_cache, self.meta))
+        return model.logits(model(self.input_ids, self.positions, kv_cache, self.meta))
 
 
 class DecodeGraphs:

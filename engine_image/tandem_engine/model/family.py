@@ -22,7 +22,7 @@ the meta device; the checkpoint's tensors are then assigned by name) and exposes
 `prepare_positions(max_positions)` (its RoPE tables, once the weights are on their
 device), `forward(input_ids [T], positions [T], kv_cache, meta)` -> final-normed hidden
 states [T, hidden], `embed(input_ids)` -> the input embedding, and
-`compute_logits(hidden)` -> float32 logits. Nothing outside the family reaches into its
+`logits(hidden)` -> float32 logits. Nothing outside the family reaches into its
 modules (`model/layers.DecoderModel`).
 """
 

@@ -138,7 +138,7 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids) * torch.tensor(
             self.embed_scale, dtype=weight.dtype, device=weight.device)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight).to(torch.float32)
         cap = self.config.final_logit_softcapping

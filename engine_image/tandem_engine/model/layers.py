@@ -37,7 +37,7 @@ class DecoderModel(Protocol):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embedding of tokens ([M] -> [M, hidden]), as the first layer sees it."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [M, hidden] -> float32 logits [M, vocab]."""
 
 

@@ -404,8 +404,8 @@ class ModelRunner:
         assert step.meta is not None
         hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
         sampled = hidden.index_select(0, step.sample_rows)
-        logits = self.model.compute_logits(sampled)
-        prompt_logits = [(request, first, self.model.compute_logits(hidden.index_select(0, rows)))
+        logits = self.model.logits(sampled)
+        prompt_logits = [(request, first, self.model.logits(hidden.index_select(0, rows)))
                          for request, first, rows in step.prompt_rows]
         return StepBatch(logits, step.requests, step.drafts, prompt_logits,
                          sampled if self.capture_hidden else None)
@@ -449,7 +449,7 @@ class ModelRunner:
                             torch.tensor(positions, dtype=torch.long, device=dev),
                             self.kv_cache, meta)
         rows = torch.tensor(last_rows, dtype=torch.long, device=dev)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        return self.model.logits(hidden.index_select(0, rows))
 
 
 @dataclass(frozen=True)
