@@ -5,8 +5,9 @@ which HuggingFace `architectures` it serves and how it reads their config.json (
 HF-config rule), which tensors a checkpoint of a config holds and their shapes (the
 tensor layout the loader, the refit check, the GGUF reader and the demo writer validate
 against), the model class that runs it (imported on first use, so this module stays
-torch-free), its GGUF names (llama.cpp's architecture, metadata prefix and tensor
-names, when GGUF files of it are read), and its demo checkpoint (`tandem demo-model
+torch-free), its GGUF layout (llama.cpp's architecture, metadata prefix, tensor names,
+what the converter did to the tensors and the family's own metadata keys, when GGUF files
+of it are read), and its demo checkpoint (`tandem demo-model
 --arch`: the config.json at a demo shape, and the pre-tokenizer and BOS rule of the
 demo tokenizer). `--arch`, the demo writer, the draft and mtp tools, the runner and the
 CUDA graphs all read `FAMILIES`; a new family is a model file and an entry here.
@@ -34,11 +35,14 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem_engine.config import MTP_HIDDEN_ACTS, normalize_dtype
 from tandem_engine.errors import CheckpointError, path_problem
 from tandem_engine.tokenizer import GGUF_PRE_TOKENIZERS
+
+if TYPE_CHECKING:
+    from tandem_engine.gguf_file import GGUFFile
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -179,7 +183,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class GGUFLayout:
     """How llama.cpp stores a family: `general.architecture` (also the metadata keys'
-    prefix) and the tensor names (HF name -> GGUF name; per layer inside `blk.N.`)."""
+    prefix), the tensor names (HF name -> GGUF name; per layer inside `blk.N.`), what its
+    converter does to the tensors, and the family's own metadata."""
 
     architecture: str
     global_names: Mapping[str, str]
@@ -187,6 +192,14 @@ class GGUFLayout:
     # llama.cpp's converter interleaves each head's q/k rows for this architecture (its
     # RoPE rotates adjacent pairs); loading undoes it.
     rotary_rows_permuted: bool = True
+    # llama.cpp's converter adds this to every norm weight (the HF names ending in
+    # "norm.weight"): Gemma's RMSNorms scale by (1 + w), llama.cpp's by w. Loading
+    # subtracts it.
+    norm_shift: float = 0.0
+    # The family's config.json beyond the keys model/gguf.py reads for every family
+    # (shape, RoPE base and scaling, norm epsilon, biases, vocabulary): (the file, that
+    # config) -> the family's config. None: those keys are all of it.
+    hf_config: Callable[[GGUFFile, dict[str, Any]], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -506,6 +519,62 @@ def _gemma3_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+# llama.cpp's loader fixes a gemma3 file's layers as five sliding-window layers to every
+# global one (the file does not say), and their RoPE base unless the file does.
+_GEMMA3_GGUF_PATTERN = 6
+_GEMMA3_GGUF_LOCAL_BASE = 10000.0
+# ...and Gemma 3 27B's query_pre_attn_scalar (hidden_size / heads, not head_dim), known by
+# its layer count.
+_GEMMA3_27B_LAYERS = 62
+
+
+def _gemma3_gguf_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of a gemma3 GGUF file, as llama.cpp reads the file: the window
+    (`gemma3.attention.sliding_window`; absent or 0: every layer global) on five of every
+    six layers, their RoPE base (`gemma3.rope.freq_base_swa`, else 10000; never scaled),
+    query_pre_attn_scalar the head dimension (hidden_size / heads for the 27B), GELU-tanh,
+    and the soft-capping the file states (attn_logit_softcapping, which Gemma 3 leaves
+    unset, is then refused by the config rule)."""
+    p = "gemma3."
+    layers = config["num_hidden_layers"]
+    window = file.integer(p + "attention.sliding_window", 0)
+    sliding = [bool(window) and i % _GEMMA3_GGUF_PATTERN < _GEMMA3_GGUF_PATTERN - 1
+               for i in range(layers)]
+    out = {k: v for k, v in config.items() if k != "hidden_act"}
+    out.update(
+        model_type="gemma3_text",
+        hidden_activation="gelu_pytorch_tanh",
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        rope_local_base_freq=float(
+            f"{file.number(p + 'rope.freq_base_swa', _GEMMA3_GGUF_LOCAL_BASE):.7g}"),
+        query_pre_attn_scalar=(config["hidden_size"] // config["num_attention_heads"]
+                               if layers == _GEMMA3_27B_LAYERS else config["head_dim"]),
+    )
+    if window:
+        out["sliding_window"] = window
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if file.has(p + key):
+            out[key] = float(f"{file.number(p + key):.7g}")
+    return out
+
+
+_GEMMA3_GGUF = GGUFLayout(
+    architecture="gemma3",
+    global_names=_LLAMA_GGUF.global_names,
+    layer_names={
+        **_LLAMA_GGUF.layer_names,
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+    },
+    rotary_rows_permuted=False,  # llama.cpp rotates Gemma's halves, as HF does
+    norm_shift=1.0,
+    hf_config=_gemma3_gguf_config,
+)
+
+
 def _demo_gemma3(s: DemoShape, common: dict[str, Any]) -> dict[str, Any]:
     common = {k: v for k, v in common.items() if k != "hidden_act"}
     return {
@@ -543,8 +612,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3", ("Qwen3ForCausalLM",), _LLAMA_MODEL, _llama_config, _llama_tensors,
            demo=DemoRecipe(_demo_qwen("qwen3"))),
     Family("gemma3", ("Gemma3ForCausalLM",), "tandem_engine.model.gemma3:Gemma3ForCausalLM",
-           _gemma3_config, _gemma3_tensors, demo=DemoRecipe(_demo_gemma3, bos=True),
-           flex_attention=False),
+           _gemma3_config, _gemma3_tensors, gguf=_GEMMA3_GGUF,
+           demo=DemoRecipe(_demo_gemma3, bos=True), flex_attention=False),
 )
 
 

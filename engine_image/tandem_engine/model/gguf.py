@@ -11,6 +11,10 @@ llama.cpp's converter reorders the rows of q_proj and k_proj (its RoPE kernels r
 adjacent pairs, HF rotates halves); loading undoes that. Without `output.weight` the
 model has tied embeddings. Llama 3 RoPE scaling is stored as a `rope_freqs` tensor of
 per-frequency factors; it is turned back into the equivalent `rope_scaling` parameters.
+For Gemma 3 (`gemma3`) the converter keeps the q/k rows in HF's order and adds 1 to every
+norm weight (Gemma's RMSNorm scales by 1 + w); loading subtracts it (the layout's
+`norm_shift`). What a family's metadata says beyond the keys every family has (Gemma 3:
+the sliding window and its layers) is its layout's `hf_config` rule (model/family.py).
 
 `export_hf_folder` writes the same model as a HuggingFace folder (used by `tandem
 models`). The checkpoint-level rules (the refit shape check, the dtype) stay in
@@ -88,11 +92,13 @@ class GGUFCheckpoint:
 
     def load_tensors(self, dtype: torch.dtype, on_tensor: Callable[[int], None] | None = None
                      ) -> dict[str, torch.Tensor]:
-        """Dequantize every tensor into `dtype`, with llama.cpp's Q/K row order undone.
+        """Dequantize every tensor into `dtype`, with llama.cpp's Q/K row order and norm
+        shift undone.
         `on_tensor` is told the stored bytes of each tensor once it is done."""
         c = self.config
         layout = c.family.gguf
         permuted = layout is not None and layout.rotary_rows_permuted
+        shift = 0.0 if layout is None else layout.norm_shift
         out: dict[str, torch.Tensor] = {}
         for name, tensor in self.tensors.items():
             weight = _dequantized(self.path, tensor)
@@ -100,6 +106,8 @@ class GGUFCheckpoint:
                 weight = unpermute_rotary_rows(weight, c.num_heads)
             elif permuted and ".self_attn.k_proj." in name:
                 weight = unpermute_rotary_rows(weight, c.num_kv_heads)
+            if shift and name.endswith("norm.weight"):
+                weight = weight - shift
             out[name] = weight.to(dtype).contiguous()
             if on_tensor is not None:
                 on_tensor(int(tensor.data.nbytes))
@@ -131,7 +139,7 @@ def export_hf_folder(gguf_path: str | Path, out_dir: str | Path,
                      dtype: str = "float32") -> Path:
     """Write the model of a GGUF file as a HuggingFace checkpoint folder and return it:
     model.safetensors (dequantized to `dtype`; no lm_head when tied), config.json
-    (LlamaForCausalLM, no quantization config), tokenizer.json, tokenizer_config.json
+    (the family's architecture, no quantization config), tokenizer.json, tokenizer_config.json
     (special tokens, chat template) and generation_config.json (EOS/BOS ids, and for a
     model known to `tandem models` its recommended sampling, so the folder serves with the
     same defaults as the GGUF).
@@ -167,7 +175,8 @@ def gguf_hf_config(file: GGUFFile) -> dict[str, Any]:
     if arch not in GGUF_FAMILIES:
         raise CheckpointError(
             f"{file.path}: general.architecture {arch!r} is not supported for GGUF files; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (Llama and Mistral models). "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (Llama and Mistral models as "
+            "llama, Gemma 3 as gemma3). "
             "Give the model's HuggingFace checkpoint folder instead")
     family = GGUF_FAMILIES[arch]
     p = f"{arch}."
@@ -253,6 +262,8 @@ def gguf_hf_config(file: GGUFFile) -> dict[str, Any]:
         config["bos_token_id"] = file.integer("tokenizer.ggml.bos_token_id")
     if eos:
         config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if family.gguf is not None and family.gguf.hf_config is not None:
+        config = family.gguf.hf_config(file, config)
     return config
 
 
