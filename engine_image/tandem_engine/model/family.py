@@ -58,6 +58,21 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (Qwen3-MoE): a linear router picks `experts_per_token`
+    of `num_experts` SiLU experts per token; the token's MLP output is their sum weighted
+    by the router's softmax (renormalized over the chosen ones with `normalize_top_k`)."""
+
+    num_experts: int
+    experts_per_token: int
+    intermediate_size: int  # of one expert (moe_intermediate_size)
+    normalize_top_k: bool  # norm_topk_prob
+    # layers whose MLP is dense (ModelConfig.intermediate_size) instead: mlp_only_layers,
+    # and those decoder_sparse_step skips
+    dense_layers: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shape and options of one checkpoint, as its family's HF-config rule read them.
     `qkv_bias`, `o_bias`, `mlp_bias` and `qk_norm` are options of the Llama decoder
@@ -98,6 +113,7 @@ class ModelConfig:
     local_rope: RopeConfig | None = None
     attention_scale: float | None = None  # None: head_dim ** -0.5
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    moe: MoEConfig | None = None  # the experts of a mixture-of-experts family (Qwen3-MoE)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -154,6 +170,7 @@ class ModelConfig:
             "o_bias": self.o_bias,
             "mlp_bias": self.mlp_bias,
             "qk_norm": self.qk_norm,
+            "moe": self.moe,
         }
 
     def expected_tensors(self) -> dict[str, tuple[int, ...]]:
@@ -200,6 +217,10 @@ class GGUFLayout:
     # (shape, RoPE base and scaling, norm epsilon, biases, vocabulary): (the file, that
     # config) -> the family's config. None: those keys are all of it.
     hf_config: Callable[[GGUFFile, dict[str, Any]], dict[str, Any]] | None = None
+    # Experts stored one by one in HF checkpoints (`mlp.experts.{e}.<projection>.weight`)
+    # and stacked into one [E, ...] tensor per projection in GGUF files: projection ->
+    # GGUF name inside blk.N. (e.g. gate_proj -> ffn_gate_exps); empty: no experts.
+    expert_names: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -601,6 +622,134 @@ def _demo_gemma3(s: DemoShape, common: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# ---- Qwen3-MoE ----------------------------------------------------------------------------
+
+def _qwen3_moe_config(raw: dict[str, Any], source: str, arch: str) -> ModelConfig:
+    """Qwen3-MoE: Qwen3's attention (q/k norms always; biases by `attention_bias`) and a
+    mixture-of-experts MLP on every layer but those in `mlp_only_layers` or skipped by
+    `decoder_sparse_step`. transformers 5.x writes the expert count as
+    `num_local_experts`, 4.x as `num_experts`."""
+    fields = decoder_fields(raw, source, arch)
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported; expected 'silu'")
+    if raw.get("use_sliding_window"):
+        raise CheckpointError(f"{source}: use_sliding_window=true is not supported for "
+                              f"{arch} (Qwen3-MoE checkpoints leave it false)")
+    layers = fields["num_layers"]
+    count_key = "num_experts" if "num_experts" in raw else "num_local_experts"
+    if count_key not in raw:
+        raise CheckpointError(f"{source}: field 'num_experts' (or 'num_local_experts') is "
+                              f"required for {arch}")
+    experts = positive_int(source, count_key, raw[count_key])
+    for key in ("num_experts_per_tok", "moe_intermediate_size"):
+        if key not in raw:
+            raise CheckpointError(f"{source}: field {key!r} is required for {arch}")
+    top_k = positive_int(source, "num_experts_per_tok", raw["num_experts_per_tok"])
+    if top_k > experts:
+        raise CheckpointError(f"{source}: num_experts_per_tok={top_k} is more than "
+                              f"{count_key}={experts}")
+    normalize = raw.get("norm_topk_prob", False)
+    if not isinstance(normalize, bool):
+        raise CheckpointError(f"{source}: norm_topk_prob must be true or false, got "
+                              f"{normalize!r}")
+    step = positive_int(source, "decoder_sparse_step", raw.get("decoder_sparse_step", 1))
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(_is_int(i) and 0 <= i < layers for i in only):
+        raise CheckpointError(f"{source}: mlp_only_layers must list layer indices from 0 "
+                              f"to {layers - 1} (num_hidden_layers={layers}), got {only!r}")
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    moe = MoEConfig(experts, top_k,
+                    positive_int(source, "moe_intermediate_size", raw["moe_intermediate_size"]),
+                    normalize, dense)
+    bias = bool(raw.get("attention_bias", False))
+    fields["mlp_bias"] = False
+    return ModelConfig(**fields, qkv_bias=bias, o_bias=bias, moe=moe)
+
+
+def _qwen3_moe_tensors(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Llama layout with q/k norms, where a sparse layer's MLP is a router
+    `mlp.gate.weight` [E, hidden] and E experts stored one by one, as transformers
+    4.x and 5.x save them: `mlp.experts.{e}.gate_proj.weight` and `up_proj.weight`
+    [I, hidden], `down_proj.weight` [hidden, I]. The model keeps these names and stacks
+    their storage into [E, 2I, hidden] and [E, hidden, I] (model/qwen3_moe.py); GGUF
+    files store each projection stacked, [E, ...] (`ffn_gate_exps`...), sliced on load."""
+    assert c.moe is not None
+    h, inter, dense = c.hidden_size, c.moe.intermediate_size, c.moe.dense_layers
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in _llama_tensors(c).items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        sparse = layer is not None and int(layer) not in dense
+        if sparse and ".mlp." in name:
+            if name.endswith("mlp.gate_proj.weight"):
+                p = f"model.layers.{layer}.mlp."
+                out[p + "gate.weight"] = (c.moe.num_experts, h)
+                for e in range(c.moe.num_experts):
+                    out[f"{p}experts.{e}.gate_proj.weight"] = (inter, h)
+                    out[f"{p}experts.{e}.up_proj.weight"] = (inter, h)
+                    out[f"{p}experts.{e}.down_proj.weight"] = (h, inter)
+            continue
+        out[name] = shape
+        if name.endswith("self_attn.o_proj.weight"):
+            p = f"model.layers.{layer}.self_attn."
+            out[p + "q_norm.weight"] = (c.head_dim,)
+            out[p + "k_norm.weight"] = (c.head_dim,)
+    return out
+
+
+def _qwen3_moe_gguf_config(file: GGUFFile, config: dict[str, Any]) -> dict[str, Any]:
+    """The config.json of a qwen3moe GGUF file: the experts from `qwen3moe.expert_count`,
+    `expert_used_count` and `expert_feed_forward_length`, every layer sparse (llama.cpp's
+    qwen3moe has no dense layers), and the chosen experts' weights renormalized, as
+    llama.cpp runs qwen3moe (its converter writes no key for norm_topk_prob; every
+    Qwen3-MoE release sets it) unless `expert_weights_norm` says otherwise."""
+    p = "qwen3moe."
+    out = dict(config)
+    for key, hf_key in (("expert_count", "num_experts"),
+                        ("expert_used_count", "num_experts_per_tok"),
+                        ("expert_feed_forward_length", "moe_intermediate_size")):
+        if not file.has(p + key):
+            raise file.missing(p + key, "a Qwen3-MoE model's experts")
+        value = file.integer(p + key)
+        if value <= 0:
+            raise CheckpointError(f"{file.path}: metadata {p}{key}={value} must be a "
+                                  "positive integer; the file is corrupt or mis-converted")
+        out[hf_key] = value
+    out["norm_topk_prob"] = file.flag(p + "expert_weights_norm", True)
+    return out
+
+
+_QWEN3_MOE_GGUF = GGUFLayout(
+    architecture="qwen3moe",
+    global_names=_LLAMA_GGUF.global_names,
+    layer_names={**_LLAMA_GGUF.layer_names, "self_attn.q_norm": "attn_q_norm",
+                 "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"},
+    rotary_rows_permuted=False,  # Qwen's RoPE rotates halves in llama.cpp too
+    expert_names={"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                  "down_proj": "ffn_down_exps"},
+    hf_config=_qwen3_moe_gguf_config,
+)
+
+
+def _demo_qwen3_moe(s: DemoShape, common: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3's demo with experts: 4 (tiny) or 8 of them, 2 per token, each a slice of the
+    dense MLP's width (so the demo's parameter count stays near the dense one's)."""
+    experts = 4 if s.hidden_size < 256 else 8
+    return {
+        **_demo_qwen("qwen3")(s, common),
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": experts,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": s.intermediate_size // experts,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+    }
+
+
 _LLAMA_MODEL = "tandem_engine.model.llama:CausalLM"
 
 FAMILIES: tuple[Family, ...] = (
@@ -614,6 +763,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma3", ("Gemma3ForCausalLM",), "tandem_engine.model.gemma3:Gemma3ForCausalLM",
            _gemma3_config, _gemma3_tensors, gguf=_GEMMA3_GGUF,
            demo=DemoRecipe(_demo_gemma3, bos=True), flex_attention=False),
+    # Kept off flex (and so off captured CUDA graphs): on CUDA the experts run one
+    # matmul per expert, sized by token counts read back to the host.
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",),
+           "tandem_engine.model.qwen3_moe:Qwen3MoeForCausalLM", _qwen3_moe_config,
+           _qwen3_moe_tensors, gguf=_QWEN3_MOE_GGUF, demo=DemoRecipe(_demo_qwen3_moe),
+           flex_attention=False),
 )
 
 

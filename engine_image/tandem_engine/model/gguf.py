@@ -15,6 +15,11 @@ For Gemma 3 (`gemma3`) the converter keeps the q/k rows in HF's order and adds 1
 norm weight (Gemma's RMSNorm scales by 1 + w); loading subtracts it (the layout's
 `norm_shift`). What a family's metadata says beyond the keys every family has (Gemma 3:
 the sliding window and its layers) is its layout's `hf_config` rule (model/family.py).
+A mixture-of-experts family (Qwen3-MoE, `qwen3moe`) stores each expert projection of a
+layer stacked as one [E, ...] tensor (`blk.N.ffn_gate_exps.weight`...); it is
+dequantized once and sliced into the per-expert HF names its layout names
+(`model.layers.N.mlp.experts.{e}.gate_proj.weight`); its `hf_config` rule reads the
+expert counts (`qwen3moe.expert_count`...).
 
 `export_hf_folder` writes the same model as a HuggingFace folder (used by `tandem
 models`). The checkpoint-level rules (the refit shape check, the dtype) stay in
@@ -27,7 +32,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,23 +61,39 @@ _MAX_PROBLEMS_SHOWN = 10
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 _REQUANTIZE = ("re-quantize the model with llama.cpp's llama-quantize to one of them "
                "(Q8_0, Q4_0, Q4_K_M...), or give the HuggingFace checkpoint folder")
 
 
 def gguf_tensor_name(hf_name: str, family: Family = GGUF_FAMILIES["llama"]) -> str:
     """The GGUF name of an HF parameter name in `family`'s GGUF layout
-    (model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight)."""
+    (model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight); for one expert's
+    projection, the stacked tensor that holds it at `gguf_expert_index`
+    (model.layers.3.mlp.experts.5.up_proj.weight -> blk.3.ffn_up_exps.weight)."""
     layout = family.gguf
     if layout is None:
         raise KeyError(f"model family {family.name!r} has no GGUF layout")
     if hf_name in layout.global_names:
         return layout.global_names[hf_name]
+    expert = _HF_EXPERT.match(hf_name)
+    if expert is not None and expert.group(3) in layout.expert_names:
+        return f"blk.{expert.group(1)}.{layout.expert_names[expert.group(3)]}.weight"
     match = _HF_LAYER.match(hf_name)
     if match is None or match.group(2) not in layout.layer_names:
         raise KeyError(f"no GGUF name for tensor {hf_name!r}")
     layer, module, kind = match.groups()
     return f"blk.{layer}.{layout.layer_names[module]}.{kind}"
+
+
+def gguf_expert_index(hf_name: str, family: Family) -> int | None:
+    """The expert an HF tensor belongs to where `family`'s GGUF files stack its experts
+    (its slice of the stacked tensor); None for every other tensor."""
+    expert = _HF_EXPERT.match(hf_name)
+    layout = family.gguf
+    if expert is None or layout is None or expert.group(3) not in layout.expert_names:
+        return None
+    return int(expert.group(2))
 
 
 @dataclass(frozen=True)
@@ -84,11 +105,14 @@ class GGUFCheckpoint:
     config: ModelConfig
     hf_config: dict[str, Any]  # what config.json of the same model says
     tensors: dict[str, GGUFTensor]
+    # HF name -> its slice of the stacked GGUF tensor it maps to (experts only)
+    expert_index: dict[str, int] = field(default_factory=dict)
 
     @property
     def data_bytes(self) -> int:
         """Bytes of tensor data (quantized, as stored) that `load_tensors` reads."""
-        return sum(int(t.data.nbytes) for t in self.tensors.values())
+        unique = {t.name: t for t in self.tensors.values()}
+        return sum(int(t.data.nbytes) for t in unique.values())
 
     def load_tensors(self, dtype: torch.dtype, on_tensor: Callable[[int], None] | None = None
                      ) -> dict[str, torch.Tensor]:
@@ -100,7 +124,18 @@ class GGUFCheckpoint:
         permuted = layout is not None and layout.rotary_rows_permuted
         shift = 0.0 if layout is None else layout.norm_shift
         out: dict[str, torch.Tensor] = {}
+        stacked: tuple[str, torch.Tensor] | None = None  # the experts' tensor last read
         for name, tensor in self.tensors.items():
+            expert = self.expert_index.get(name)
+            if expert is not None:
+                # A layer's experts follow one another: each stacked tensor is
+                # dequantized once, and its slices are contiguous.
+                if stacked is None or stacked[0] != tensor.name:
+                    stacked = (tensor.name, _dequantized(self.path, tensor).to(dtype))
+                    if on_tensor is not None:
+                        on_tensor(int(tensor.data.nbytes))
+                out[name] = stacked[1][expert]
+                continue
             weight = _dequantized(self.path, tensor)
             if permuted and ".self_attn.q_proj." in name:
                 weight = unpermute_rotary_rows(weight, c.num_heads)
@@ -122,7 +157,7 @@ def read_gguf_checkpoint(path: str | Path) -> GGUFCheckpoint:
     file = open_gguf(path)
     hf_config = gguf_hf_config(file)
     config = ModelConfig.from_hf_dict(hf_config, source=f"{file.path} (GGUF metadata)")
-    return GGUFCheckpoint(file.path, config, hf_config, _check_tensors(file, config))
+    return GGUFCheckpoint(file.path, config, hf_config, *_check_tensors(file, config))
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -176,7 +211,7 @@ def gguf_hf_config(file: GGUFFile) -> dict[str, Any]:
         raise CheckpointError(
             f"{file.path}: general.architecture {arch!r} is not supported for GGUF files; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)} (Llama and Mistral models as "
-            "llama, Gemma 3 as gemma3). "
+            "llama, Gemma 3 as gemma3, Qwen3-MoE as qwen3moe). "
             "Give the model's HuggingFace checkpoint folder instead")
     family = GGUF_FAMILIES[arch]
     p = f"{arch}."
@@ -192,6 +227,11 @@ def gguf_hf_config(file: GGUFFile) -> dict[str, Any]:
 
     layers = positive(p + "block_count")
     hidden = positive(p + "embedding_length")
+    if file.has(p + "expert_count") and not (family.gguf and family.gguf.expert_names):
+        raise CheckpointError(
+            f"{file.path}: metadata {p}expert_count: this {arch} model has experts "
+            "(Mixtral-style), which Tandem does not run for this architecture; experts "
+            "are supported for qwen3moe (Qwen3-MoE)")
     ffn = positive(p + "feed_forward_length")
     heads = positive(p + "attention.head_count")
     kv_heads = positive(p + "attention.head_count_kv", heads)
@@ -345,15 +385,26 @@ def _llama3_factors(params: dict[str, Any], wavelen: np.ndarray) -> np.ndarray:
 
 # ---- tensors ---------------------------------------------------------------------------------
 
-def _check_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, GGUFTensor]:
-    """Every tensor the config needs, by HF name, after checking names, types and shapes."""
+def _check_tensors(file: GGUFFile, config: ModelConfig
+                   ) -> tuple[dict[str, GGUFTensor], dict[str, int]]:
+    """Every tensor the config needs, by HF name, after checking names, types and shapes,
+    and each expert's slice of the stacked tensor that holds it."""
     expected = config.expected_tensors()
-    wanted = {gguf_tensor_name(name, config.family): name for name in expected}
+    family = config.family
+    wanted: dict[str, list[str]] = {}  # GGUF name -> the HF names it holds
+    for name in expected:
+        wanted.setdefault(gguf_tensor_name(name, family), []).append(name)
+    index = {name: e for name in expected
+             if (e := gguf_expert_index(name, family)) is not None}
     problems: list[str] = []
     found: dict[str, GGUFTensor] = {}
     unsupported = False
-    for gguf_name, hf_name in wanted.items():
+    for gguf_name, hf_names in wanted.items():
+        hf_name = hf_names[0]
         shape = expected[hf_name]
+        if hf_name in index:  # [E, ...]: one slice per expert
+            shape = (len(hf_names), *shape)
+            hf_name = f"{hf_name}, experts 0 to {len(hf_names) - 1}"
         tensor = file.tensors.get(gguf_name)
         if tensor is None:
             problems.append(f"missing tensor {gguf_name!r} ({hf_name}), expected shape {shape}")
@@ -369,7 +420,7 @@ def _check_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, GGUFTensor]
             problems.append(f"tensor {gguf_name!r} has rows of {shape[-1]} values, not a "
                             f"multiple of the {tensor.type_name} block ({tensor.block_size})")
         else:
-            found[hf_name] = tensor
+            found.update(dict.fromkeys(hf_names, tensor))
     for gguf_name, tensor in file.tensors.items():
         if gguf_name in wanted or gguf_name == ROPE_FREQS:
             continue
@@ -378,14 +429,14 @@ def _check_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, GGUFTensor]
         if match and int(match.group(1)) >= config.num_layers:
             hint = f"; the metadata says block_count={config.num_layers}"
         problems.append(f"unexpected tensor {gguf_name!r} with shape {tensor.shape}: not part "
-                        f"of a Llama model with this metadata{hint}")
+                        f"of a {family.name} model with this metadata{hint}")
     if problems:
         raise CheckpointError(
             f"GGUF file {file.path} does not hold the model its metadata describes "
             f"({config.num_layers} layers, hidden size {config.hidden_size}):"
             + list_problems(problems, _MAX_PROBLEMS_SHOWN)
             + (f"\n{_REQUANTIZE}" if unsupported else ""))
-    return found
+    return found, index
 
 
 def _dequantized(path: Path, tensor: GGUFTensor) -> torch.Tensor:
