@@ -13,6 +13,7 @@ Not thread-safe by itself: `LLMEngine` calls it under its lock, and publishes af
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from tandem_engine.core.kv import KVCacheManager
@@ -24,8 +25,9 @@ from tandem_engine.errors import RequestRejected
 
 class HandoffLedger:
     def __init__(self, kv: KVCacheManager, scheduler: Scheduler, *, pin_ttl_s: float,
-                 quarantine_ttl_s: float) -> None:
+                 quarantine_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.kv = kv
+        self.clock = clock  # what pin and quarantine TTLs count from
         self.scheduler = scheduler
         self.pin_ttl_s = pin_ttl_s
         self.quarantine_ttl_s = quarantine_ttl_s
@@ -34,9 +36,9 @@ class HandoffLedger:
         self.carrying: dict[str, Request] = {}
         self.num_fallbacks = 0  # handed-over requests recomputed here
 
-    def pin(self, request: Request, now: float) -> None:
+    def pin(self, request: Request) -> None:
         """A prefill engine's request handed over: keep its prompt's KV for the pull."""
-        request.pinned_blocks = self.kv.pin(request.request_id, now + self.pin_ttl_s)
+        request.pinned_blocks = self.kv.pin(request.request_id, self.clock() + self.pin_ttl_s)
 
     def plan_pull(self, request: Request, proposals: list[int]) -> PullPlan:
         """Allocate the prompt's blocks of a handed-over `request` (reusing this engine's
@@ -63,15 +65,18 @@ class HandoffLedger:
         return PullPlan(request_id, list(range(first, len(table))), table[first:],
                         reused_blocks=first)
 
-    def quarantine(self, request_id: str, block_ids: list[int], now: float) -> int | None:
-        """Keep a pull's `block_ids` unused (its transfer state is unknown); None when the
-        request is no longer pulling."""
+    def quarantine(self, request_id: str, block_ids: list[int]) -> int | None:
+        """Before `complete` of a pull whose transfer state is unknown: keep its
+        `block_ids` unused until the quarantine is released or its TTL ends. Returns the
+        quarantine id; None when none is kept (no block qualified, or the request is no
+        longer pulling)."""
         if request_id not in self.pulling:
             return None
-        return self.kv.quarantine(request_id, block_ids, now + self.quarantine_ttl_s)
+        return self.kv.quarantine(request_id, block_ids, self.clock() + self.quarantine_ttl_s)
 
     def complete(self, request_id: str, ok: bool) -> None:
-        """End a pull: decode from the pulled KV (ok), or recompute the prompt here."""
+        """End a pull. ok: the request decodes from its pulled KV at once. Not ok: it is
+        recomputed here from prompt + first token (it still completes)."""
         request = self.pulling.pop(request_id, None)
         if request is None:
             return  # aborted meanwhile

@@ -17,8 +17,18 @@ from tandem_engine.core.kv import KVCacheManager
 from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.engine.handoff_ledger import HandoffLedger
 from tandem_engine.engine.speculation import Speculation
-from tandem_engine.lifecycle import KVMode
+from tandem_engine.lifecycle import EngineStateError, KVMode
 from tandem_engine.model.runner import ModelRunner
+
+
+def parse_kv_mode(mode: KVMode | str) -> KVMode:
+    """The suspend mode `mode` names (EngineStateError: none)."""
+    try:
+        return KVMode(mode)
+    except ValueError:
+        raise EngineStateError(
+            f"KV management mode {mode!r} is unknown; use one of "
+            f"{', '.join(m.value for m in KVMode)}") from None
 
 
 def release_pool(mode: KVMode, runner: ModelRunner, scheduler: Scheduler,

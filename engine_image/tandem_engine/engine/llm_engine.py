@@ -6,10 +6,11 @@ phase is timed so benchmarks can show where a step's time goes. With speculative
 decoding (`EngineConfig.speculative`), proposals are made before the schedule and
 verified after the sampling (engine/speculative.py).
 
-Lifecycle (lifecycle.py holds the table): pause stops stepping with every request
-kept; suspend also releases KV memory under a mode; refit swaps weights while paused or
-suspended and bumps the weight epoch, which salts prefix-cache hashes so KV computed by
-old weights is never matched again.
+Lifecycle (lifecycle.py holds the table, engine/state_machine.py moves the state): pause
+stops stepping with every request kept; suspend also releases KV memory under a mode
+(engine/kv_modes.py); refit (engine/refit.py) swaps weights while paused or suspended
+and bumps the weight epoch, which salts prefix-cache hashes so KV computed by old
+weights is never matched again.
 
 Threads: every public method holds one lock, so a server thread may signal while
 another thread steps (a signal waits for the current step). Readers that must never
@@ -21,11 +22,13 @@ outside this package reaches into the engine's fields.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,23 +40,17 @@ from tandem_engine.core.request import FinishReason, Request
 from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.engine.admission import check_tokens
 from tandem_engine.engine.handoff_ledger import HandoffLedger
-from tandem_engine.engine.kv_modes import release_pool, restore_pool
+from tandem_engine.engine.kv_modes import parse_kv_mode, release_pool, restore_pool
 from tandem_engine.engine.kv_sizing import size_kv_pool
 from tandem_engine.engine.output_processor import OutputProcessor
 from tandem_engine.engine.outputs import PullPlan, RequestOutput
+from tandem_engine.engine.refit import ServingWeights, refit_request
 from tandem_engine.engine.speculation import Speculation, speculation_inputs
 from tandem_engine.engine.speculative import Proposer
+from tandem_engine.engine.state_machine import StateMachine
 from tandem_engine.engine.stats import EngineStats, PrefixCacheStats, StepTiming
 from tandem_engine.errors import RequestRejected
-from tandem_engine.lifecycle import (
-    REFIT_STATES,
-    STABLE_STATES,
-    EngineState,
-    EngineStateError,
-    KVMode,
-    Signal,
-    transition_for,
-)
+from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode, Signal
 from tandem_engine.model.checkpoint import LoadProgressCallback, load_checkpoint
 from tandem_engine.model.device import resolve_device
 from tandem_engine.model.family import ModelConfig
@@ -62,6 +59,31 @@ from tandem_engine.model.sampler import Sampler
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.tokenizer import Tokenizer
 from tandem_engine.weights import WeightIdentity
+
+
+class _Published:
+    """A public engine method that is one change to one of the engine's parts
+    (`part.method`): made under the engine lock, then published to other threads. It
+    takes the part method's signature, and its docstring unless `doc` is given."""
+
+    def __init__(self, part: str, method: str, doc: str | None = None) -> None:
+        self.part, self.method, self.doc = part, method, doc
+
+    def __get__(self, engine: LLMEngine | None, owner: type | None = None) -> Any:
+        if engine is None:
+            return self
+        change = getattr(getattr(engine, self.part), self.method)
+
+        @functools.wraps(change)
+        def published(*args: Any, **kwargs: Any) -> Any:
+            with engine._lock:
+                result = change(*args, **kwargs)
+                engine._publish()
+                return result
+
+        if self.doc is not None:
+            published.__doc__ = self.doc
+        return published
 
 
 class LLMEngine:
@@ -98,7 +120,8 @@ class LLMEngine:
                                                    num_blocks, self.max_model_len)
         self.scheduler = Scheduler(self.kv, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens)
-        self.sampler = Sampler(engine_config.seed, device=self.runner.device)
+        self.device: torch.device = self.runner.device  # fixed for the engine's life
+        self.sampler = Sampler(engine_config.seed, device=self.device)
         self.outputs = OutputProcessor(
             tokenizer, frozenset(tokenizer.eos_token_ids or model_config.eos_token_ids),
             self.max_model_len)
@@ -117,12 +140,13 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self.step_timings: list[StepTiming] = []
         self.num_preemptions = 0
-        self._weights = WeightIdentity(uri="", version="initial", epoch=0)
-        self._weight_bytes = self.runner.weight_bytes  # changes only with a refit
-        self._state = EngineState.RUNNING
+        self.weights = ServingWeights(self.runner, self.speculation, tokenizer)
         self._suspend_mode: KVMode | None = None
         self._lock = threading.RLock()
-        self._state_changed = threading.Condition(self._lock)
+        self.lifecycle = StateMachine(self._lock, self._publish)
+        # What other threads read: the latest snapshot, lock-free (published at the end
+        # of every step and change).
+        self.stats: EngineStats
         self._publish()
 
     @classmethod
@@ -147,16 +171,6 @@ class LLMEngine:
     # ---- what other threads read --------------------------------------------------------------
 
     @property
-    def stats(self) -> EngineStats:
-        """The latest snapshot (lock-free: published at the end of every step and change)."""
-        return self._stats
-
-    @property
-    def device(self) -> torch.device:
-        """Where the model runs (fixed for the engine's life)."""
-        return self.runner.device
-
-    @property
     def num_pinned_blocks(self) -> int:
         """Blocks pinned for pulls right now; safe from any thread without the lock."""
         return self.kv.num_pinned_blocks
@@ -172,21 +186,21 @@ class LLMEngine:
 
     @property
     def state(self) -> EngineState:
-        return self._state
+        return self.lifecycle.state
 
     @property
     def weight_version(self) -> str:
-        return self._weights.version
+        return self.weights.identity.version
 
     @property
     def weight_epoch(self) -> int:
-        return self._weights.epoch
+        return self.weights.identity.epoch
 
     def _publish(self) -> None:
         """Called with the lock held (or before any other thread exists)."""
         kv = self.kv
-        self._stats = EngineStats(
-            state=self._state, weights=self._weights,
+        self.stats = EngineStats(
+            state=self.lifecycle.state, weights=self.weights.identity,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             num_pulling=len(self.handoffs.pulling), kv_usage=kv.usage,
             num_pinned_blocks=kv.num_pinned_blocks,
@@ -196,15 +210,10 @@ class LLMEngine:
                                           kv.pool.evictions, kv.pool.num_cached),
             num_preemptions=self.num_preemptions,
             num_pull_fallbacks=self.handoffs.num_fallbacks,
-            speculative=self.speculation.snapshot(), weight_bytes=self._weight_bytes,
-            last_refit_peak_bytes=self.runner.last_refit_peak_bytes)
+            speculative=self.speculation.snapshot(), weight_bytes=self.weights.bytes,
+            last_refit_peak_bytes=self.weights.last_refit_peak_bytes)
 
-    def set_weights(self, weights: WeightIdentity) -> None:
-        """Name the weights serving now (the checkpoint loaded at start, under the version
-        and epoch its fleet knows it by)."""
-        with self._lock:
-            self._weights = weights
-            self._publish()
+    set_weights = _Published("weights", "name")
 
     def drain_step_timings(self) -> list[StepTiming]:
         """The timings of the steps since the last call (for metrics)."""
@@ -231,19 +240,22 @@ class LLMEngine:
         output) until `unpin` or the pin TTL. `resumed_token_ids` continue a generation
         begun elsewhere (their text is re-derived; `sent_chars` of it were already shown)."""
         with self._lock:
-            request = self._new_request(request_id, prompt, params or SamplingParams(),
-                                        cache_salt, resumed_token_ids, sent_chars)
-            request.pin_for_handoff = pin_for_handoff
-            if not self._end_at_admission(request):
+            request = self._admit(request_id, prompt, params or SamplingParams(), cache_salt,
+                                  resumed_token_ids, sent_chars, pin_for_handoff)
+            if not request.finished:
                 self.scheduler.add(request)
             self._publish()
             return request
 
-    def _new_request(self, request_id: str, prompt: str | Sequence[int],
-                     params: SamplingParams, cache_salt: str | None,
-                     resumed_token_ids: Sequence[int], sent_chars: int) -> Request:
-        if self._state in (EngineState.STOPPING, EngineState.STOPPED):
-            raise EngineStateError(f"the engine is {self._state}: it accepts no requests")
+    def _admit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+               cache_salt: str | None, resumed_token_ids: Sequence[int], sent_chars: int,
+               pin_for_handoff: bool = False) -> Request:
+        """A new request, checked (RequestRejected: nothing changed) and known to every
+        part but the scheduler. A resumed request that already reached its limits is
+        finished at once (its output carries the text the engine before held back)."""
+        state = self.lifecycle.state
+        if state in (EngineState.STOPPING, EngineState.STOPPED):
+            raise EngineStateError(f"the engine is {state}: it accepts no requests")
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use; pick a new one")
         text = prompt if isinstance(prompt, str) else None
@@ -261,26 +273,17 @@ class LLMEngine:
                                     self.model_config.vocab_size)
         self.requests[request_id] = request
         self.outputs.add(request, resumed, sent_chars)
-        return request
-
-    def _end_at_admission(self, request: Request) -> bool:
-        """A resumed request that already reached its limits ends now (its output carries
-        the text the engine before held back)."""
+        request.pin_for_handoff = pin_for_handoff
         reason = self.outputs.finish_reason_at_start(request)
-        if reason is None:
-            return False
-        self._finish(request, reason)
-        self._pending_outputs.append(self.outputs.output(request))
-        return True
+        if reason is not None:
+            self._finish(request, reason)
+            self._pending_outputs.append(self.outputs.output(request))
+        return request
 
     # ---- KV handoff (disaggregated prefill/decode) ----------------------------------------
 
-    def unpin(self, request_id: str) -> bool:
-        """The puller is done with a handed-off prompt's KV: release it."""
-        with self._lock:
-            released = self.kv.unpin(request_id)
-            self._publish()
-            return released
+    unpin = _Published("kv", "unpin",
+                       "The puller is done with a handed-off prompt's KV: release it.")
 
     def add_pulled_request(self, request_id: str, prompt_token_ids: Sequence[int],
                            params: SamplingParams, resumed_token_ids: Sequence[int],
@@ -294,39 +297,28 @@ class LLMEngine:
         speculative proposals for the tokens after the first, verified in this engine's
         first step of the request (when it speculates at all)."""
         with self._lock:
-            request = self._new_request(request_id, list(prompt_token_ids), params,
-                                        cache_salt, resumed_token_ids, sent_chars)
-            if self._end_at_admission(request):
+            request = self._admit(request_id, list(prompt_token_ids), params, cache_salt,
+                                  resumed_token_ids, sent_chars)
+            if request.finished:
                 self._publish()
                 return PullPlan(request_id, [], [], reused_blocks=0)
             try:
                 plan = self.handoffs.plan_pull(request, list(proposals))
-            except RequestRejected:
-                self._forget(request)
+            except RequestRejected:  # never queued: every part forgets it
+                self.sampler.forget(request_id)
+                self.outputs.forget(request_id)
+                self.requests.pop(request_id, None)
                 raise
             self._publish()
             return plan
 
-    def quarantine(self, request_id: str, block_ids: list[int]) -> int | None:
-        """Before `complete_pull` of a pull whose transfer state is unknown: keep its
-        `block_ids` unused until `release_quarantine(id)` or the TTL (None: none kept)."""
-        with self._lock:
-            qid = self.handoffs.quarantine(request_id, block_ids, time.monotonic())
-            self._publish()
-            return qid
-
-    def release_quarantine(self, quarantine_id: int) -> bool:
-        with self._lock:
-            released = self.kv.release_quarantine(quarantine_id)
-            self._publish()
-            return released
-
-    def complete_pull(self, request_id: str, ok: bool) -> None:
-        """End a pull. ok: the request decodes from its pulled KV at once. Not ok: it is
-        recomputed here from prompt + first token (it still completes)."""
-        with self._lock:
-            self.handoffs.complete(request_id, ok)
-            self._publish()
+    quarantine = _Published(
+        "handoffs", "quarantine",
+        "Before `complete_pull` of a pull whose transfer state is unknown: keep its "
+        "`block_ids` unused until `release_quarantine(id)` or the TTL (None: none kept).")
+    release_quarantine = _Published("kv", "release_quarantine",
+                                    "Quarantined blocks are safe again (False: unknown id).")
+    complete_pull = _Published("handoffs", "complete")
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is; its blocks are freed at once. False if unknown."""
@@ -350,6 +342,11 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def num_pull_fallbacks(self) -> int:
+        """Handed-over requests recomputed here (their pull failed)."""
+        return self.handoffs.num_fallbacks
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -357,7 +354,7 @@ class LLMEngine:
         Unless RUNNING, only returns outputs already due (aborts, a stop's aborts)."""
         with self._lock:
             outputs, self._pending_outputs = self._pending_outputs, []
-            if self._state is EngineState.RUNNING:
+            if self.lifecycle.state is EngineState.RUNNING:
                 outputs += self._step()
             self._publish()
             return outputs
@@ -402,37 +399,26 @@ class LLMEngine:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.finish_reason = reason
         if reason is FinishReason.HANDOFF:
-            self.handoffs.pin(request, time.monotonic())
+            self.handoffs.pin(request)
         self.handoffs.forget(request.request_id)
         self.scheduler.finish(request)
         self.sampler.forget(request.request_id)
         self.speculation.forget(request.request_id)
         self.requests.pop(request.request_id, None)
 
-    def _forget(self, request: Request) -> None:
-        """Drop a request that was never queued (refused at admission)."""
-        self.sampler.forget(request.request_id)
-        self.outputs.forget(request.request_id)
-        self.requests.pop(request.request_id, None)
-
     # ---- lifecycle ------------------------------------------------------------------------
 
     def pause(self) -> None:
         """Stop stepping. In-flight requests keep their KV; new requests queue."""
-        self._signal(Signal.PAUSE)
+        self.lifecycle.signal(Signal.PAUSE)
 
     def unpause(self) -> None:
-        self._signal(Signal.UNPAUSE)
+        self.lifecycle.signal(Signal.UNPAUSE)
 
     def suspend(self, mode: KVMode | str = KVMode.PERSIST) -> int:
         """Release KV memory (from PAUSED); returns the bytes of KV storage released (a
         draft model's pool included: it is dropped, not kept, under offload too)."""
-        try:
-            kv_mode = KVMode(mode)
-        except ValueError:
-            raise EngineStateError(
-                f"KV management mode {mode!r} is unknown; use one of "
-                f"{', '.join(m.value for m in KVMode)}") from None
+        kv_mode = parse_kv_mode(mode)
         released = 0
 
         def release() -> None:
@@ -441,7 +427,7 @@ class LLMEngine:
                                     self.handoffs, self.speculation)
             self._suspend_mode = kv_mode
 
-        self._signal(Signal.SUSPEND, release)
+        self.lifecycle.signal(Signal.SUSPEND, release)
         return released
 
     def resume(self) -> None:
@@ -451,7 +437,7 @@ class LLMEngine:
             restore_pool(self._suspend_mode, self.runner, self.speculation)
             self._suspend_mode = None
 
-        self._signal(Signal.RESUME, restore)
+        self.lifecycle.signal(Signal.RESUME, restore)
 
     def stop(self) -> None:
         """End the engine: every unfinished request finishes with reason `abort`."""
@@ -461,18 +447,11 @@ class LLMEngine:
                 self._finish(request, FinishReason.ABORT)
                 self._pending_outputs.append(self.outputs.output(request))
 
-        self._signal(Signal.STOP, abort_all)
+        self.lifecycle.signal(Signal.STOP, abort_all)
 
     def wait_until(self, state: EngineState | str, timeout: float | None = None) -> None:
         """Block until the engine is in `state` (a stable state only)."""
-        target = EngineState(state)
-        if target not in STABLE_STATES:
-            raise ValueError(f"wait_until({target}): only stable states can be waited for "
-                             f"({', '.join(sorted(str(s) for s in STABLE_STATES))})")
-        with self._state_changed:
-            if not self._state_changed.wait_for(lambda: self._state is target, timeout):
-                raise TimeoutError(f"engine still {self._state} after {timeout} s, "
-                                   f"not {target}")
+        self.lifecycle.wait_until(state, timeout)
 
     def refit(self, source: str | Path, version: str | None = None,
               epoch: int | None = None, uri: str | None = None,
@@ -480,11 +459,8 @@ class LLMEngine:
         """In process: `apply_refit` of a `RefitRequest` for checkpoint `source` (a folder
         or a GGUF file) under `version` (default: the path), named `uri` (default: its
         file:// URI), with the draft checkpoint `draft` (method draft only)."""
-        request = RefitRequest(
-            uri=uri or Path(source).resolve().as_uri(), version=version or str(source),
-            epoch=epoch, low_memory=low_memory,
-            draft_uri=None if draft is None else Path(draft).resolve().as_uri())
-        return self.apply_refit(request, source, draft)
+        return self.apply_refit(refit_request(source, version, epoch, uri, low_memory, draft),
+                                source, draft)
 
     def apply_refit(self, request: RefitRequest, checkpoint: str | Path,
                     draft: str | Path | None = None) -> int:
@@ -500,52 +476,17 @@ class LLMEngine:
         what it was). `draft`, read for `request.draft_uri` (method draft only), also swaps
         the draft model's weights for that checkpoint's (same shape and vocabulary,
         validated with the rest before anything changes); its KV of every request is
-        dropped, and each request catches up once."""
+        dropped, and each request catches up once (engine/refit.py)."""
         with self._lock:
-            if self._state not in REFIT_STATES:
-                raise EngineStateError(
-                    f"refit is not allowed in state {self._state}; allowed in "
-                    f"{', '.join(sorted(str(s) for s in REFIT_STATES))}: pause first")
-            self.speculation.check_refit_draft(draft)
-            dtype = str(self.runner.dtype).removeprefix("torch.")
-            config, tensors = load_checkpoint(checkpoint, dtype, reference=self.model_config)
-            swap_speculation = self.speculation.prepare_refit(config, tensors, checkpoint,
-                                                              draft, self.tokenizer, dtype)
-            self.runner.load_weights(tensors, low_memory=request.low_memory)
-            swap_speculation()
-            self._weight_bytes = self.runner.weight_bytes
-            self.model_config = config
-            new_epoch = self.weight_epoch + 1 if request.epoch is None else request.epoch
-            self._weights = WeightIdentity(request.uri, request.version or request.uri,
-                                           new_epoch)
-            # Requests holding no KV yet compute everything under the new weights; the
-            # ones with KV keep their salt (their leading blocks are old-weight KV).
-            for waiting in self.scheduler.waiting:
-                if waiting.num_computed_tokens == 0:
-                    waiting.resalt(block_salt(self.weight_epoch, waiting.cache_salt))
+            self.model_config = self.weights.swap(self.lifecycle.state, request, checkpoint,
+                                                  draft, self.model_config,
+                                                  self.scheduler.waiting)
             self._publish()
             return self.weight_epoch
 
-    def reset_prefix_cache(self) -> None:
-        with self._lock:
-            self.kv.reset_prefix_cache()
-            self._publish()
+    reset_prefix_cache = _Published(
+        "kv", "reset_prefix_cache",
+        "Forget every cached prefix; blocks in use keep their KV and owners.")
 
     def prefix_cache_stats(self) -> dict[str, int]:
         return dataclasses.asdict(self.stats.prefix_cache)
-
-    def _signal(self, signal: Signal, action=None) -> None:
-        with self._state_changed:
-            transition = transition_for(self._state, signal)
-            before = self._state
-            self._state = transition.transient
-            try:
-                if action is not None:
-                    action()
-            except BaseException:
-                self._state = before
-                self._publish()
-                raise
-            self._state = transition.target
-            self._publish()
-            self._state_changed.notify_all()
