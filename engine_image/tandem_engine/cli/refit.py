@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from tandem_engine.admin_wire import EngineStatus
-from tandem_engine.cli.serve import default_log_dir, read_stack
+from tandem_engine.cli.stack_claim import default_log_dir, read_stack
 from tandem_engine.errors import TandemError
 from tandem_engine.fleet import (
     EngineAdmin,

@@ -8,26 +8,21 @@ and on Ctrl-C / SIGTERM stops everything: children get SIGTERM (engines drain), 
 SIGKILL after a grace period. Children also get SIGTERM from the kernel if this
 process dies (PR_SET_PDEATHSIG), so no orphan survives. Torch-free.
 
-While it serves it supervises: a child that dies is restarted with back-off (1 s, 2 s,
-4 s … capped at 30 s) with the same arguments — an engine keeps its id, role and ports,
-so the router reconnects to its new incarnation and fails over meanwhile; the router
-keeps its port. Only a child that crash-loops (more than `restart_limit` restarts within
-`restart_window` s) stops the stack. The budget refills: a restart older than the window
-no longer counts, nor lengthens the back-off (as the kubelet's crash-loop back-off resets
-once a container has run a while), so a child that dies now and then is restarted for
-ever. Nothing a client sends can make an engine exit and spend it: the admin API checks
-its token and bounds every body before any route reads one (server/admin_guard.py).
+While it serves it supervises (cli/supervision.py): a child that dies is restarted with
+back-off and the same arguments, and only a child that crash-loops stops the stack.
+Nothing a client sends can make an engine exit and spend its restart budget: the admin
+API checks its token and bounds every body before any route reads one
+(server/admin_guard.py).
 
 While it serves, `<log dir>/stack.json` describes the stack (router URL, each engine's
 name, role and admin URL; the engines' admin token; the weights roots; per child its pid,
 restarts and last exit cause), so other commands (`tandem refit`) find it by its port. It
 holds a secret, so only the user can read it (mode 0600).
 
-A stack never touches another. Before it starts anything it checks that its router port
-is free and takes its log dir (`$TMPDIR/tandem-PORT`) with a lock (`serve.lock`, an
-flock held until it stops): a port in use, or a folder a live stack holds, is refused at
-once, naming the port and `--port`; a folder a dead stack left is reused. The engines'
-ports are picked together, all free and distinct. Its router gets a fresh id in its
+A stack never touches another. Before it starts anything it claims its router port and
+its log dir (cli/stack_claim.py: a port in use, or a folder a live stack holds, is
+refused at once, naming the port and `--port`), and its engines' ports are picked
+together, all free and distinct. Its router gets a fresh id in its
 environment ($TANDEM_ROUTER_ID), and the stack is ready only when the router on its
 port reports that id, so another router that answers there is never taken for its own.
 Its router's `/metrics` also serves the engines' series (`--engine-metrics-url`).
@@ -42,154 +37,46 @@ folder itself) and from each `--weights-root`.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import fcntl
 import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem_engine.admin_wire import decode_status
 from tandem_engine.cli.progress import Status, StatusBlock, render
-from tandem_engine.errors import TandemError
+from tandem_engine.cli.stack_claim import (
+    LOCK_FILE,
+    STACK_FILE,
+    check_port_free,
+    claim_log_dir,
+    default_log_dir,
+    free_port,
+    free_ports,
+    read_stack,
+)
+from tandem_engine.cli.supervision import (
+    Child,
+    die_with_parent,
+    start_process,
+    supervise_round,
+)
 from tandem_engine.lifecycle import EngineRole, EngineState
 from tandem_engine.router.auth import API_KEY_ENV
 from tandem_engine.weights import WeightsURIError, checkpoint_path, format_bytes
 from tandem_engine.zmq_auth import ALL_VARIABLES, stack_environments
 
-_PR_SET_PDEATHSIG = 1
-STACK_FILE = "stack.json"
-LOCK_FILE = "serve.lock"  # flock'ed by the live `tandem serve` that owns the log dir
-
-
-def default_log_dir(port: int) -> Path:
-    return Path(os.environ.get("TMPDIR", "/tmp")) / f"tandem-{port}"
-
-
-def read_stack(port: int) -> dict:
-    """The description a running `tandem serve --port PORT` wrote (see `LocalStack`)."""
-    path = default_log_dir(port) / STACK_FILE
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise TandemError(f"no local stack on port {port}: {path} does not exist; is "
-                          f"`tandem serve --port {port}` running?") from None
-    except (OSError, ValueError) as exc:
-        raise TandemError(f"cannot read the local stack's description {path} ({exc}); is "
-                          f"`tandem serve --port {port}` running?") from exc
-
-
-EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-LOWEST_PICKED_PORT = 10000  # below: the well-known services' registered ports
-
-
-def pickable_ports() -> range:
-    """The ports `free_ports` picks from: below the kernel's ephemeral range
-    (net.ipv4.ip_local_port_range, the ports it gives outgoing connections and `bind(0)`),
-    so a port picked now and bound a moment later by a child cannot be taken in between
-    by some process's outgoing connection. Empty where that range leaves no room."""
-    try:
-        low = int(EPHEMERAL_RANGE.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default
-    return range(LOWEST_PICKED_PORT, low) if low - LOWEST_PICKED_PORT >= 1000 else range(0)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now, for a server started a moment later (`free_ports`)."""
-    return free_ports(host, 1)[0]
-
-
-def free_ports(host: str, count: int, besides: Sequence[int] = ()) -> list[int]:
-    """`count` distinct ports free on `host` now, none of `besides`: all held open while
-    they are picked, so none repeats. Drawn at random from `pickable_ports` (then from the
-    kernel's own choice, `bind(0)`, where that range is empty or full)."""
-    pool = pickable_ports()
-    draw = secrets.SystemRandom()
-    sockets: list[socket.socket] = []
-    ports: list[int] = []
-    tries = 0
-    try:
-        while len(ports) < count:
-            s = socket.socket(_family(host))
-            sockets.append(s)
-            candidate = draw.choice(pool) if pool and tries < 64 * count else 0
-            tries += 1
-            if candidate in besides or candidate in ports:
-                continue
-            try:
-                s.bind((host, candidate))
-            except OSError:
-                if candidate == 0:
-                    raise
-                continue  # in use: draw again
-            if (port := s.getsockname()[1]) not in besides:
-                ports.append(port)
-        return ports
-    finally:
-        for s in sockets:
-            s.close()
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why a server could not listen on host:port now (another process does, or the
-    address is not this machine's), or None. Binds as uvicorn does (SO_REUSEADDR), so a
-    port that only has connections closing (TIME_WAIT) counts as free."""
-    try:
-        with socket.socket(_family(host)) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def folder_holder(log_dir: Path) -> int | None:
-    """The pid of the live `tandem serve` holding `log_dir` (its `serve.lock`), or None
-    when none does (no lock, or one a dead stack left)."""
-    try:
-        fd = os.open(log_dir / LOCK_FILE, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            return int(os.pread(fd, 32, 0).split()[0])
-        except (OSError, ValueError, IndexError):
-            return -1  # held, pid not written yet
-    finally:
-        os.close(fd)
-    return None
-
-
-def die_with_parent() -> None:
-    """preexec_fn for child processes: the kernel sends them SIGTERM when we die."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def exit_cause(returncode: int) -> str:
-    """`exit code N`, or the signal's name (`SIGKILL`) for a process a signal ended."""
-    if returncode < 0:
-        try:
-            return signal.Signals(-returncode).name
-        except ValueError:
-            return f"signal {-returncode}"
-    return f"exit code {returncode}"
+# Where tests and the other commands import them from (their owners: stack_claim.py and
+# supervision.py).
+__all__ = ["LOCK_FILE", "STACK_FILE", "Child", "LocalStack", "check_port_free",
+           "default_log_dir", "die_with_parent", "engine_status", "free_port",
+           "phase_block", "read_stack", "run"]
 
 
 def engine_status(state: dict | None) -> Status:
@@ -226,43 +113,6 @@ def _drop_flags(args: list[str], flags: Sequence[str]) -> list[str]:
         else:
             out.append(arg)
     return out
-
-
-@dataclass
-class Child:
-    name: str
-    process: subprocess.Popen
-    ready_url: str
-    log: Path
-    args: list[str] = field(default_factory=list)
-    env: dict[str, str] | None = None  # None: this process's environment
-    restarts: int = 0
-    last_exit: str | None = None
-    restart_times: list[float] = field(default_factory=list)  # monotonic, recent ones
-    restart_at: float | None = None  # dead, to be restarted then
-    awaiting_ready: bool = False  # restarted, /readyz not yet 200
-
-    def describe(self) -> dict:
-        return {"pid": self.process.pid, "restarts": self.restarts,
-                "last_exit": self.last_exit}
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.ready_url, timeout=1) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
-
-    def tail(self, lines: int = 15, max_bytes: int = 65536) -> str:
-        """The log's last lines, reading at most its last `max_bytes` (a log can be huge,
-        or a device such as /dev/full that never ends)."""
-        try:
-            with self.log.open("rb") as f:
-                f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
-                data = f.read(max_bytes)
-            return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 class LocalStack:
@@ -326,66 +176,31 @@ class LocalStack:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
-    @staticmethod
-    def _popen(args: list[str], log: Path, mode: str,
-               env: dict[str, str] | None = None) -> subprocess.Popen:
-        with log.open(mode) as out:
-            return subprocess.Popen([sys.executable, "-m", *args], stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    preexec_fn=die_with_parent, env=env)
-
     def _spawn(self, name: str, args: list[str], ready_url: str,
                env: dict[str, str] | None = None) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
-        child = Child(name, self._popen(args, log, "wb", env), ready_url, log,
+        child = Child(name, start_process(args, log, "wb", env), ready_url, log,
                       args=list(args), env=env)
         self.children.append(child)
         return child
 
     def supervise(self) -> str | None:
-        """One round of supervision: notice dead children, restart those whose back-off
-        is over, note restarted ones that are ready again. Returns why the stack must
-        stop (a child crash-looping), else None."""
-        now = time.monotonic()
-        changed = False
-        for child in self.children:
-            if child.restart_at is None and child.process.poll() is not None:
-                cause = exit_cause(child.process.returncode)
-                child.last_exit = cause
-                child.awaiting_ready = False
-                child.restart_times = [t for t in child.restart_times
-                                       if now - t < self.restart_window]
-                changed = True
-                if len(child.restart_times) >= self.restart_limit:
-                    return (f"{child.name} exited ({cause}) after {len(child.restart_times)} "
-                            f"restarts within {self.restart_window:.0f} s: it is "
-                            f"crash-looping, stopping. Its log ({child.log}) ends with:\n"
-                            f"{child.tail()}")
-                delay = min(self.backoff_cap,
-                            self.backoff_base * 2 ** len(child.restart_times))
-                child.restart_at = now + delay
-                print(f"{child.name} exited unexpectedly ({cause}); restarting it in "
-                      f"{delay:g} s. Its log ({child.log}) ends with:\n{child.tail(5)}",
-                      file=sys.stderr, flush=True)
-            elif child.restart_at is not None and now >= child.restart_at:
-                child.restart_at = None
-                child.restarts += 1
-                child.restart_times.append(now)
-                with contextlib.suppress(OSError), child.log.open("ab") as log:
-                    log.write(f"\n--- tandem serve: restart {child.restarts} after "
-                              f"{child.last_exit} ---\n".encode())
-                if child.name in {e["name"] for e in self.engines}:
-                    self._follow_refits(child)
-                child.process = self._popen(child.args, child.log, "ab", child.env)
-                child.awaiting_ready = True
-                changed = True
-                print(f"{child.name}: restarted (restart {child.restarts}, pid "
-                      f"{child.process.pid}, after {child.last_exit})", file=self.out,
-                      flush=True)
-            elif child.awaiting_ready and child.process.poll() is None and child.ready():
-                child.awaiting_ready = False
-                print(f"{child.name}: ready again", file=self.out, flush=True)
+        """One round of supervision (`supervise_round`): notice dead children, restart
+        those whose back-off is over (an engine on the weights its peers serve now), note
+        restarted ones that are ready again. Returns why the stack must stop (a child
+        crash-looping), else None."""
+
+        def before_restart(child: Child) -> None:
+            if child.name in {e["name"] for e in self.engines}:
+                self._follow_refits(child)
+
+        reason, changed = supervise_round(
+            self.children, restart_limit=self.restart_limit,
+            restart_window=self.restart_window, backoff_base=self.backoff_base,
+            backoff_cap=self.backoff_cap, out=self.out, before_restart=before_restart)
+        if reason is not None:
+            return reason
         if changed:
             with contextlib.suppress(OSError):
                 self._describe()
@@ -395,23 +210,8 @@ class LocalStack:
         """Make sure this stack can start without touching another: its router port is
         free and its log dir is held by no live stack; then hold the log dir until `stop`.
         TandemError (naming the port and `--port`) otherwise, with nothing changed."""
-        if self._lock_fd is not None:
-            return
-        fix = _busy_fix(self.port)
-        check_port_free(self.host, self.port, self.log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.log_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            holder = folder_holder(self.log_dir)
-            raise TandemError(f"port {self.port}: its log folder {self.log_dir} is held by "
-                              f"another `tandem serve` (pid {holder}) that is still running "
-                              f"(its router restarting?); {fix}") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self._lock_fd = fd
+        if self._lock_fd is None:
+            self._lock_fd = claim_log_dir(self.host, self.port, self.log_dir)
 
     def start(self, timeout: float = 300.0) -> None:
         """Start engines and router; return once the router is ready. Raises on failure
@@ -624,24 +424,6 @@ class LocalStack:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock; the file stays (no unlink race)
             self._lock_fd = None
-
-
-def _busy_fix(port: int) -> str:
-    return (f"nothing was started; give this stack another port with `tandem serve "
-            f"--port N` (or stop the one on {port} first)")
-
-
-def check_port_free(host: str, port: int, log_dir: Path | None = None) -> None:
-    """TandemError naming the port, whoever holds it and `--port` when `port` on `host`
-    cannot be bound; `tandem serve` asks before anything else (even pulling its model)."""
-    if (why := port_problem(host, port)) is None:
-        return
-    log_dir = log_dir or default_log_dir(port)
-    holder = folder_holder(log_dir)
-    whose = ("" if holder is None else
-             f": another `tandem serve` (pid {holder}) serves there, its logs and "
-             f"stack.json in {log_dir}")
-    raise TandemError(f"port {port} on {host} is not free ({why}){whose}; {_busy_fix(port)}")
 
 
 def run(stack: LocalStack) -> int:
