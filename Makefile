@@ -97,7 +97,7 @@ lint: dev
 	$(BIN)/lint-imports
 
 # The tests' own tools on a clean CI machine (Debian/Ubuntu, root): Debian's Prometheus, which
-# tests/test_dashboard_prometheus.py runs the Grafana dashboard's queries against.
+# tests/operator_tests/test_dashboard_prometheus.py runs the Grafana dashboard's queries against.
 test-tools:
 	@command -v prometheus >/dev/null || { apt-get update -q && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q prometheus; }

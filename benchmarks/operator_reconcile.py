@@ -7,7 +7,7 @@ Run alone (2 cores: the API server, kubectl and the operator share them):
 It starts the test API server (tests/kcluster, test-only code imported from the tests
 folder: this is a dev tool, never shipped), installs crds/, starts
 `tandem-operator --standalone --namespace default` as a subprocess with KUBECONFIG, exactly
-as tests/test_operator_cluster.py runs it, and waits for its /healthz. No pod runner runs:
+as tests/operator_tests/test_operator_cluster.py runs it, and waits for its /healthz. No pod runner runs:
 pods only exist in the API. Each pool gets its own weights folder holding a config.json, so
 the operator's weights check passes. Then one `kubectl apply -f -` of a multi-document YAML
 creates every pool at once (client-side apply: kubectl sends the pools one by one, over

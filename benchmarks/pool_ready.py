@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "operator_tests")]  # kcluster, helpers
 
 from kcluster.cluster import TestCluster  # noqa: E402
 from kcluster.podrunner import PodRunner  # noqa: E402

@@ -29,7 +29,7 @@ DEMO_MODEL_SIZES = ("tiny", "small", "1b")
 
 # The engine's defaults, stated once: `EngineConfig` and its flag table (`ENGINE_FLAGS`,
 # below) take them from here. The CRD repeats them as schema defaults
-# (tests/test_engine_flags.py checks that they agree).
+# (tests/server/test_engine_flags.py checks that they agree).
 DEFAULT_BLOCK_SIZE = 16  # tokens per KV block
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
 DEFAULT_MAX_NUM_SEQS = 64

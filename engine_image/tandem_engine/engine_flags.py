@@ -6,7 +6,7 @@ rule's words and its help. From that entry come the `tandem-engine` parser
 (`add_flags`), the bounds `EngineConfig.validate` and `SpeculativeConfig.validate` apply
 (`check_fields`), the flags `tandem serve` gives its engines and the operator renders into
 pod args (`flag_args`), and the operator's bounds and defaults for the InferencePool field
-that sets it (`PoolField`), which tests/test_engine_flags.py holds equal to the CRD's.
+that sets it (`PoolField`), which tests/server/test_engine_flags.py holds equal to the CRD's.
 
 Torch-free and free of the rest of the engine: the operator imports it.
 """

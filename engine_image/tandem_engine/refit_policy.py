@@ -4,7 +4,7 @@ The InferencePool's `spec.refit`, `tandem refit`'s flags and the refit transacti
 (`tandem_engine.fleet`) share these. The module is torch-free and imports nothing, so the
 operator's spec parser and the CLI's argument parser use it without the fleet's HTTP
 client. The CRD states the same words and defaults in its schema (enums are CamelCase
-strings there); tests/test_crd.py checks that the two agree.
+strings there); tests/operator_tests/test_crd.py checks that the two agree.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A refit's verification rules (fleet/verify.py), the finite-weights check at load, and
 where a user sets the perplexity and uncertainty limits (the CRD, `tandem refit`). The rules
-run against real engines in tests/test_refit_local.py and tests/test_refit_confidence.py;
+run against real engines in tests/fleet/test_refit_local.py and tests/fleet/test_refit_confidence.py;
 here each rule and each input error alone."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tandem_engine.fleet.verify import (
 from tandem_engine.model.checkpoint import load_checkpoint
 from tandem_operator.spec import SpecError, parse_pool
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def reading(tokens: list[int], perplexity: float, version: str = "v2") -> CanaryReading:
@@ -62,7 +62,7 @@ def test_a_perplexity_above_the_limit_fails_and_says_by_how_much() -> None:
 
 
 # SmolLM2-135M-Instruct's canary on its own weights, on its bf16 copy and with its final
-# norm x 1e36 (docs/benchmarks.md: mean NLL, top-1 mass; tests/test_refit_confidence.py
+# norm x 1e36 (docs/benchmarks.md: mean NLL, top-1 mass; tests/fleet/test_refit_confidence.py
 # measures them on the real engine).
 SMOLLM2 = CanaryReading("e-0", "v1", VARIED, 3.38651, 0.4463)
 SMOLLM2_BF16 = CanaryReading("e-0", "v2", VARIED, 3.39719, 0.4465)

@@ -44,7 +44,7 @@ from test_operator_cluster import wait_for
 from test_operator_e2e import condition, get, helm, live_pods, run_deployment
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ["Hello there", "Once upon a time in a land far away"]
 SEEDS = {"v1": 0, "v2": 1}
 SLOW_LOAD_S = 100  # past the ~90 s at which the old liveness probe killed a loading engine

@@ -20,7 +20,7 @@ from kcluster.cluster import TestCluster
 from kcluster.fixtures import test_cluster  # noqa: F401
 from kubernetes.client.exceptions import ApiException
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from kcluster.helm import helm_binary
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "tandem"
 CRDS = ROOT / "crds"
 RELEASE = "tandem"

@@ -30,7 +30,7 @@ from tandem_operator.kube import Kube
 from tandem_operator.reconcile import Context, reconcile
 from tandem_operator.spec import default_engine_image
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OPERATOR = ROOT / ".venv" / "bin" / "tandem-operator"
 EXAMPLE = ROOT / "examples" / "inferencepool.yaml"
 T = TypeVar("T")

@@ -42,7 +42,7 @@ from test_operator_cluster import (  # noqa: F401  (fixtures)
 )
 from test_serve import spawn_serve, wait_for_url
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "charts" / "tandem" / "dashboards" / "tandem.json"
 MODEL = "demo"
 # What Grafana puts in place of its variables: "All" is the regex .*, which also matches a

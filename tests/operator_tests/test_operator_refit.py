@@ -46,7 +46,7 @@ from tandem_operator.refit import (
 from tandem_operator.spec import PoolSpec
 from test_operator_cluster import Operator, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 V1 = WeightsRef("file:///models/v1", "v1")
 V2 = WeightsRef("file:///models/v2", "v2")
 

@@ -19,7 +19,7 @@ from test_router_e2e import _free_port, _spawn, _stop, _wait_ready
 
 pytestmark = pytest.mark.slow
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 SERVED = "smollm2-135m-instruct"  # the name `tandem serve` gives it, as the examples use
 README_URL = "http://127.0.0.1:8000/v1"
 RUNS = 5

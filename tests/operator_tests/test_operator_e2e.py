@@ -39,7 +39,7 @@ from test_operator_cluster import wait_for
 
 pytest.importorskip("nixl_cu12")
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 def get(cluster: TestCluster, *args: str) -> Any:
     return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
 

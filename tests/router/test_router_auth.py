@@ -197,7 +197,7 @@ def test_a_slow_client_is_cut_at_the_header_timeout(routers) -> None:
         s2.settimeout(bound)
         assert s2.recv(1) == b""
         assert time.monotonic() - opened < bound
-    # The kept-alive case: tests/test_http_guard.py, on every port.
+    # The kept-alive case: tests/server/test_http_guard.py, on every port.
 
 
 def test_an_unreadable_key_file_is_refused_before_the_model_is_pulled(

@@ -24,7 +24,7 @@ from tandem_engine.server import main as engine_main
 from tandem_operator import manifests as m
 from tandem_operator.spec import EngineDevice, PoolSpec, SpecError, SpeculativeMethod
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = yaml.safe_load((ROOT / "crds" / "inferencepools.tandem.dev.yaml").read_text())[
     "spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 BASE = ["--model", "m", "--port", "1", "--admin-port", "2"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "builder.sh"
 BASH = shutil.which("bash") or "/bin/bash"
 MAKE = shutil.which("make")

@@ -30,7 +30,7 @@ import yaml
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OPERATOR_DOCKERFILE = ROOT / "operator" / "Dockerfile"
 ENGINE_DOCKERFILE = ROOT / "engine_image" / "Dockerfile"
 CHART = ROOT / "charts" / "tandem"

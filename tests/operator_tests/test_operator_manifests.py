@@ -18,7 +18,7 @@ from tandem_engine.weights import WeightsRef, checkpoint_path
 from tandem_operator import manifests as m
 from tandem_operator.spec import PoolSpec, SpecError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "inferencepools.tandem.dev.yaml"
 
 

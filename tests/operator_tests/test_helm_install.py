@@ -17,7 +17,7 @@ from kcluster.cluster import TestCluster
 from kcluster.fixtures import test_cluster  # noqa: F401
 from kcluster.helm import helm_binary
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

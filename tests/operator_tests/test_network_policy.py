@@ -39,7 +39,7 @@ from tandem_operator.reconcile import curve_keys
 from tandem_operator.spec import PoolSpec, SpecError
 from test_operator_cluster import Operator, pool_manifest, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KUBE_VERSION = "1.32"
 NS = "serving"
 

@@ -43,7 +43,7 @@ from tandem_operator.spec import (
     SpeculativeMethod,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "inferencepools.tandem.dev.yaml"
 EXAMPLES = sorted((ROOT / "examples").glob("inferencepool*.yaml"))
 

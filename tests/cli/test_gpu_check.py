@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 STEPS = ["environment", "greedy-float32", "greedy-bfloat16", "throughput-small",
          "throughput-1b", "handoff", "lifecycle"]

@@ -24,7 +24,7 @@ from test_chart import CHART, KUBE_VERSION, by_kind, one, render, run_helm
 from test_chart import helm as helm
 from test_crd import minimal_pool, validate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = CHART / "dashboards" / "tandem.json"
 SERVICE_MONITOR_API = ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor"]
 
