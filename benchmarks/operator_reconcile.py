@@ -5,15 +5,15 @@ Run alone (2 cores: the API server, kubectl and the operator share them):
     .venv/bin/python benchmarks/operator_reconcile.py
 
 It starts the test API server (tests/kcluster, test-only code imported from the tests
-folder: this is a dev tool, never shipped), installs crds/, starts
-`tandem-operator --standalone --namespace default` as a subprocess with KUBECONFIG, exactly
-as tests/operator_tests/test_operator_cluster.py runs it, and waits for its /healthz. No pod runner runs:
-pods only exist in the API. Each pool gets its own weights folder holding a config.json, so
-the operator's weights check passes. Then one `kubectl apply -f -` of a multi-document YAML
-creates every pool at once (client-side apply: kubectl sends the pools one by one, over
-HTTP, as a user's apply would), and the clock runs from just before kubectl starts until
-every pool has all its pods in the API AND a status whose observedGeneration equals its
-generation and whose replica counts show those pods.
+folder: this is a dev tool, never shipped), installs crds/, starts `tandem-operator
+--standalone --namespace default` as a subprocess with KUBECONFIG, exactly as
+tests/operator_tests/test_operator_cluster.py runs it, and waits for its /healthz. No pod
+runner runs: pods only exist in the API. Each pool gets its own weights folder holding a
+config.json, so the operator's weights check passes. Then one `kubectl apply -f -` of a
+multi-document YAML creates every pool at once (client-side apply: kubectl sends the pools
+one by one, over HTTP, as a user's apply would), and the clock runs from just before
+kubectl starts until every pool has all its pods in the API AND a status whose
+observedGeneration equals its generation and whose replica counts show those pods.
 
 Goals (issue 6): 50 pools x (2 prefill + 2 decode + 1 router) done in <= 20 s; the operator's
 RSS <= 150 MB, both at its peak during the run (sampled every 50 ms with psutil) and after

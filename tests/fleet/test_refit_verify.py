@@ -1,7 +1,7 @@
 """A refit's verification rules (fleet/verify.py), the finite-weights check at load, and
 where a user sets the perplexity and uncertainty limits (the CRD, `tandem refit`). The rules
-run against real engines in tests/fleet/test_refit_local.py and tests/fleet/test_refit_confidence.py;
-here each rule and each input error alone."""
+run against real engines in tests/fleet/test_refit_local.py and
+tests/fleet/test_refit_confidence.py; here each rule and each input error alone."""
 
 from __future__ import annotations
 
