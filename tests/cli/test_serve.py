@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -227,13 +228,20 @@ def test_serve_restarts_a_killed_engine_while_the_router_fails_over(tmp_path: Pa
         # Those prompts' KV sits on the survivor (it served them all after the kill), so
         # prefix-aware routing rightly keeps them there. Prompts no engine has seen go by
         # load: some reach the restarted engine, and answer as the offline engine does.
+        # Rounds of new prompts until one reaches it (the router learns of the restart
+        # from its heartbeats, so the first round may still all go to the survivor).
         before = served_by_victim()
-        fresh = [f"Fresh words {i}" for i in range(16)]
-        offline = [o.outputs[0].text for o in LLM(tmp_path / "demo").generate(
-            fresh, SamplingParams(max_tokens=24, temperature=0.0))]
-        with ThreadPoolExecutor(8) as pool:
-            assert list(pool.map(lambda p: once(p, 24), fresh)) == offline
-        assert served_by_victim() > before
+        offline_llm = LLM(tmp_path / "demo")
+        deadline = time.monotonic() + 30
+        for round_ in itertools.count():
+            fresh = [f"Fresh words {round_} {i}" for i in range(16)]
+            offline = [o.outputs[0].text for o in offline_llm.generate(
+                fresh, SamplingParams(max_tokens=24, temperature=0.0))]
+            with ThreadPoolExecutor(8) as pool:
+                assert list(pool.map(lambda p: once(p, 24), fresh)) == offline
+            if served_by_victim() > before:
+                break
+            assert time.monotonic() < deadline, "the restarted engine served no request"
         assert proc.poll() is None
 
         proc.send_signal(signal.SIGINT)
