@@ -37,7 +37,8 @@ from tokenizers import (
 )
 
 from tandem_engine.config import DEMO_MODEL_SIZES
-from tandem_engine.model.family import DEMO_FAMILIES, DemoRecipe, DemoShape, ModelConfig
+from tandem_engine.model.families import DEMO_FAMILIES
+from tandem_engine.model.family import DemoRecipe, DemoShape, ModelConfig
 from tandem_engine.model.family import family_named as _family_named
 from tandem_engine.model.mtp import random_heads
 from tandem_engine.tokenizer import GGUF_PRE_TOKENIZERS

@@ -37,7 +37,7 @@ from tandem_engine.config import (
 from tandem_engine.engine_flags import add_flags, flag_args, namespace_values
 from tandem_engine.errors import TandemError
 from tandem_engine.fleet.verify import DEFAULT_MIN_UNCERTAINTY_RATIO
-from tandem_engine.model.family import DEMO_FAMILIES
+from tandem_engine.model.families import DEMO_FAMILIES
 from tandem_engine.refit_policy import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_MAX_UNAVAILABLE,

@@ -46,7 +46,8 @@ from tandem_engine.config import normalize_dtype
 from tandem_engine.errors import CheckpointError, list_problems
 from tandem_engine.generation_config import generation_defaults
 from tandem_engine.gguf_file import GGUFFile, GGUFTensor, open_gguf
-from tandem_engine.model.family import GGUF_FAMILIES, Family, ModelConfig
+from tandem_engine.model.families import GGUF_FAMILIES
+from tandem_engine.model.family import Family, ModelConfig
 from tandem_engine.tokenizer import Tokenizer
 
 # llama.cpp architecture names this loader maps (the families with a GGUF layout).
