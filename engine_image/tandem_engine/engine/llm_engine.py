@@ -86,6 +86,18 @@ class _Published:
         return published
 
 
+# What the mtp heads call back into: over the runner, never the engine, so no reference
+# cycle keeps an engine (and its KV pool) alive past its last user until a collection.
+def _target_logits(runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
+    """The serving model's lm_head (the mtp heads' output goes through it)."""
+    return runner.model.logits(hidden)
+
+
+def _target_embed(runner: ModelRunner, token_ids: torch.Tensor) -> torch.Tensor:
+    """The serving model's input embedding (heads with mtp_token_input read it)."""
+    return runner.model.embed(token_ids)
+
+
 class LLMEngine:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
                  tensors: dict[str, torch.Tensor], tokenizer: Tokenizer,
@@ -127,8 +139,9 @@ class LLMEngine:
             self.max_model_len)
         self.speculation = Speculation(
             engine_config, draft, mtp_heads, num_blocks, self.max_model_len, dtype,
-            self.runner, self.sampler, self.outputs, target_logits=self._target_logits,
-            target_embed=self._target_embed,
+            self.runner, self.sampler, self.outputs,
+            target_logits=functools.partial(_target_logits, self.runner),
+            target_embed=functools.partial(_target_embed, self.runner),
             checkpoint=str(source) if source is not None else "(tensors given)")
         self.draft = self.speculation.draft  # method draft's model (None: another method)
         self.runner.capture_hidden = self.speculation.needs_hidden
@@ -159,14 +172,6 @@ class LLMEngine:
         engine = cls(model_config, engine_config, tensors, Tokenizer.from_path(path), path)
         engine.set_weights(WeightIdentity(Path(path).resolve().as_uri(), "initial", 0))
         return engine
-
-    def _target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The serving model's lm_head (the mtp heads' output goes through it)."""
-        return self.runner.model.logits(hidden)
-
-    def _target_embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The serving model's input embedding (heads with mtp_token_input read it)."""
-        return self.runner.model.embed(token_ids)
 
     # ---- what other threads read --------------------------------------------------------------
 

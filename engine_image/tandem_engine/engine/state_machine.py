@@ -14,6 +14,7 @@ thread waits for the step in progress.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 
 from tandem_engine.lifecycle import STABLE_STATES, EngineState, Signal, transition_for
@@ -23,9 +24,17 @@ class StateMachine:
     """The engine's state (`state`: read without the lock), moved by `signal`."""
 
     def __init__(self, lock: threading.RLock, publish: Callable[[], None]) -> None:
+        """`publish` (called with the lock held) is the engine's bound method, held weakly:
+        the engine owns its state machine, and a reference back would make a cycle that
+        keeps the engine, and its KV pool, alive until the next garbage collection."""
         self.state = EngineState.RUNNING
         self._changed = threading.Condition(lock)
-        self._publish = publish  # called with the lock held
+        self._publish_ref = weakref.WeakMethod(publish)
+
+    def _publish(self) -> None:
+        publish = self._publish_ref()
+        if publish is not None:
+            publish()
 
     def signal(self, signal: Signal, action: Callable[[], None] | None = None) -> None:
         with self._changed:
