@@ -86,6 +86,24 @@ def assert_matches(reference: Reference, tokens: list[int],
     return n
 
 
+def assert_outputs_match(model_dir: Path, prompts: list[list[int]], outputs,
+                         max_new_tokens: int) -> None:
+    """Each greedy output (`max_new_tokens` tokens, finished by length, with its logprobs)
+    against transformers on the same checkpoint, by the near-tie rule; at least 90 % of
+    all tokens must be decisive, so the comparison covers the sequences and does not stop
+    at an early near-tie."""
+    compared = total = 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        completion = out.outputs[0]
+        ref = hf_greedy(model_dir, tuple(prompt), max_new_tokens)
+        logprobs = [next(iter(step.values())).logprob for step in completion.logprobs]
+        compared += assert_matches(ref, completion.token_ids, logprobs)
+        total += max_new_tokens
+        assert len(completion.token_ids) == max_new_tokens
+        assert completion.finish_reason == "length"
+    assert compared >= 0.9 * total, f"only {compared}/{total} tokens were decisive"
+
+
 def same_logprobs(want: dict, got: dict, tol: float = LOGPROB_TOL) -> list[str]:
     """The near-tie rule for one step's logprobs entries ({token: Logprob(logprob, rank)},
     the engine's form): what differs beyond noise, as messages (empty when they agree).

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from reference import assert_matches, hf_greedy, random_prompts
+from reference import assert_matches, assert_outputs_match, hf_greedy, random_prompts
 from tandem_engine import LLM, SamplingParams
 
 MAX_NEW = 24
@@ -20,20 +20,6 @@ def _prompts(model_dir: Path) -> list[list[int]]:
     return random_prompts(vocab, LENGTHS, seed=1)
 
 
-def _check_all(model_dir: Path, prompts: list[list[int]], outputs) -> None:
-    compared = total = 0
-    for prompt, out in zip(prompts, outputs, strict=True):
-        completion = out.outputs[0]
-        ref = hf_greedy(model_dir, tuple(prompt), MAX_NEW)
-        logprobs = [next(iter(step.values())).logprob for step in completion.logprobs]
-        compared += assert_matches(ref, completion.token_ids, logprobs)
-        total += MAX_NEW
-        assert len(completion.token_ids) == MAX_NEW
-        assert completion.finish_reason == "length"
-    # The comparison must actually cover the sequences, not stop at an early near-tie.
-    assert compared >= 0.9 * total, f"only {compared}/{total} tokens were decisive"
-
-
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
@@ -42,14 +28,14 @@ def test_mixed_batch_matches_transformers(tiny_model: Path, kernels: str) -> Non
     prompts = _prompts(tiny_model)
     llm = LLM(tiny_model, max_num_batched_tokens=512, kernels=kernels)
     assert llm.engine.runner.kernels == kernels
-    _check_all(tiny_model, prompts, llm.generate(prompts, GREEDY))
+    assert_outputs_match(tiny_model, prompts, llm.generate(prompts, GREEDY), MAX_NEW)
 
 
 def test_small_prefill_chunks_match_transformers(tiny_model: Path) -> None:
     prompts = _prompts(tiny_model)
     llm = LLM(tiny_model, max_num_batched_tokens=8, kernels="torch")
     outputs = llm.generate(prompts, GREEDY)
-    _check_all(tiny_model, prompts, outputs)
+    assert_outputs_match(tiny_model, prompts, outputs, MAX_NEW)
     # Every step respected the budget, and long prompts really were split up.
     timings = llm.engine.step_timings
     assert max(t.num_prefill_tokens + t.num_decode_tokens for t in timings) <= 8
@@ -62,7 +48,7 @@ def test_preemption_by_recompute_matches_transformers(tiny_model: Path) -> None:
     llm = LLM(tiny_model, num_blocks=20, max_num_batched_tokens=64)
     outputs = llm.generate(prompts, GREEDY)
     assert llm.engine.num_preemptions > 0
-    _check_all(tiny_model, prompts, outputs)
+    assert_outputs_match(tiny_model, prompts, outputs, MAX_NEW)
     assert llm.engine.kv.pool.num_free == 20
 
 
@@ -82,7 +68,8 @@ def test_requests_arriving_during_decode_match_transformers(tiny_model: Path) ->
             if out.finished:
                 finished[int(out.request_id)] = out
         step += 1
-    _check_all(tiny_model, prompts, [finished[i] for i in range(len(prompts))])
+    assert_outputs_match(tiny_model, prompts, [finished[i] for i in range(len(prompts))],
+                         MAX_NEW)
 
 
 def test_string_prompts_match_transformers(tiny_llama: Path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import assert_matches, hf_greedy, random_prompts
+from reference import assert_matches, assert_outputs_match, hf_greedy, random_prompts
 from tandem_engine import LLM, SamplingParams
 from tandem_engine.cli.main import build_parser
 from tandem_engine.errors import CheckpointError
@@ -38,22 +38,12 @@ def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_demo_model(tmp_path_factory.mktemp("tiny-gemma3"), arch="gemma3")
 
 
-def _check(folder: Path, prompts: list[list[int]], outputs) -> None:
-    compared = 0
-    for prompt, out in zip(prompts, outputs, strict=True):
-        completion = out.outputs[0]
-        logprobs = [next(iter(step.values())).logprob for step in completion.logprobs]
-        compared += assert_matches(hf_greedy(folder, tuple(prompt), MAX_NEW),
-                                   completion.token_ids, logprobs)
-    assert compared >= 0.9 * MAX_NEW * len(prompts), f"only {compared} tokens were decisive"
-
-
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_chunked_prefill_matches_transformers(tiny_gemma3: Path, kernels: str) -> None:
     prompts = random_prompts(2048, LENGTHS, seed=1)
     llm = LLM(tiny_gemma3, max_num_batched_tokens=8, kernels=kernels)
     assert llm.engine.runner.kernels == kernels
-    _check(tiny_gemma3, prompts, llm.generate(prompts, GREEDY))
+    assert_outputs_match(tiny_gemma3, prompts, llm.generate(prompts, GREEDY), MAX_NEW)
 
 
 def test_preemption_by_recompute_matches_transformers(tiny_gemma3: Path) -> None:
@@ -62,7 +52,7 @@ def test_preemption_by_recompute_matches_transformers(tiny_gemma3: Path) -> None
     llm = LLM(tiny_gemma3, num_blocks=12, max_num_batched_tokens=32)
     outputs = llm.generate(prompts, GREEDY)
     assert llm.engine.num_preemptions > 0
-    _check(tiny_gemma3, prompts, outputs)
+    assert_outputs_match(tiny_gemma3, prompts, outputs, MAX_NEW)
 
 
 def test_the_window_and_local_rope_are_exercised(tiny_gemma3: Path, tmp_path: Path) -> None:
@@ -205,7 +195,7 @@ def test_gguf_generates_transformers_tokens(gemma3_for_gguf: Path, gemma3_gguf: 
 
     prompts = random_prompts(2048, [5, 40], seed=3)
     llm = LLM(gemma3_gguf, max_num_batched_tokens=16)
-    _check(gemma3_for_gguf, prompts, llm.generate(prompts, GREEDY))
+    assert_outputs_match(gemma3_for_gguf, prompts, llm.generate(prompts, GREEDY), MAX_NEW)
     text = "Once upon a time <|im_start|>user\nhi<|im_end|>\n"
     assert llm.tokenizer.encode(text) == Tokenizer.from_path(gemma3_for_gguf).encode(text)
     # Exported back to an HF folder, it is a Gemma 3 checkpoint transformers runs the same.
