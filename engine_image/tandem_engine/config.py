@@ -24,6 +24,12 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                   "fp16": "float16"}
 KERNEL_CHOICES = ("auto", "native", "torch", "flex")
+# How the projections' weights are held (model/quant.py): auto = as the checkpoint holds
+# them (a GGUF's quantized tensors stay quantized, an HF checkpoint stays dense); none =
+# dense in the engine's dtype (a GGUF dequantized at load); int8 / int4 = weight-only
+# integer weights, an HF checkpoint quantized at load.
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+DEFAULT_QUANTIZATION = "auto"
 # `tandem demo-model --size`: 1b is ~1.0B parameters, for GPU throughput checks.
 DEMO_MODEL_SIZES = ("tiny", "small", "1b")
 
@@ -192,6 +198,7 @@ class EngineConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     dtype: str = "auto"  # auto = the checkpoint's dtype
+    quantization: str = DEFAULT_QUANTIZATION  # QUANTIZATION_CHOICES
     device: str = DEFAULT_DEVICE  # auto | cpu | cuda | cuda:N
     seed: int = 0
     enable_prefix_caching: bool = True
@@ -266,7 +273,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                f"the KV pool's byte budget (default: {DEFAULT_KV_CACHE_MEMORY_BYTES} on CPU; "
                "on CUDA the pool takes what --gpu-memory-utilization leaves); --num-blocks "
                "overrides it", minimum=0, above_minimum=True, limit="must be positive",
-               pool=PoolField("engine.kvCache.memoryMiB", 16, 1048576, scale=1024 * 1024)),
+               serve=True, pool=PoolField("engine.kvCache.memoryMiB", 16, 1048576, scale=1024 * 1024)),
     # Speculative decoding: off unless a method is given (a SpeculativeConfig's own
     # method defaults to ngram).
     EngineFlag("method", "--speculative-method", str, None,
@@ -323,9 +330,16 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                serve=True),
     EngineFlag("max_model_len", "--max-model-len", int, None,
                "longest sequence, prompt and output (default: the model's context)",
-               minimum=0, above_minimum=True, limit="must be positive"),
+               minimum=0, above_minimum=True, limit="must be positive", serve=True),
     EngineFlag("dtype", "--dtype", str, "auto", "weights and activations: auto (the "
-               "checkpoint's), float32, bfloat16 or float16"),
+               "checkpoint's), float32, bfloat16 or float16", serve=True),
+    EngineFlag("quantization", "--quantization", str, DEFAULT_QUANTIZATION,
+               "projection weights: auto (as the checkpoint holds them: a GGUF stays "
+               "quantized), none (dense in --dtype), int8 or int4 (weight-only; an HF "
+               "checkpoint is quantized at load) (default %(default)s)",
+               choices=QUANTIZATION_CHOICES,
+               limit=f"use one of {', '.join(QUANTIZATION_CHOICES)}", serve=True,
+               pool=PoolField("engine.quantization")),
     EngineFlag("kernels", "--kernels", str, DEFAULT_KERNELS, "attention/projection "
                "kernels: auto (native on CPU, flex on CUDA), native (CPU), torch (portable "
                "gather path), flex (torch flex_attention over the paged KV) "
