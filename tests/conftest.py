@@ -11,10 +11,16 @@ copy one first.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from pathlib import Path
 
 import pytest
+
+# --dtype auto stays float32 on every CPU here (engines in this process and the ones tests
+# start inherit it): the references are float32, and a CPU with AMX would otherwise pick
+# bfloat16 (model/device.auto_dtype; tests/model/test_device.py tests the rule itself).
+os.environ["TANDEM_CPU_BF16"] = "0"
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -27,7 +33,7 @@ TINY_ARCHS = ("llama", "qwen2", "qwen3")
 NUMERICS_FILES = frozenset({
     "test_engine_vs_hf.py", "test_speculative.py", "test_speculative_mtp.py",
     "test_near_tie.py", "test_score.py", "test_attention.py", "test_penalties.py",
-    "test_sampler_device.py", "test_gemma3.py", "test_qwen3_moe.py",
+    "test_sampler_device.py", "test_gemma3.py", "test_qwen3_moe.py", "test_quant.py",
 })
 
 

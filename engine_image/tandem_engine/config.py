@@ -197,7 +197,9 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    dtype: str = "auto"  # auto = the checkpoint's dtype
+    # auto: on a CPU bfloat16 where it has AMX or AVX-512 BF16, else float32; on a GPU the
+    # checkpoint's dtype (model/device.auto_dtype)
+    dtype: str = "auto"
     quantization: str = DEFAULT_QUANTIZATION  # QUANTIZATION_CHOICES
     device: str = DEFAULT_DEVICE  # auto | cpu | cuda | cuda:N
     seed: int = 0
@@ -273,7 +275,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                f"the KV pool's byte budget (default: {DEFAULT_KV_CACHE_MEMORY_BYTES} on CPU; "
                "on CUDA the pool takes what --gpu-memory-utilization leaves); --num-blocks "
                "overrides it", minimum=0, above_minimum=True, limit="must be positive",
-               serve=True, pool=PoolField("engine.kvCache.memoryMiB", 16, 1048576, scale=1024 * 1024)),
+               serve=True,
+               pool=PoolField("engine.kvCache.memoryMiB", 16, 1048576, scale=1024 * 1024)),
     # Speculative decoding: off unless a method is given (a SpeculativeConfig's own
     # method defaults to ngram).
     EngineFlag("method", "--speculative-method", str, None,
@@ -331,7 +334,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("max_model_len", "--max-model-len", int, None,
                "longest sequence, prompt and output (default: the model's context)",
                minimum=0, above_minimum=True, limit="must be positive", serve=True),
-    EngineFlag("dtype", "--dtype", str, "auto", "weights and activations: auto (the "
+    EngineFlag("dtype", "--dtype", str, "auto", "weights and activations: auto (on a CPU "
+               "with AMX or AVX-512 BF16 bfloat16, on other CPUs float32, on a GPU the "
                "checkpoint's), float32, bfloat16 or float16", serve=True),
     EngineFlag("quantization", "--quantization", str, DEFAULT_QUANTIZATION,
                "projection weights: auto (as the checkpoint holds them: a GGUF stays "

@@ -352,3 +352,18 @@ def test_a_default_engine_on_a_cpu_machine_sizes_as_before(tiny_llama: Path) -> 
     per_block = engine.config.block_size * engine.model_config.kv_bytes_per_token(4)
     assert engine.config.device == "cpu"
     assert engine.runner.kv_shape[2] == DEFAULT_KV_CACHE_MEMORY_BYTES // per_block
+
+
+def test_dtype_auto_picks_bfloat16_only_on_cpus_that_multiply_it_in_hardware() -> None:
+    from tandem_engine.model.device import auto_dtype
+
+    amx = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    avx512_bf16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+    avx2 = frozenset({"avx2", "fma"})
+    assert auto_dtype("cpu", "float32", amx, env={}) == "bfloat16"
+    assert auto_dtype("cpu", "float32", avx512_bf16, env={}) == "bfloat16"
+    assert auto_dtype("cpu", "bfloat16", avx2, env={}) == "float32"
+    assert auto_dtype("cuda", "bfloat16", avx2, env={}) == "bfloat16"
+    assert auto_dtype("cuda", "float32", amx, env={}) == "float32"
+    assert auto_dtype("cpu", "float32", amx, env={"TANDEM_CPU_BF16": "0"}) == "float32"
+    assert auto_dtype("cpu", "float32", avx2, env={"TANDEM_CPU_BF16": "1"}) == "bfloat16"

@@ -32,8 +32,9 @@ def hf_model(smollm2_gguf: Path):
 
 @pytest.fixture(scope="module")
 def llm(smollm2_gguf: Path) -> LLM:
-    # Chunked prefill forced: every prompt spans several steps.
-    return LLM(smollm2_gguf, max_num_batched_tokens=8)
+    # Chunked prefill forced: every prompt spans several steps. Dequantized to float32, as
+    # transformers reads the file (the quantized engine: test_quantized_model.py).
+    return LLM(smollm2_gguf, max_num_batched_tokens=8, quantization="none", dtype="float32")
 
 
 def _hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:

@@ -168,7 +168,8 @@ class LLMEngine:
         """Load the checkpoint at `path`; `progress` is told how far the load is
         (see `load_checkpoint`)."""
         dtype = None if engine_config.dtype == "auto" else engine_config.dtype
-        model_config, tensors = load_checkpoint(path, dtype, progress=progress)
+        model_config, tensors = load_checkpoint(path, dtype, progress=progress,
+                                                quantization=engine_config.quantization)
         engine = cls(model_config, engine_config, tensors, Tokenizer.from_path(path), path)
         engine.set_weights(WeightIdentity(Path(path).resolve().as_uri(), "initial", 0))
         return engine

@@ -75,7 +75,8 @@ class ServingWeights:
                 f"{', '.join(sorted(str(s) for s in REFIT_STATES))}: pause first")
         self.speculation.check_refit_draft(draft)
         dtype = str(self.runner.dtype).removeprefix("torch.")
-        config, tensors = load_checkpoint(checkpoint, dtype, reference=served)
+        config, tensors = load_checkpoint(checkpoint, dtype, reference=served,
+                                          quantization=self.runner.quantization)
         swap_speculation = self.speculation.prepare_refit(config, tensors, checkpoint,
                                                           draft, self.tokenizer, dtype)
         self.runner.load_weights(tensors, low_memory=request.low_memory)

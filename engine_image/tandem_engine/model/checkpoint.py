@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tandem_engine.config import normalize_dtype
+from tandem_engine.config import QUANTIZATION_CHOICES, normalize_dtype
 from tandem_engine.errors import CheckpointError, list_problems, path_problem
 from tandem_engine.model.family import ModelConfig
 from tandem_engine.model.gguf import GGUFCheckpoint, read_gguf_checkpoint
+from tandem_engine.model.quant import QuantizedWeight, quantize, quantized_names
 from tandem_engine.weights import is_gguf_path
 
 WEIGHTS_NAME = "model.safetensors"
@@ -110,7 +111,8 @@ def validate_checkpoint(path: str | Path, reference: ModelConfig | None = None) 
 def load_checkpoint(
     path: str | Path, dtype: str | None = None, *, reference: ModelConfig | None = None,
     check_finite: bool = True, progress: LoadProgressCallback | None = None,
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    quantization: str = "none",
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
     """Validate, then load every tensor the config needs, converted to `dtype`
     (float32, bfloat16 or float16; default: the checkpoint's dtype from config.json,
     float32 for a GGUF file, whose quantized tensors are dequantized), and check that every
@@ -122,24 +124,42 @@ def load_checkpoint(
     is built. A GGUF file holds no heads.
     `progress`, when given, is called with a `LoadProgress` once the checkpoint is
     validated, after every tensor and after every file (the finiteness check follows the
-    last report)."""
-    config, tensors = _load(path, dtype, reference, progress)
+    last report).
+    `quantization` (the engine's `--quantization`, config.QUANTIZATION_CHOICES) returns
+    the projections' weights (and a tied embedding's) as `QuantizedWeight`s: under auto
+    a GGUF's quantized tensors stay quantized (model/gguf_blocks.py) and an HF
+    checkpoint stays dense; int8 and int4 quantize every projection (model/quant.py)."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization {quantization!r}: use one of "
+                         f"{', '.join(QUANTIZATION_CHOICES)}")
+    config, tensors = _load(path, dtype, reference, progress, quantization)
     if check_finite:
         _check_finite(path, tensors)
     return config, tensors
 
 
+def quantization_targets(config: ModelConfig) -> tuple[set[str], str | None]:
+    """The tensor names a quantization applies to in `config`'s model (its Linears'
+    weights) and the tied embedding's name (None when untied): model/quant.py."""
+    with torch.device("meta"):
+        model = config.family.model_class()(config)
+    return quantized_names(model)
+
+
 def _load(path: str | Path, dtype: str | None, reference: ModelConfig | None,
-          progress: LoadProgressCallback | None,
-          ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+          progress: LoadProgressCallback | None, quantization: str,
+          ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedWeight]]:
     wanted = normalize_dtype(dtype, "load_checkpoint", "dtype") if dtype else None
     if is_gguf_path(path):
         gguf = _inspect_gguf(Path(path), reference)
         counter = _ProgressCounter(progress, gguf.data_bytes, 1)
-        tensors = gguf.load_tensors(_TORCH_DTYPES[wanted or gguf.config.dtype],
-                                    on_tensor=counter.tensor_read)
+        targets = (None if quantization == "none"
+                   else quantization_targets(gguf.config))
+        gguf_tensors = gguf.load_tensors(_TORCH_DTYPES[wanted or gguf.config.dtype],
+                                         on_tensor=counter.tensor_read,
+                                         quantization=quantization, targets=targets)
         counter.file_read()
-        return gguf.config, tensors
+        return gguf.config, gguf_tensors
     manifest = _inspect(Path(path), reference)
     target = _TORCH_DTYPES[wanted or manifest.config.dtype]
     by_file: dict[Path, list[TensorHeader]] = {}
@@ -157,7 +177,27 @@ def _load(path: str | Path, dtype: str | None, reference: ModelConfig | None,
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise CheckpointError(f"{file}: cannot read tensor data ({exc})") from exc
         counter.file_read()
+    if quantization in ("int8", "int4"):
+        return manifest.config, _quantized(out, quantization_targets(manifest.config),
+                                           quantization)
     return manifest.config, out
+
+
+def _quantized(tensors: dict[str, torch.Tensor], targets: tuple[set[str], str | None],
+               kind: str) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """`tensors` with the targets' weights quantized to `kind` (a tied embedding to int8
+    rows), one at a time."""
+    linears, tied = targets
+    out: dict[str, torch.Tensor | QuantizedWeight] = {}
+    for name in list(tensors):
+        tensor = tensors.pop(name)
+        if name == tied:
+            out[name] = quantize(tensor, "int8")
+        elif name in linears:
+            out[name] = quantize(tensor, "int4" if kind == "int4" else "int8")
+        else:
+            out[name] = tensor
+    return out
 
 
 def _data_bytes(header: TensorHeader) -> int:
@@ -165,11 +205,13 @@ def _data_bytes(header: TensorHeader) -> int:
     return math.prod(header.shape) * _DTYPE_BYTES[header.dtype]
 
 
-def _check_finite(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+def _check_finite(path: str | Path, tensors: dict[str, torch.Tensor | QuantizedWeight]
+                  ) -> None:
     """Every weight is a finite number: a NaN or an Inf (a diverged training step, a bad
-    conversion) would make every answer garbage while the shapes all look right."""
+    conversion) would make every answer garbage while the shapes all look right. A
+    quantized weight's integers are finite; its scales (and zeros) are checked."""
     problems = []
-    for name, tensor in tensors.items():
+    for name, tensor in _float_parts(tensors):
         if tensor.numel() == 0:
             continue
         # min and max propagate NaN and show an Inf: one fast reduction (isfinite is
@@ -185,6 +227,19 @@ def _check_finite(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
             f"answer garbage):{list_problems(problems, _MAX_PROBLEMS_SHOWN)}\n"
             "Fix: export the checkpoint again from finite weights (check the training step "
             "that wrote it)")
+
+
+def _float_parts(tensors: dict[str, torch.Tensor | QuantizedWeight]
+                 ) -> list[tuple[str, torch.Tensor]]:
+    parts: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in tensors.items():
+        if isinstance(tensor, QuantizedWeight):
+            parts.append((f"{name} (scales)", tensor.scales))
+            if tensor.zeros is not None:
+                parts.append((f"{name} (zeros)", tensor.zeros))
+        else:
+            parts.append((name, tensor))
+    return parts
 
 
 def _inspect(folder: Path, reference: ModelConfig | None) -> _Manifest:

@@ -49,6 +49,41 @@ def resolve_device(name: str, cuda: Any = torch.cuda) -> torch.device:
     return torch.device("cuda", index)
 
 
+# --dtype auto on a CPU: bfloat16 where the CPU multiplies bfloat16 in hardware (AMX tiles or
+# AVX-512 BF16 dot products: oneDNN's bf16 matmuls ran 2-3x its float32 ones on such a Xeon),
+# float32 elsewhere (there bfloat16 is widened in software and runs slower than float32).
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+# "0" keeps auto at float32 on every CPU, "1" picks bfloat16 on every CPU (the test suite
+# sets 0: its references are float32).
+CPU_BF16_ENV = "TANDEM_CPU_BF16"
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The ISA flags of this machine's first CPU (empty where /proc/cpuinfo is absent)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith(("flags", "Features")) and ":" in line:
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def auto_dtype(device_type: str, checkpoint_dtype: str, flags: frozenset[str] | None = None,
+               env: dict[str, str] | None = None) -> str:
+    """What `--dtype auto` means: on a CPU, bfloat16 when it has one of BF16_CPU_FLAGS
+    (unless $TANDEM_CPU_BF16 says otherwise) and float32 when not; on a GPU the
+    checkpoint's own dtype."""
+    if device_type != "cpu":
+        return checkpoint_dtype
+    override = (os.environ if env is None else env).get(CPU_BF16_ENV)
+    if override in ("0", "1"):
+        return "bfloat16" if override == "1" else "float32"
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if any(flag in flags for flag in BF16_CPU_FLAGS) else "float32"
+
+
 @dataclass(frozen=True)
 class DeviceReport:
     """The device and its memory, as `/v1/state` and `/metrics` report it. On CUDA the

@@ -20,7 +20,7 @@ from torch import nn
 
 from tandem_engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from tandem_engine.model.family import ModelConfig
-from tandem_engine.model.layers import RotaryEmbedding, apply_rope
+from tandem_engine.model.layers import RotaryEmbedding, apply_rope, vocab_logits
 
 
 class GemmaRMSNorm(nn.Module):
@@ -112,7 +112,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.local_rope: RotaryEmbedding | None = None  # sliding-window layers
 
     def prepare_positions(self, max_positions: int) -> None:
-        c, weight = self.config, self.model.embed_tokens.weight
+        c, weight = self.config, self.model.norm.weight  # dense even when quantized
         self.rope = RotaryEmbedding(c.rope, c.head_dim, max_positions, weight.device,
                                     weight.dtype)
         self.local_rope = RotaryEmbedding(c.local_rope or c.rope, c.head_dim, max_positions,
@@ -134,12 +134,10 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight
-        return self.model.embed_tokens(input_ids) * torch.tensor(
-            self.embed_scale, dtype=weight.dtype, device=weight.device)
+        x = self.model.embed_tokens(input_ids)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).to(torch.float32)
+        logits = vocab_logits(hidden, self.model.embed_tokens, self.lm_head)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)

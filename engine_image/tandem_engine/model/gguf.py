@@ -4,8 +4,10 @@
 dequantized: the metadata becomes a HuggingFace-style config (and from it a
 `ModelConfig`), then every tensor's name, type and shape is checked against what that
 config needs, and the reader has already checked that the file is complete. Only then
-does `load_tensors` dequantize (the `gguf` library's numpy code) into the engine's
-dtype; there are no quantized kernels. So a refit to a bad GGUF changes nothing.
+does `load_tensors` read them: under `--quantization none` dequantized (the `gguf`
+library's numpy code) into the engine's dtype; otherwise the projections stay integer
+weights for the quantized kernels (model/gguf_blocks.py, model/quant.py). So a refit to
+a bad GGUF changes nothing.
 
 llama.cpp's converter reorders the rows of q_proj and k_proj (its RoPE kernels rotate
 adjacent pairs, HF rotates halves); loading undoes that. Without `output.weight` the
@@ -48,6 +50,8 @@ from tandem_engine.generation_config import generation_defaults
 from tandem_engine.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from tandem_engine.model.families import GGUF_FAMILIES
 from tandem_engine.model.family import Family, ModelConfig
+from tandem_engine.model.gguf_blocks import as_quantized, auto_kind
+from tandem_engine.model.quant import Kind, QuantizedWeight
 from tandem_engine.tokenizer import Tokenizer
 
 # llama.cpp architecture names this loader maps (the families with a GGUF layout).
@@ -115,12 +119,17 @@ class GGUFCheckpoint:
         unique = {t.name: t for t in self.tensors.values()}
         return sum(int(t.data.nbytes) for t in unique.values())
 
-    def load_tensors(self, dtype: torch.dtype, on_tensor: Callable[[int], None] | None = None
-                     ) -> dict[str, torch.Tensor]:
-        """Dequantize every tensor into `dtype`, with llama.cpp's Q/K row order and norm
-        shift undone.
+    def load_tensors(self, dtype: torch.dtype, on_tensor: Callable[[int], None] | None = None,
+                     quantization: str = "none",
+                     targets: tuple[set[str], str | None] | None = None,
+                     ) -> dict[str, torch.Tensor | QuantizedWeight]:
+        """Every tensor in `dtype` (dequantized), with llama.cpp's Q/K row order and norm
+        shift undone; with a `quantization` other than none, the `targets` (the model's
+        Linear weights, and its tied embedding: `checkpoint.quantization_targets`) as
+        `QuantizedWeight`s instead, as model/gguf_blocks.py says.
         `on_tensor` is told the stored bytes of each tensor once it is done."""
         c = self.config
+        linears, tied = targets if targets is not None else (set(), None)
         layout = c.family.gguf
         permuted = layout is not None and layout.rotary_rows_permuted
         shift = 0.0 if layout is None else layout.norm_shift
@@ -136,6 +145,12 @@ class GGUFCheckpoint:
                     if on_tensor is not None:
                         on_tensor(int(tensor.data.nbytes))
                 out[name] = stacked[1][expert]
+                continue
+            kind = _kind(tensor, name, quantization, linears, tied)
+            if kind is not None:
+                out[name] = _held_quantized(self.path, tensor, kind, name, c, permuted)
+                if on_tensor is not None:
+                    on_tensor(int(tensor.data.nbytes))
                 continue
             weight = _dequantized(self.path, tensor)
             if permuted and ".self_attn.q_proj." in name:
@@ -438,6 +453,35 @@ def _check_tensors(file: GGUFFile, config: ModelConfig
             + list_problems(problems, _MAX_PROBLEMS_SHOWN)
             + (f"\n{_REQUANTIZE}" if unsupported else ""))
     return found, index
+
+
+def _kind(tensor: GGUFTensor, name: str, quantization: str, linears: set[str],
+          tied: str | None) -> Kind | None:
+    """How `--quantization` holds this tensor: int8, int4 or dense (None)."""
+    if quantization == "none" or (name not in linears and name != tied):
+        return None
+    if quantization == "auto":
+        kind = auto_kind(tensor.qtype)
+        if kind is None:
+            return None
+    else:
+        kind = "int4" if quantization == "int4" else "int8"
+    return "int8" if name == tied else kind  # an embedding is held as int8 rows
+
+
+def _held_quantized(path: Path, tensor: GGUFTensor, kind: Kind, name: str, c: ModelConfig,
+                    permuted: bool) -> QuantizedWeight:
+    try:
+        weight = as_quantized(tensor, kind)
+    except (ValueError, NotImplementedError) as exc:
+        raise CheckpointError(f"{path}: cannot read tensor {tensor.name!r} "
+                              f"({tensor.type_name}) as {kind}: {exc}") from exc
+    heads = (c.num_heads if ".self_attn.q_proj." in name
+             else c.num_kv_heads if ".self_attn.k_proj." in name else None)
+    if permuted and heads is not None:
+        rows = torch.arange(weight.shape[0])[:, None]
+        weight = weight.permute_rows(unpermute_rotary_rows(rows, heads)[:, 0])
+    return weight
 
 
 def _dequantized(path: Path, tensor: GGUFTensor) -> torch.Tensor:

@@ -13,10 +13,12 @@ import math
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem_engine.model.attention import AttentionMetadata
 from tandem_engine.model.family import ModelConfig, RopeConfig
+from tandem_engine.model.quant import QuantEmbedding, QuantizedWeight, QuantLinear, install
 
 
 class DecoderModel(Protocol):
@@ -91,6 +93,17 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
+def vocab_logits(hidden: torch.Tensor, embed_tokens: nn.Module,
+                 lm_head: nn.Module | None) -> torch.Tensor:
+    """Float32 logits of final-normed hidden states: the LM head, or with tied
+    embeddings the input embedding's rows (dense or quantized)."""
+    if lm_head is not None:
+        return lm_head(hidden).to(torch.float32)
+    if isinstance(embed_tokens, QuantEmbedding):
+        return embed_tokens.project(hidden).to(torch.float32)
+    return F.linear(hidden, embed_tokens.weight).to(torch.float32)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -118,14 +131,23 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.BATCH_HINT)
         self.packed_shape = weight.shape
 
+    def weight_nbytes(self) -> int:
+        total = self.packed.numel() * self.packed.element_size()
+        return total + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """float32 always; bfloat16 where oneDNN runs it in hardware (AVX-512 BF16, AMX):
+    packed once at load, not reordered on every call as the default matmul does."""
+    if not (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 def pack_linears(model: nn.Module) -> None:
@@ -139,7 +161,10 @@ def pack_linears(model: nn.Module) -> None:
         setattr(owner, name, PackedLinear(getattr(owner, name)))
 
 
-def stream_weights(model: nn.Module, tensors: dict[str, torch.Tensor],
+Repacked = PackedLinear | QuantLinear | QuantEmbedding  # a weight held in a kernel's layout
+
+
+def stream_weights(model: nn.Module, tensors: dict[str, torch.Tensor | QuantizedWeight],
                    dtype: torch.dtype) -> int:
     """Overwrite the model's weights in place, one tensor at a time, from `tensors`
     (validated against the model's config; emptied as it goes). Device memory never holds
@@ -150,16 +175,22 @@ def stream_weights(model: nn.Module, tensors: dict[str, torch.Tensor],
     Every name and shape is checked before the first copy; a copy that fails midway
     (out of memory) leaves a mix of weights: refit again."""
     params = dict(model.named_parameters())
-    packed = {name: m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
-    targets: dict[str, torch.Tensor | PackedLinear] = {}
+    packed = {name: m for name, m in model.named_modules()
+              if isinstance(m, PackedLinear | QuantLinear | QuantEmbedding)}
+    targets: dict[str, torch.Tensor | Repacked] = {}
     for name, tensor in tensors.items():
         owner, _, leaf = name.rpartition(".")
-        target: torch.Tensor | PackedLinear | None = params.get(name)
+        target: torch.Tensor | Repacked | None = params.get(name)
         if target is None and owner in packed:
             target = packed[owner] if leaf == "weight" else packed[owner].bias
         if target is None:
             raise ValueError(f"checkpoint tensor {name!r} has no parameter in the model")
-        shape = (tuple(target.packed_shape) if isinstance(target, PackedLinear)
+        if isinstance(target, QuantLinear | QuantEmbedding) != isinstance(
+                tensor, QuantizedWeight):
+            raise ValueError(f"checkpoint tensor {name!r} is "
+                             f"{'quantized' if isinstance(tensor, QuantizedWeight) else 'dense'}"
+                             ", the model's is not")
+        shape = (tuple(target.packed_shape) if isinstance(target, Repacked)
                  else tuple(target.shape))
         if tuple(tensor.shape) != shape:
             raise ValueError(f"checkpoint tensor {name!r} is {tuple(tensor.shape)}, the "
@@ -173,7 +204,10 @@ def stream_weights(model: nn.Module, tensors: dict[str, torch.Tensor],
     with torch.no_grad():
         for name, target in targets.items():
             tensor = tensors.pop(name)
-            if isinstance(target, PackedLinear):
+            if isinstance(tensor, QuantizedWeight):
+                assert isinstance(target, QuantLinear | QuantEmbedding)
+                target.load_weight(tensor)
+            elif isinstance(target, PackedLinear):
                 target.load_weight(tensor.to(dtype))
             else:
                 if tensor.dtype != dtype:
@@ -183,13 +217,25 @@ def stream_weights(model: nn.Module, tensors: dict[str, torch.Tensor],
     return staged
 
 
-def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device,
-                max_positions: int) -> nn.Module:
+def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor | QuantizedWeight],
+                device: torch.device, max_positions: int, dtype: torch.dtype | None = None
+                ) -> nn.Module:
     """Instantiate the config's family's model without allocating, adopt the checkpoint's
-    tensors as parameters, and build its RoPE tables for `max_positions` positions."""
+    dense tensors as parameters, put the quantized ones' modules in place (in `dtype`,
+    default the dense tensors'), and build its RoPE tables for `max_positions` positions."""
     with torch.device("meta"):
         model = config.family.model_class()(config)
-    model.load_state_dict({k: v.to(device) for k, v in tensors.items()}, strict=True,
-                          assign=True)
+    quantized = {k: v for k, v in tensors.items() if isinstance(v, QuantizedWeight)}
+    dense = {k: v.to(device) for k, v in tensors.items() if not isinstance(v, QuantizedWeight)}
+    if quantized:
+        if dtype is None:
+            dtype = next(iter(dense.values())).dtype
+        biases = {k: dense.pop(k) for k in list(dense)
+                  if k.endswith(".bias") and f"{k.removesuffix('bias')}weight" in quantized}
+        install(model, quantized, biases, device, dtype)
+    result = model.load_state_dict(dense, strict=False, assign=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(f"the weights do not fit the model: missing {result.missing_keys[:3]}"
+                         f", unexpected {result.unexpected_keys[:3]}")
     model.prepare_positions(max_positions)
     return model.eval()

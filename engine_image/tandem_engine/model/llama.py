@@ -14,7 +14,7 @@ from torch import nn
 
 from tandem_engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from tandem_engine.model.family import ModelConfig
-from tandem_engine.model.layers import RMSNorm, RotaryEmbedding, apply_rope
+from tandem_engine.model.layers import RMSNorm, RotaryEmbedding, apply_rope, vocab_logits
 
 
 class Attention(nn.Module):
@@ -90,7 +90,7 @@ class CausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None  # prepare_positions builds it
 
     def prepare_positions(self, max_positions: int) -> None:
-        weight = self.model.embed_tokens.weight
+        weight = self.model.norm.weight  # dense even when the embedding is quantized
         self.rope = RotaryEmbedding(self.config.rope, self.config.head_dim, max_positions,
                                     weight.device, weight.dtype)
 
@@ -109,5 +109,4 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).to(torch.float32)
+        return vocab_logits(hidden, self.model.embed_tokens, self.lm_head)

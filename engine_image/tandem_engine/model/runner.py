@@ -22,7 +22,7 @@ from tandem_engine.core.request import Request
 from tandem_engine.core.scheduler import SchedulerOutput
 from tandem_engine.model.attention import AttentionMetadata, GatherBuffers, build_metadata
 from tandem_engine.model.cuda_graphs import DecodeGraphs, DecodeInputs, bucket_for, capture_sizes
-from tandem_engine.model.device import MemoryProfile
+from tandem_engine.model.device import MemoryProfile, auto_dtype
 from tandem_engine.model.family import Family, ModelConfig
 from tandem_engine.model.flex_attention import FlexPagedAttention, kernel_options
 from tandem_engine.model.host_memory import keep_freed_memory
@@ -34,6 +34,7 @@ from tandem_engine.model.layers import (
     stream_weights,
 )
 from tandem_engine.model.native import NativeKernelUnavailable, paged_decode_kernel
+from tandem_engine.model.quant import QuantizedWeight, check_same_schemes, schemes
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def resolve_dtype(model_config: ModelConfig, engine_config: EngineConfig) -> str:
     if engine_config.dtype == "auto":
-        return model_config.dtype
+        return auto_dtype(torch.device(engine_config.device).type, model_config.dtype)
     return normalize_dtype(engine_config.dtype, "engine option", "dtype")
 
 
@@ -134,14 +135,14 @@ def _decode_backend(choice: str, device: torch.device) -> ModuleType | None:
 
 
 def _weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a model's weights, packed projections included."""
+    """Bytes of a model's weights, packed and quantized projections included."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    for module in model.modules():
-        packed = getattr(module, "packed", None)
-        if isinstance(packed, torch.Tensor):
-            total += packed.numel() * packed.element_size()
-            if getattr(module, "bias", None) is not None:
-                total += module.bias.numel() * module.bias.element_size()
+    counted: set[str] = set()  # modules inside one already counted
+    for name, module in model.named_modules():
+        if name in counted or not hasattr(module, "weight_nbytes"):
+            continue
+        total += module.weight_nbytes()
+        counted.update(f"{name}.{inner}" for inner, _ in module.named_modules() if inner)
     return total
 
 
@@ -183,6 +184,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.dtype = DTYPES[resolve_dtype(model_config, engine_config)]
+        self.quantization = engine_config.quantization  # a refit loads under it too
         self.block_size = engine_config.block_size
         self.kv_shape = (model_config.num_layers, 2, num_blocks, self.block_size,
                          model_config.num_kv_heads, model_config.head_dim)
@@ -226,6 +228,8 @@ class ModelRunner:
         old = getattr(self, "model", None)
         if old is None:
             low_memory = False
+        else:
+            check_same_schemes(schemes(old), tensors)
         old_bytes = 0 if old is None else _weight_bytes(old)
         cuda = self.device.type == "cuda"
         if cuda:
@@ -236,9 +240,11 @@ class ModelRunner:
             staged = stream_weights(old, tensors, self.dtype)
             peak = old_bytes + staged
         else:
-            state = {k: v.to(self.dtype) for k, v in tensors.items()}
+            state = {k: v if isinstance(v, QuantizedWeight) else v.to(self.dtype)
+                     for k, v in tensors.items()}
             tensors.clear()
-            model = build_model(self.config, state, self.device, self._max_model_len)
+            model = build_model(self.config, state, self.device, self._max_model_len,
+                                self.dtype)
             state.clear()
             if self.native is not None and packing_supported(self.dtype, self.device):
                 pack_linears(model)
