@@ -24,11 +24,11 @@ from tandem_engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from tandem_engine.engine.llm import LLM
 
-# bfloat16 activations (the quantized kernels' input) and int8's per-row scales move a
-# token's logprob on the default model by 0.04-0.06 (median) and 0.19-0.35 (p99) against
-# the dequantized float32 model (docs/benchmarks.md); two logprobs this far apart can
-# swap only when each moves by a quarter or more, so a smaller reference gap at the first
-# differing token is a near tie.
+# The quantized kernels' rounded activations (int8 in groups of 32 natively, bfloat16 in
+# torch's) and int8's per-row scales move a token's logprob on the default model by
+# 0.04-0.07 (median) and 0.19-0.40 (p99) against the dequantized float32 model
+# (docs/benchmarks.md); two logprobs this far apart swap only when each moves by a
+# quarter or more, so a smaller reference gap at the first differing token is a near tie.
 QUANTIZED_TIE_GAP = 0.5
 
 

@@ -10,6 +10,7 @@ methods, never the family's modules.
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -218,8 +219,8 @@ def stream_weights(model: nn.Module, tensors: dict[str, torch.Tensor | Quantized
 
 
 def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor | QuantizedWeight],
-                device: torch.device, max_positions: int, dtype: torch.dtype | None = None
-                ) -> nn.Module:
+                device: torch.device, max_positions: int, dtype: torch.dtype | None = None,
+                native: ModuleType | None = None) -> nn.Module:
     """Instantiate the config's family's model without allocating, adopt the checkpoint's
     dense tensors as parameters, put the quantized ones' modules in place (in `dtype`,
     default the dense tensors'), and build its RoPE tables for `max_positions` positions."""
@@ -232,7 +233,7 @@ def build_model(config: ModelConfig, tensors: dict[str, torch.Tensor | Quantized
             dtype = next(iter(dense.values())).dtype
         biases = {k: dense.pop(k) for k in list(dense)
                   if k.endswith(".bias") and f"{k.removesuffix('bias')}weight" in quantized}
-        install(model, quantized, biases, device, dtype)
+        install(model, quantized, biases, device, dtype, native)
     result = model.load_state_dict(dense, strict=False, assign=True)
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(f"the weights do not fit the model: missing {result.missing_keys[:3]}"

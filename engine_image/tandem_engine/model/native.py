@@ -4,7 +4,9 @@ C++ extension tooling.
 Decode attention on CPU is bound by reading the KV cache. The pure-torch path reads
 it twice (a gather into a padded batch, then attention over the copy) and pays a
 fixed cost per tiny matmul; `csrc/paged_decode_attention.cpp` reads each key and
-value once, in place.
+value once, in place. A decode step's few rows times quantized weights are bound by
+decoding the weights; `csrc/quant_matvec.cpp` multiplies int4/int8 weights by int8-rounded
+activations with byte multiply-adds (model/quant.py).
 
 Where the kernel comes from, first match wins:
 
@@ -44,7 +46,14 @@ from typing import Literal
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+# Compiled as one translation unit, in this order (module.cpp binds them all).
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
+    "paged_decode_attention.cpp", "quant_matvec.cpp", "module.cpp"))
+_SOURCE = _SOURCES[0].parent  # what messages name
+
+
+def _source_text() -> str:
+    return "\n".join(path.read_text() for path in _SOURCES)
 PREBUILT_ENV = "TANDEM_NATIVE_PREBUILT"  # folder of prebuilt libraries (the image sets it)
 JIT_ENV = "TANDEM_NATIVE_JIT"  # "1": compile for this CPU even when a prebuilt one exists
 # The prebuilt libraries' instruction sets per architecture, best first, each with the CPU
@@ -114,7 +123,7 @@ def build_pending() -> bool:
     first start on a machine, which callers announce)."""
     if _module is not None or _error is not None:
         return False
-    name = kernel_name(_SOURCE.read_text())
+    name = kernel_name(_source_text())
     if _prebuilt_path(name) is not None:
         return False
     import torch
@@ -134,7 +143,7 @@ def paged_decode_kernel() -> ModuleType:
             return _module
         if _error is not None:
             raise NativeKernelUnavailable(_error)
-        source = _SOURCE.read_text()
+        source = _source_text()
         name = kernel_name(source)
         prebuilt = _prebuilt_path(name)
         try:
@@ -218,7 +227,7 @@ def _built_with(folder: Path, arch_flags: list[str]) -> Path:
 def prebuild(out_dir: Path, march: str) -> Path:
     """Compile the library for one instruction set into `out_dir`. Once per process: torch
     renames a second build of the same name (`<name>_v1`), which would no longer load."""
-    source = _SOURCE.read_text()
+    source = _source_text()
     name = kernel_name(source)
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

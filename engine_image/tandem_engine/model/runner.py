@@ -244,7 +244,7 @@ class ModelRunner:
                      for k, v in tensors.items()}
             tensors.clear()
             model = build_model(self.config, state, self.device, self._max_model_len,
-                                self.dtype)
+                                self.dtype, self.native)
             state.clear()
             if self.native is not None and packing_supported(self.dtype, self.device):
                 pack_linears(model)

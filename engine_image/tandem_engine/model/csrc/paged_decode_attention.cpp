@@ -110,8 +110,3 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache (CPU)");
-}

@@ -1,0 +1,10 @@
+// The native CPU kernels as one Python module: native.py compiles the csrc files in the
+// order of its _SOURCES, this one last.
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention over a paged KV cache (CPU)");
+  m.def("int4_matvec", &int4_matvec,
+        "x [M, K] float32 times int4 weights in groups of 32 (CPU, few rows)");
+  m.def("int8_matvec", &int8_matvec, "x [M, K] float32 times int8 rows (CPU, few rows)");
+}

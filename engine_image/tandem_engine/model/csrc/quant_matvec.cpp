@@ -1,0 +1,228 @@
+// Weight-only int4 / int8 projections for the few rows of a decode step, on CPUs.
+//
+// A decode step at batch 1 multiplies one row of activations by every weight: the time
+// is spent decoding weights, not in arithmetic. Each group of 32 activations is rounded
+// to int8 with its own scale (as llama.cpp's Q8 activations), so 32 weights and 32
+// activations meet in one integer multiply-add of bytes (AVX2: maddubs + madd), and the
+// group's float scale is applied once:
+//
+//   int4: out[m, n] = sum_g  s[n, g] * dx[m, g] * sum_k (q[n, k] - 8) * xq[m, k]
+//                          + (mn[n, g] + 8 s[n, g]) * xsum[m, g]   (w = q * s + mn, q 0..15)
+//   int8: out[m, n] = s[n] * sum_g dx[m, g] * sum_k q[n, k] * xq[m, k]   (w = q * s)
+//
+// int4 weights: [N, K/2] bytes, group g's 16 bytes hold columns 32g..32g+15 in their low
+// nibbles and 32g+16..32g+31 in their high ones; its scales and minimums are float16 (as
+// a GGUF Q4 block's). Output rows are split over ATen's pool.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+
+// Rows of activations as int8 per group of 32: values, scales, and the float sums.
+struct QuantizedRows {
+  std::vector<int8_t> values;  // [M, K]
+  std::vector<float> scales;   // [M, K / 32]
+  std::vector<float> sums;     // [M, K / 32]
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t cols) {
+  const int64_t groups = cols / kGroup;
+  QuantizedRows q{std::vector<int8_t>(rows * cols), std::vector<float>(rows * groups),
+                  std::vector<float>(rows * groups)};
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    const float* g = x + i * kGroup;
+    float amax = 0.f, sum = 0.f;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      amax = std::max(amax, std::fabs(g[k]));
+      sum += g[k];
+    }
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      q.values[i * kGroup + k] = static_cast<int8_t>(std::nearbyint(g[k] * inv));
+    }
+    q.scales[i] = scale;
+    q.sums[i] = sum;
+  }
+  return q;
+}
+
+#if defined(__AVX2__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// sum over 32 columns of u8 weights x s8 activations, as 8 int32 lanes in float
+inline __m256 dot32(__m256i w_u8, __m256i x_s8) {
+  const __m256i pairs = _mm256_maddubs_epi16(w_u8, x_s8);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
+// Rows m0..m0+R-1 of the activations times one int4 weight row (R <= kMaxRows): each
+// group of weights is decoded once for all R rows.
+constexpr int64_t kMaxRows = 4;
+
+inline float half_to_float(at::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+// One int4 weight row times activation rows m0..m0+R-1 (R <= kMaxRows): each group of
+// weights is decoded once for all R rows. `sh`, `mh`: the row's float16 scales and
+// minimums (w = q * s + mn, so the zero of q - 8 is mn + 8 s, taken in float32).
+void int4_rows(const uint8_t* w, const at::Half* sh, const at::Half* mh,
+               const QuantizedRows& x, int64_t m0, int64_t rows, int64_t groups, float* out) {
+  const int64_t k = groups * kGroup;
+  float extra[kMaxRows] = {0.f, 0.f, 0.f, 0.f};
+#if defined(__AVX2__)
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i eight = _mm256_set1_epi8(8);
+  __m256 acc[kMaxRows] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                          _mm256_setzero_ps()};
+#else
+  float acc[kMaxRows] = {0.f, 0.f, 0.f, 0.f};
+#endif
+  for (int64_t g = 0; g < groups; ++g) {
+    const float s = half_to_float(sh[g]);
+    const float z = half_to_float(mh[g]) + 8.f * s;
+    for (int64_t r = 0; r < rows; ++r) extra[r] += z * x.sums[(m0 + r) * groups + g];
+#if defined(__AVX2__)
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
+    const __m128i lo = _mm_and_si128(b, low4);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+    const __m256i wv = _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight);  // q - 8
+    const __m256i wabs = _mm256_sign_epi8(wv, wv);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t m = m0 + r;
+      const __m256i xv = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(x.values.data() + m * k + g * kGroup));
+      // maddubs takes one unsigned operand: |q - 8| times x with q - 8's sign
+      const __m256i dot = _mm256_madd_epi16(
+          _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, wv)), _mm256_set1_epi16(1));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                               _mm256_set1_ps(s * x.scales[m * groups + g]), acc[r]);
+    }
+#else
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* xq = x.values.data() + m * k + g * kGroup;
+      int32_t dot = 0;
+      for (int64_t j = 0; j < 16; ++j) {
+        const uint8_t b = w[g * 16 + j];
+        dot += ((b & 0x0F) - 8) * xq[j] + ((b >> 4) - 8) * xq[16 + j];
+      }
+      acc[r] += s * x.scales[m * groups + g] * static_cast<float>(dot);
+    }
+#endif
+  }
+#if defined(__AVX2__)
+  for (int64_t r = 0; r < rows; ++r) out[r] = hsum(acc[r]) + extra[r];
+#else
+  for (int64_t r = 0; r < rows; ++r) out[r] = acc[r] + extra[r];
+#endif
+}
+
+float int8_row(const int8_t* w, float s, const int8_t* xq, const float* dx, int64_t groups) {
+#if defined(__AVX2__)
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kGroup));
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * kGroup));
+    // maddubs takes one unsigned operand: |w| times x with w's sign
+    const __m256i dot = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)),
+        _mm256_set1_epi16(1));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dx[g]), acc);
+  }
+  return s * hsum(acc);
+#else
+  float total = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    int32_t dot = 0;
+    for (int64_t k = 0; k < kGroup; ++k) dot += w[g * kGroup + k] * xq[g * kGroup + k];
+    total += dx[g] * static_cast<float>(dot);
+  }
+  return s * total;
+#endif
+}
+
+void check_rows(const torch::Tensor& x, int64_t cols, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              what, ": activations must be contiguous float32 [M, K]");
+  TORCH_CHECK(x.size(1) == cols && cols % kGroup == 0, what, ": K=", x.size(1),
+              " must equal the weight's ", cols, " and be a multiple of 32");
+}
+
+}  // namespace
+
+torch::Tensor int4_matvec(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
+                          torch::Tensor mins) {
+  const int64_t n = weight.size(0), k = weight.size(1) * 2, groups = k / kGroup;
+  check_rows(x, k, "int4_matvec");
+  TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.is_contiguous() &&
+                  scales.sizes() == mins.sizes() && scales.size(0) == n &&
+                  scales.size(1) == groups && scales.is_contiguous() && mins.is_contiguous() &&
+                  scales.scalar_type() == torch::kHalf && mins.scalar_type() == torch::kHalf,
+              "int4_matvec: weight [N, K/2] uint8 with scales and mins [N, K/32] float16");
+  const int64_t rows = x.size(0);
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), rows, k);
+  auto out = torch::empty({rows, n}, x.options());
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const at::Half* s = scales.data_ptr<at::Half>();
+  const at::Half* mn = mins.data_ptr<at::Half>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    float part[kMaxRows];
+    for (int64_t j = begin; j < end; ++j) {
+      for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+        const int64_t r = std::min(kMaxRows, rows - m0);
+        int4_rows(w + j * (k / 2), s + j * groups, mn + j * groups, xq, m0, r, groups, part);
+        for (int64_t i = 0; i < r; ++i) o[(m0 + i) * n + j] = part[i];
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor int8_matvec(torch::Tensor x, torch::Tensor weight, torch::Tensor scales) {
+  const int64_t n = weight.size(0), k = weight.size(1), groups = k / kGroup;
+  check_rows(x, k, "int8_matvec");
+  TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.is_contiguous() &&
+                  scales.dim() == 1 && scales.size(0) == n &&
+                  scales.scalar_type() == torch::kFloat32,
+              "int8_matvec: weight [N, K] int8 with scales [N] float32");
+  const int64_t rows = x.size(0);
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), rows, k);
+  auto out = torch::empty({rows, n}, x.options());
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      for (int64_t m = 0; m < rows; ++m) {
+        o[m * n + j] = int8_row(w + j * k, s[j], xq.values.data() + m * k,
+                                xq.scales.data() + m * groups, groups);
+      }
+    }
+  });
+  return out;
+}
