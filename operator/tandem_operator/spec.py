@@ -167,6 +167,23 @@ class SpeculativeMethod(str, enum.Enum):
         return self.name.lower()
 
 
+class Quantization(str, enum.Enum):
+    """spec.engine.quantization, CamelCase as the CRD's enums are; `flag` is the engine's
+    `--quantization` value (config.QUANTIZATION_CHOICES)."""
+
+    AUTO = "Auto"  # a GGUF's quantized tensors stay quantized, an HF checkpoint dense
+    NONE = "None"  # dense: a GGUF dequantized at load
+    INT8 = "Int8"  # weight-only int8 rows, quantized at load
+    INT4 = "Int4"  # weight-only int4 in groups of 32, quantized at load
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def flag(self) -> str:
+        return self.name.lower()
+
+
 # spec.engine.args the operator renders itself: refused there, with the field to use.
 SPECULATIVE_FLAG_PREFIX = "--speculative"
 
@@ -200,6 +217,7 @@ class EngineSettings:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     threads: int = DEFAULT_THREADS
     device: EngineDevice = EngineDevice.AUTO
+    quantization: Quantization = Quantization.AUTO  # spec.engine.quantization
     startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT_S  # the startupProbe's budget
     rdma_ipc_lock: bool = False  # spec.engine.rdma.ipcLock: adds the IPC_LOCK capability
     speculative: Speculative | None = None  # spec.engine.speculative; None: off
@@ -459,6 +477,9 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         threads=_flag_int(e, "threads"),
         device=EngineDevice(str_field(e, "device", "spec.engine", _ENGINE.device.value, 8,
                                       choices(EngineDevice))),
+        quantization=Quantization(str_field(e, "quantization", "spec.engine",
+                                            _ENGINE.quantization.value, 8,
+                                            choices(Quantization))),
         startup_timeout_seconds=required_int(e, "startupTimeoutSeconds", "spec.engine",
                                              _ENGINE.startup_timeout_seconds, 10, 86400),
         rdma_ipc_lock=bool_field(object_field(e, "rdma", "spec.engine"), "ipcLock",
@@ -565,7 +586,8 @@ def engine_config(spec: PoolSpec, device: str = DEFAULT_DEVICE,
         kv_cache_memory_bytes=None if memory is None
         else memory * _POOL_FLAG["kv_cache_memory_bytes"].scale,
         max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-        device=device, kv_pin_ttl_s=spec.kv_transfer.pin_ttl_seconds, speculative=speculative)
+        device=device, quantization=e.quantization.flag,
+        kv_pin_ttl_s=spec.kv_transfer.pin_ttl_seconds, speculative=speculative)
 
 
 _POOL_FLAG = {flag.field: flag.pool for flag in POOL_FLAGS if flag.pool is not None}

@@ -340,6 +340,7 @@ DOCUMENTED_DEFAULTS = {
         "maxNumBatchedTokens": 512,
         "threads": 1,
         "device": "Auto",
+        "quantization": "Auto",
         "startupTimeoutSeconds": 1800,
         "rdma": {"ipcLock": False},  # no capability unless asked for
     },
@@ -535,6 +536,8 @@ SCHEMA_REJECTS = [
     ({"router": {"service": {"type": "ExternalName"}}},
      "spec.router.service.type", "is not one of"),
     ({"kvTransfer": {"backend": "TCP"}}, "spec.kvTransfer.backend", "is not one of"),
+    ({"engine": {"quantization": "Int3"}}, "spec.engine.quantization", "is not one of"),
+    ({"engine": {"quantization": "int8"}}, "spec.engine.quantization", "is not one of"),
     # the weights version
     ({"model": {"weights": {"version": "v1 beta"}}}, "spec.model.weights.version", "match"),
     ({"model": {"weights": {"version": "-v1"}}}, "spec.model.weights.version", "match"),

@@ -150,6 +150,16 @@ def test_checkpoint_path() -> None:
 # ---- pods ---------------------------------------------------------------------------------------
 
 
+def test_a_pools_quantization_reaches_every_engine_as_the_engines_word() -> None:
+    s = parse(engine={"quantization": "Int4"})
+    for group in ("prefill", "decode"):
+        args = m.pod(s, group, s.weights, epoch=1)["spec"]["containers"][0]["args"]
+        assert args[args.index("--quantization") + 1] == "int4"
+    with pytest.raises(SpecError, match=r"spec.engine.quantization = 'int4' is not one of "
+                       r"Auto, None, Int8, Int4"):
+        parse(engine={"quantization": "int4"})
+
+
 def test_engine_pod_for_each_role() -> None:
     s = parse(engine={"kvCache": {"memoryMiB": 512}, "maxNumSeqs": 8,
                       "maxNumBatchedTokens": 256, "threads": 2, "args": ["--seed", "1"]},
@@ -184,8 +194,8 @@ def test_engine_pod_for_each_role() -> None:
             "--max-num-seqs", "8",
             "--max-num-batched-tokens", "256", "--block-size", "16", "--threads", "2",
             "--device", "cpu", "--kv-pin-ttl", "30",
-            "--kv-cache-memory-bytes", str(512 * 1024 * 1024), "--shutdown-grace", "50",
-            "--seed", "1"]
+            "--kv-cache-memory-bytes", str(512 * 1024 * 1024), "--quantization", "auto",
+            "--shutdown-grace", "50", "--seed", "1"]
         assert c["ports"] == [{"name": "zmq", "containerPort": 5555, "protocol": "TCP"},
                               {"name": "admin", "containerPort": 8080, "protocol": "TCP"},
                               {"name": "metrics", "containerPort": 9100, "protocol": "TCP"}]

@@ -22,14 +22,21 @@ from tandem_engine.config import (
 from tandem_engine.engine_flags import EngineFlag
 from tandem_engine.server import main as engine_main
 from tandem_operator import manifests as m
-from tandem_operator.spec import EngineDevice, PoolSpec, SpecError, SpeculativeMethod
+from tandem_operator.spec import (
+    EngineDevice,
+    PoolSpec,
+    Quantization,
+    SpecError,
+    SpeculativeMethod,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = yaml.safe_load((ROOT / "crds" / "inferencepools.tandem.dev.yaml").read_text())[
     "spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 BASE = ["--model", "m", "--port", "1", "--admin-port", "2"]
 # The CR's enums spell the engine's values in CamelCase.
-POOL_ENUMS = {"device": EngineDevice, "method": SpeculativeMethod}
+POOL_ENUMS = {"device": EngineDevice, "method": SpeculativeMethod,
+              "quantization": Quantization}
 IDS = [flag.field for flag in ENGINE_FLAGS]
 # Fields that bound another from below: sampled at their lowest, so the other's default fits.
 FLOORS = {flag.floor for flag in ENGINE_FLAGS if flag.floor is not None}
