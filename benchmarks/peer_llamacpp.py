@@ -48,9 +48,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_batch1 import cpu  # noqa: E402
-
-from tandem_engine.bench.workloads import LengthSpec, TextSource, random_workload  # noqa: E402
+from decode_batch1 import cpu
+from tandem_engine.bench.workloads import LengthSpec, TextSource, random_workload
 
 VERSION = "0.3.36"
 CACHE = Path.home() / ".cache" / "tandem" / "llamacpp"
@@ -72,8 +71,9 @@ def build_llamacpp(amx: bool, jobs: int) -> Path:
     flags = cmake_flags(amx)
     root = CACHE / VERSION
     build = root / f"build-{'amx' if amx else 'noamx'}"
-    if all((build / "bin" / t).is_file() for t in TARGETS) and \
-            (build / "flags.txt").is_file() and (build / "flags.txt").read_text() == " ".join(flags):
+    stamp = build / "flags.txt"
+    if all((build / "bin" / t).is_file() for t in TARGETS) and stamp.is_file() and \
+            stamp.read_text() == " ".join(flags):
         print(f"llama.cpp {VERSION}: reusing {build} (cmake {' '.join(flags)})", flush=True)
         return build / "bin"
     src = root / "llama.cpp"
