@@ -44,3 +44,19 @@ def keep_freed_memory() -> bool:
         log.warning("mallopt refused the allocator settings; steps may run slower")
     _tuned = ok
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free memory back to the kernel once (glibc's malloc_trim): after a
+    load, whose temporaries (dequantized and repacked tensors) would otherwise stay in the
+    process for good under `keep_freed_memory`'s thresholds. Measured on the default GGUF:
+    RSS 1040 -> 894 MB. True when it ran (glibc)."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True

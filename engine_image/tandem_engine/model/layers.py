@@ -57,6 +57,28 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+class NativeRMSNorm(nn.Module):
+    """RMSNorm in one native call for float32 on CPU (`pack_norms`); other inputs take
+    the torch form."""
+
+    def __init__(self, norm: RMSNorm, native: ModuleType) -> None:
+        super().__init__()
+        self.weight, self.eps, self.native = norm.weight, norm.eps, native
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or self.weight.dtype != torch.float32:
+            return RMSNorm.forward(self, x)  # type: ignore[arg-type]
+        return self.native.rms_norm(x.contiguous(), self.weight, self.eps)
+
+
+def pack_norms(model: nn.Module, native: ModuleType) -> None:
+    """Swap every RMSNorm for its native form, in place (weights shared)."""
+    for owner in list(model.modules()):
+        for name, child in list(owner.named_children()):
+            if type(child) is RMSNorm:
+                setattr(owner, name, NativeRMSNorm(child, native))
+
+
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
                                       .to(torch.float32) / head_dim))

@@ -25,11 +25,12 @@ from tandem_engine.model.cuda_graphs import DecodeGraphs, DecodeInputs, bucket_f
 from tandem_engine.model.device import MemoryProfile, auto_dtype
 from tandem_engine.model.family import Family, ModelConfig
 from tandem_engine.model.flex_attention import FlexPagedAttention, kernel_options
-from tandem_engine.model.host_memory import keep_freed_memory
+from tandem_engine.model.host_memory import keep_freed_memory, release_freed_memory
 from tandem_engine.model.layers import (
     DecoderModel,
     build_model,
     pack_linears,
+    pack_norms,
     packing_supported,
     stream_weights,
 )
@@ -248,6 +249,8 @@ class ModelRunner:
             state.clear()
             if self.native is not None and packing_supported(self.dtype, self.device):
                 pack_linears(model)
+            if self.native is not None and self.dtype == torch.float32:
+                pack_norms(model, self.native)
             peak = old_bytes + _weight_bytes(model)
             self.model = model
             del old
@@ -257,6 +260,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - baseline
             torch.cuda.empty_cache()
+        else:
+            release_freed_memory()  # the load's temporaries
         self.last_refit_peak_bytes = peak
 
     @property

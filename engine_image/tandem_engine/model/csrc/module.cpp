@@ -7,4 +7,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matvec", &int4_matvec,
         "x [M, K] float32 times int4 weights in groups of 32 (CPU, few rows)");
   m.def("int8_matvec", &int8_matvec, "x [M, K] float32 times int8 rows (CPU, few rows)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
 }
