@@ -97,7 +97,8 @@ def load_llm(args: argparse.Namespace, model: Path, **engine_options: object) ->
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    return LLM(model=str(model), dtype=args.dtype, device=args.device,
+    return LLM(model=str(model), dtype=args.dtype, quantization=args.quantization,
+               device=args.device,
                gpu_memory_utilization=args.gpu_memory_utilization,
                speculative=speculative_from_flags(args), **engine_options)
 

@@ -353,9 +353,9 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, max_tokens_default: str
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """How a command that runs a model in process runs it: dtype, threads, device,
-    speculative decoding."""
-    add_flags(parser, [engine_flag("dtype")])
+    """How a command that runs a model in process runs it: dtype, quantization, threads,
+    device, speculative decoding."""
+    add_flags(parser, [engine_flag("dtype"), engine_flag("quantization")])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     add_flags(parser, [engine_flag("device"), engine_flag("gpu_memory_utilization"),
                        *SPECULATIVE_FLAGS])
