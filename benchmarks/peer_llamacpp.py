@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         text=True).stdout.strip().splitlines()[-1].split()[-1]
     configs = [c.split("=", 1) for c in args.tandem_config] or [["int4", ""]]
     print(f"CPU: {cpu()}; {args.threads} threads; model {model}", flush=True)
-    source = TextSource(1.3)
+    source = TextSource(1.15)  # SmolLM2's tokens per corpus word: 64-token prompts
     prompt = source.text(64, random.Random(1))
     requests = random_workload(args.requests, source, LengthSpec(272, 240),
                                LengthSpec(136, 120), seed=0)

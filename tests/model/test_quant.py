@@ -73,7 +73,7 @@ def kernels(request: pytest.FixtureRequest) -> object:
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K],
                          ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("rows", [1, 7, 40])  # 40: past NATIVE_MAX_ROWS, dequantized
 def test_every_gguf_type_multiplies_as_its_dequantized_weight(qtype: GGMLQuantizationType,
                                                               rows: int, kernels) -> None:
     tensor = _gguf_tensor(qtype)

@@ -7,5 +7,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_matvec", &int4_matvec,
         "x [M, K] float32 times int4 weights in groups of 32 (CPU, few rows)");
   m.def("int8_matvec", &int8_matvec, "x [M, K] float32 times int8 rows (CPU, few rows)");
+  m.def("int4_dequantize", &int4_dequantize, "int4 rows as float32 (CPU)");
+  m.def("int8_dequantize", &int8_dequantize, "int8 rows as float32 (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
 }

@@ -249,3 +249,50 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   });
   return out;
 }
+
+// The float32 weight of int4 rows (for a step with many rows: one dequantization, then
+// oneDNN's float32 matmul, beats decoding the weights again for every row).
+torch::Tensor int4_dequantize(torch::Tensor weight, torch::Tensor scales, torch::Tensor mins) {
+  const int64_t n = weight.size(0), k = weight.size(1) * 2, groups = k / kGroup;
+  TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.is_contiguous() &&
+                  scales.scalar_type() == torch::kHalf && mins.scalar_type() == torch::kHalf &&
+                  scales.size(0) == n && scales.size(1) == groups,
+              "int4_dequantize: weight [N, K/2] uint8, scales and mins [N, K/32] float16");
+  auto out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  const at::Half* s = scales.data_ptr<at::Half>();
+  const at::Half* mn = mins.data_ptr<at::Half>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float sc = half_to_float(s[j * groups + g]);
+        const float lo = half_to_float(mn[j * groups + g]);
+        const uint8_t* b = w + j * (k / 2) + g * 16;
+        float* row = o + j * k + g * kGroup;
+        for (int64_t i = 0; i < 16; ++i) {
+          row[i] = (b[i] & 0x0F) * sc + lo;
+          row[16 + i] = (b[i] >> 4) * sc + lo;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor int8_dequantize(torch::Tensor weight, torch::Tensor scales) {
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.is_contiguous() &&
+                  scales.scalar_type() == torch::kFloat32 && scales.size(0) == n,
+              "int8_dequantize: weight [N, K] int8, scales [N] float32");
+  auto out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      for (int64_t i = 0; i < k; ++i) o[j * k + i] = w[j * k + i] * s[j];
+    }
+  });
+  return out;
+}
