@@ -14,11 +14,11 @@ Both torch CPU kernels run 2-10x faster with bfloat16 activations than with floa
 (float32 takes a scalar path), so a float32 engine hands them its activations rounded to
 bfloat16 and gets float32 back. With the native kernels (`--kernels auto|native` on CPU,
 float32 engines) the projections run `csrc/quant_matvec.cpp` instead: activations rounded
-to int8 per group of 32 and byte multiply-adds, as llama.cpp does; one layout for every
-batch size up to `NATIVE_MAX_ROWS` (per row as fast as torch's kernels at 64 rows, 1.5x
-faster at one), no conversion to bfloat16 and back; a step with more rows (prefill
-chunks, large batches) dequantizes the weight to float32 once and runs the float32
-matmul, 2-3x faster per row there than either integer kernel. int4 scales and minimums are float16 there, as a GGUF's.
+to int8 per group of 32 and byte multiply-adds, as llama.cpp does, up to
+`NATIVE_MAX_ROWS` rows (1.5x faster than torch's kernels at one row, no conversion to
+bfloat16 and back); a step with more rows (prefill chunks, large batches) dequantizes
+the weight to float32 once and runs the float32 matmul, 2-3x faster per row there than
+either integer kernel. int4 scales and minimums are float16 there, as a GGUF's.
 Measured at batch 1 on an AVX2 EPYC (2 threads), the SmolLM2 GGUF in process: 24.8 ms a
 token with torch's kernels, 20 with the native ones, 46 dequantized to float32.
 
