@@ -178,8 +178,18 @@ def concurrent(base: str, model: str, requests: list) -> dict[str, float]:
 
 
 def measure(base: str, model: str, prompt: str, requests: list, repeats: int) -> dict:
-    return {"batch1": batch1(base, model, prompt, repeats),
-            "concurrent64": concurrent(base, model, requests)}
+    """Both workloads; a workload the server fails (an HTTP error, a timeout) is reported
+    as its error, and the other still measured."""
+    out: dict = {}
+    for name, run in (("batch1", lambda: batch1(base, model, prompt, repeats)),
+                      ("concurrent64", lambda: concurrent(base, model, requests))):
+        try:
+            out[name] = run()
+        except httpx.HTTPError as exc:
+            detail = exc.response.text[:300] if isinstance(exc, httpx.HTTPStatusError) else ""
+            out[name] = {"error": f"{type(exc).__name__}: {exc} {detail}".strip()}
+            print(f"  {name} failed: {out[name]['error']}", flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,14 +251,20 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| system | batch 1 tok/s (range) | decode tok/s | TTFT s | 64 at once tok/s |"
           " batch 1 / llama.cpp | 64 / llama.cpp |")
     print("|---|---|---|---|---|---|---|")
+    def ratio(r: dict, workload: str) -> str:
+        mine, theirs = r[workload].get("tok_s"), peer[workload].get("tok_s")
+        return "failed" if mine is None or theirs is None else f"{mine / theirs:.2f}x"
+
     for name, r in results.items():
         if "batch1" not in r:
             continue
         b, c = r["batch1"], r["concurrent64"]
-        print(f"| {name} | {b['tok_s']:.1f} ({b['tok_s_min']:.1f}-{b['tok_s_max']:.1f}) | "
-              f"{b['decode_tok_s']:.1f} | {b['ttft_s']:.3f} | {c['tok_s']:.1f} | "
-              f"{b['tok_s'] / peer['batch1']['tok_s']:.2f}x | "
-              f"{c['tok_s'] / peer['concurrent64']['tok_s']:.2f}x |")
+        one = ("failed | - | -" if "error" in b else
+               f"{b['tok_s']:.1f} ({b['tok_s_min']:.1f}-{b['tok_s_max']:.1f}) | "
+               f"{b['decode_tok_s']:.1f} | {b['ttft_s']:.3f}")
+        many = "failed" if "error" in c else f"{c['tok_s']:.1f}"
+        print(f"| {name} | {one} | {many} | {ratio(r, 'batch1')} | "
+              f"{ratio(r, 'concurrent64')} |")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu(), "cmake": cmake_flags(args.amx == "on"),
                                          "results": results}, indent=2))
