@@ -235,7 +235,7 @@ def test_a_first_start_knows_it_must_compile_the_native_kernel(tmp_path: Path,
     monkeypatch.setattr(native, "_error", None)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty build cache
     assert native.build_pending()
-    name = native.kernel_name(native._SOURCE.read_text())
+    name = native.kernel_name(native._source_text())
     (tmp_path / name).mkdir(exist_ok=True)
     (tmp_path / name / f"{name}.so").write_bytes(b"")  # a build from an earlier start...
     assert native.build_pending()  # ... for which torch? Unknown: it is built again

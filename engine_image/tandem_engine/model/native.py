@@ -50,10 +50,6 @@ log = logging.getLogger(__name__)
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
     "paged_decode_attention.cpp", "quant_matvec.cpp", "module.cpp"))
 _SOURCE = _SOURCES[0].parent  # what messages name
-
-
-def _source_text() -> str:
-    return "\n".join(path.read_text() for path in _SOURCES)
 PREBUILT_ENV = "TANDEM_NATIVE_PREBUILT"  # folder of prebuilt libraries (the image sets it)
 JIT_ENV = "TANDEM_NATIVE_JIT"  # "1": compile for this CPU even when a prebuilt one exists
 # The prebuilt libraries' instruction sets per architecture, best first, each with the CPU
@@ -85,6 +81,11 @@ class KernelOrigin:
 
     kind: Literal["prebuilt", "jit"]
     path: Path  # the shared library that was loaded
+
+
+def _source_text() -> str:
+    """The one translation unit: every source file, in `_SOURCES` order."""
+    return "\n".join(path.read_text() for path in _SOURCES)
 
 
 def kernel_name(source: str) -> str:

@@ -271,9 +271,9 @@ class Sampler:
         empty (its parameters' fault), 1 for greedy rows."""
         raw = logits
         dev, vocab = raw.device, raw.shape[-1]
-        # A row's sum is finite exactly when all its logits are (NaN and Inf propagate; a
-        # finite sum overflows only past ~1e34 per logit): one reduction instead of four.
-        finite = torch.isfinite(raw.sum(dim=-1))
+        # Every logit checked, not the row's sum: finite logits of over-confident weights
+        # (~1e36) sum to inf, and such weights must reach the refit's confidence check.
+        finite = torch.isfinite(raw).all(dim=-1)
         if any(banned):
             rows = [row for row, ids in enumerate(banned) for _ in ids]
             cols = [c for ids in banned for c in ids]
