@@ -25,6 +25,7 @@ from tandem_engine.model.cuda_graphs import DecodeGraphs, DecodeInputs, bucket_f
 from tandem_engine.model.device import MemoryProfile, auto_dtype
 from tandem_engine.model.family import Family, ModelConfig
 from tandem_engine.model.flex_attention import FlexPagedAttention, kernel_options
+from tandem_engine.model.fused_decode import FusedDecode
 from tandem_engine.model.host_memory import keep_freed_memory, release_freed_memory
 from tandem_engine.model.layers import (
     DecoderModel,
@@ -211,6 +212,9 @@ class ModelRunner:
         # mtp). Steps then run eagerly: a captured CUDA graph returns logits only.
         self.capture_hidden = False
         self.model: DecoderModel
+        # Decode-only steps of a few rows in one native call (model/fused_decode.py),
+        # built for each load of the weights; None where it does not apply.
+        self.fused: FusedDecode | None = None
         self.load_weights(tensors)
 
     # ---- weights and KV memory (the engine's lifecycle calls these) ------------------------
@@ -263,6 +267,8 @@ class ModelRunner:
         else:
             release_freed_memory()  # the load's temporaries
         self.last_refit_peak_bytes = peak
+        # Its references are to the packed weights just replaced (also when streamed).
+        self.fused = FusedDecode.build(self.model, self.native) if not cuda else None
 
     @property
     def weight_bytes(self) -> int:
@@ -413,7 +419,9 @@ class ModelRunner:
             return StepBatch(logits.index_select(0, step.sample_rows), step.requests,
                              step.drafts)
         assert step.meta is not None
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.meta)
+        run = self.fused if self.fused is not None and FusedDecode.takes(step.meta) \
+            else self.model
+        hidden = run(step.input_ids, step.positions, self.kv_cache, step.meta)
         sampled = hidden.index_select(0, step.sample_rows)
         logits = self.model.logits(sampled)
         prompt_logits = [(request, first, self.model.logits(hidden.index_select(0, rows)))

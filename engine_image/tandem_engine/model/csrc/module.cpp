@@ -10,4 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_dequantize", &int4_dequantize, "int4 rows as float32 (CPU)");
   m.def("int8_dequantize", &int8_dequantize, "int8 rows as float32 (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
+  py::class_<DecodeStack>(m, "DecodeStack",
+                          "A Llama-family decoder stack's decode step in one call (CPU)")
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, int64_t, int64_t,
+                    int64_t, double>())
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 }

@@ -31,16 +31,33 @@ namespace {
 constexpr int64_t kGroup = 32;
 
 // Rows of activations as int8 per group of 32: values, scales, and the float sums.
+// AVX-512 VNNI (vpdpbusd): the int4 kernel takes two groups a step, 64 byte products in
+// one instruction (int4_rows_vnni).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define TANDEM_VNNI 1
+#endif
+
 struct QuantizedRows {
   std::vector<int8_t> values;  // [M, K]
   std::vector<float> scales;   // [M, K / 32]
   std::vector<float> sums;     // [M, K / 32]
+#if defined(TANDEM_VNNI)
+  // The same values, each pair of groups (g, g + 1) laid out as the int4 weights decode:
+  // g's columns 0-15, g+1's 0-15, g's 16-31, g+1's 16-31 (an odd last group as it is).
+  std::vector<int8_t> pairs;   // [M, K]
+  // 8 * (sum of the group's values - scale * sum of its int8 values): what the int4
+  // kernel's unsigned products (q, not q - 8) leave out, per group.
+  std::vector<float> offsets;  // [M, K / 32]
+#endif
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t cols) {
+// Rows of activations as int8 per group of 32, into `q`'s buffers (reused between calls).
+void quantize_into(const float* x, int64_t rows, int64_t cols, QuantizedRows& q) {
   const int64_t groups = cols / kGroup;
-  QuantizedRows q{std::vector<int8_t>(rows * cols), std::vector<float>(rows * groups),
-                  std::vector<float>(rows * groups)};
+  q.values.resize(rows * cols);
+  q.scales.resize(rows * groups);
+  q.sums.resize(rows * groups);
   for (int64_t i = 0; i < rows * groups; ++i) {
     const float* g = x + i * kGroup;
     float amax = 0.f, sum = 0.f;
@@ -56,6 +73,35 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t cols) {
     q.scales[i] = scale;
     q.sums[i] = sum;
   }
+#if defined(TANDEM_VNNI)
+  q.pairs.resize(rows * cols);
+  q.offsets.resize(rows * groups);
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    const int8_t* v = q.values.data() + i * kGroup;
+    int32_t isum = 0;
+    for (int64_t k = 0; k < kGroup; ++k) isum += v[k];
+    q.offsets[i] = 8.f * (q.sums[i] - q.scales[i] * static_cast<float>(isum));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int8_t* src = q.values.data() + r * cols;
+    int8_t* dst = q.pairs.data() + r * cols;
+    int64_t g = 0;
+    for (; g + 1 < groups; g += 2) {
+      const int8_t* a = src + g * kGroup;
+      int8_t* out = dst + g * kGroup;
+      std::copy_n(a, 16, out);
+      std::copy_n(a + kGroup, 16, out + 16);
+      std::copy_n(a + 16, 16, out + 32);
+      std::copy_n(a + kGroup + 16, 16, out + 48);
+    }
+    if (g < groups) std::copy_n(src + g * kGroup, kGroup, dst + g * kGroup);
+  }
+#endif
+}
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t cols) {
+  QuantizedRows q;
+  quantize_into(x, rows, cols, q);
   return q;
 }
 
@@ -89,7 +135,7 @@ inline float half_to_float(at::Half h) {
 // One int4 weight row times activation rows m0..m0+R-1 (R <= kMaxRows): each group of
 // weights is decoded once for all R rows. `sh`, `mh`: the row's float16 scales and
 // minimums (w = q * s + mn, so the zero of q - 8 is mn + 8 s, taken in float32).
-void int4_rows(const uint8_t* w, const at::Half* sh, const at::Half* mh,
+[[maybe_unused]] void int4_rows(const uint8_t* w, const at::Half* sh, const at::Half* mh,
                const QuantizedRows& x, int64_t m0, int64_t rows, int64_t groups, float* out) {
   const int64_t k = groups * kGroup;
   float extra[kMaxRows] = {0.f, 0.f, 0.f, 0.f};
@@ -138,6 +184,88 @@ void int4_rows(const uint8_t* w, const at::Half* sh, const at::Half* mh,
   for (int64_t r = 0; r < rows; ++r) out[r] = hsum(acc[r]) + extra[r];
 #else
   for (int64_t r = 0; r < rows; ++r) out[r] = acc[r] + extra[r];
+#endif
+}
+
+#if defined(TANDEM_VNNI)
+// int4_rows with AVX-512 VNNI. Unsigned weights q (0..15) meet the int8 activations in
+// vpdpbusd; sum (q - 8) x = sum q x - 8 sum x, and with w = q * s + mn a group adds
+// s * dx * sum q xq + mn * xsum + s * offset (offset: QuantizedRows.offsets).
+void int4_rows_vnni(const uint8_t* w, const at::Half* sh, const at::Half* mh,
+                    const QuantizedRows& x, int64_t m0, int64_t rows, int64_t groups,
+                    float* out) {
+  const int64_t k = groups * kGroup;
+  // Per row the group factors s * dx, each repeated 4 times (a dot lane covers 4 bytes).
+  thread_local std::vector<float> factors;
+  factors.resize(kMaxRows * groups * 4 + 16);
+  const __m512i spread_lo = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i spread_hi = _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4);
+  __m512 extra[kMaxRows];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    const float* dx = x.scales.data() + m * groups;
+    const float* xsum = x.sums.data() + m * groups;
+    const float* off = x.offsets.data() + m * groups;
+    float* f = factors.data() + r * groups * 4;
+    extra[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 8) {
+      const int64_t n = std::min<int64_t>(8, groups - g);
+      const __mmask8 mask8 = static_cast<__mmask8>((1u << n) - 1);
+      const __m256 s8 = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask8, sh + g));
+      const __m256 mn8 = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask8, mh + g));
+      const __m256 f8 = _mm256_mul_ps(s8, _mm256_maskz_loadu_ps(mask8, dx + g));
+      const __m512 wide = _mm512_castps256_ps512(f8);
+      _mm512_storeu_ps(f + g * 4, _mm512_permutexvar_ps(spread_lo, wide));
+      _mm512_storeu_ps(f + g * 4 + 16, _mm512_permutexvar_ps(spread_hi, wide));
+      const __m256 e = _mm256_fmadd_ps(mn8, _mm256_maskz_loadu_ps(mask8, xsum + g),
+                                       _mm256_mul_ps(s8, _mm256_maskz_loadu_ps(mask8, off + g)));
+      extra[r] = _mm512_add_ps(extra[r], _mm512_castps256_ps512(e));
+    }
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m512 acc[kMaxRows];
+  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + 1 < groups; g += 2) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16));
+    const __m256i lo = _mm256_and_si256(b, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+    const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512i xv = _mm512_loadu_si512(x.pairs.data() + (m0 + r) * k + g * kGroup);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+      const __m512 fac = _mm512_broadcast_f32x8(
+          _mm256_loadu_ps(factors.data() + r * groups * 4 + g * 4));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), fac, acc[r]);
+    }
+  }
+  float tail[kMaxRows] = {0.f, 0.f, 0.f, 0.f};
+  if (g < groups) {  // an odd last group, 256 bits wide
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask),
+                                         _mm_and_si128(b, mask));
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256i xv = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(x.pairs.data() + (m0 + r) * k + g * kGroup));
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
+      tail[r] = hsum(_mm256_cvtepi32_ps(dot)) * factors[r * groups * 4 + g * 4];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    out[r] = _mm512_reduce_add_ps(acc[r]) + tail[r] + _mm512_reduce_add_ps(extra[r]);
+  }
+}
+#endif
+
+// One int4 weight row times activation rows m0..m0+R-1: the widest kernel this build has.
+inline void int4_dot(const uint8_t* w, const at::Half* sh, const at::Half* mh,
+                     const QuantizedRows& x, int64_t m0, int64_t rows, int64_t groups,
+                     float* out) {
+#if defined(TANDEM_VNNI)
+  int4_rows_vnni(w, sh, mh, x, m0, rows, groups, out);
+#else
+  int4_rows(w, sh, mh, x, m0, rows, groups, out);
 #endif
 }
 
@@ -195,7 +323,7 @@ torch::Tensor int4_matvec(torch::Tensor x, torch::Tensor weight, torch::Tensor s
     for (int64_t j = begin; j < end; ++j) {
       for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
         const int64_t r = std::min(kMaxRows, rows - m0);
-        int4_rows(w + j * (k / 2), s + j * groups, mn + j * groups, xq, m0, r, groups, part);
+        int4_dot(w + j * (k / 2), s + j * groups, mn + j * groups, xq, m0, r, groups, part);
         for (int64_t i = 0; i < r; ++i) o[(m0 + i) * n + j] = part[i];
       }
     }

@@ -1,0 +1,317 @@
+// A Llama-family decoder stack's decode step in one call, for the few rows of a decode
+// step on CPUs (model/fused_decode.py).
+//
+// At batch 1 the eager forward pass spends more time between operations than in them:
+// 30 layers x ~20 torch calls, each a Python dispatch and an allocation. Here a step is
+// one call: for every layer RMSNorm, the q/k/v projections (one pass over the three
+// weights with the activations quantized once), optional per-head q/k norms, RoPE, the
+// new keys and values written to their slots, attention over the paged cache, the
+// output projection and residual, RMSNorm, gate and up (one pass), SiLU(gate) * up, the
+// down projection and residual; then the final norm. Work buffers persist between calls.
+//
+// Projections are quant_matvec.cpp's int4 (groups of 32, float16 scale and minimum) or
+// int8 (a float32 scale per row) weights, times activations rounded to int8 per group of
+// 32. Output rows are split over ATen's pool; attention over (row, head) pairs.
+
+namespace {
+
+struct Projection {
+  bool int4 = true;
+  int64_t n = 0, k = 0;
+  const uint8_t* w4 = nullptr;
+  const int8_t* w8 = nullptr;
+  const at::Half* s4 = nullptr;
+  const at::Half* mn4 = nullptr;
+  const float* s8 = nullptr;
+  const float* bias = nullptr;
+};
+
+Projection projection(const torch::Tensor& w, const torch::Tensor& s, const torch::Tensor& mn,
+                      const torch::Tensor& bias, const char* what) {
+  Projection p;
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && s.is_contiguous(), what,
+              ": a contiguous [N, K] weight and its scales");
+  p.n = w.size(0);
+  if (w.scalar_type() == torch::kUInt8) {
+    p.k = w.size(1) * 2;
+    TORCH_CHECK(s.scalar_type() == torch::kHalf && mn.scalar_type() == torch::kHalf &&
+                    mn.is_contiguous() && s.numel() == p.n * (p.k / kGroup) &&
+                    mn.numel() == s.numel(),
+                what, ": int4 weights take float16 scales and minimums [N, K/32]");
+    p.w4 = w.data_ptr<uint8_t>();
+    p.s4 = s.data_ptr<at::Half>();
+    p.mn4 = mn.data_ptr<at::Half>();
+  } else {
+    TORCH_CHECK(w.scalar_type() == torch::kInt8 && s.scalar_type() == torch::kFloat32 &&
+                    s.numel() == p.n,
+                what, ": int8 weights take float32 scales [N]");
+    p.int4 = false;
+    p.k = w.size(1);
+    p.w8 = w.data_ptr<int8_t>();
+    p.s8 = s.data_ptr<float>();
+  }
+  TORCH_CHECK(p.k % kGroup == 0, what, ": K=", p.k, " must be a multiple of 32");
+  if (bias.numel()) {
+    TORCH_CHECK(bias.scalar_type() == torch::kFloat32 && bias.numel() == p.n &&
+                    bias.is_contiguous(),
+                what, ": a float32 bias of N values");
+    p.bias = bias.data_ptr<float>();
+  }
+  return p;
+}
+
+// outs[i] ([rows, projs[i].n]) = x times each projection (all of the same K), the
+// activations quantized once; one parallel pass over every output row of all of them.
+void project(const Projection* projs, int count, const float* x, int64_t rows,
+             QuantizedRows& xq, float* const* outs) {
+  const int64_t k = projs[0].k, groups = k / kGroup;
+  quantize_into(x, rows, k, xq);
+  int64_t total = 0;
+  for (int i = 0; i < count; ++i) total += projs[i].n;
+  at::parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
+    float part[kMaxRows];
+    int i = 0;
+    int64_t first = 0;  // output rows before projection i
+    for (int64_t j = begin; j < end; ++j) {
+      while (j >= first + projs[i].n) first += projs[i++].n;
+      const Projection& p = projs[i];
+      const int64_t row = j - first;
+      float* out = outs[i];
+      if (p.int4) {
+        for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+          const int64_t r = std::min(kMaxRows, rows - m0);
+          int4_dot(p.w4 + row * (k / 2), p.s4 + row * groups, p.mn4 + row * groups, xq, m0,
+                    r, groups, part);
+          for (int64_t m = 0; m < r; ++m) out[(m0 + m) * p.n + row] = part[m];
+        }
+      } else {
+        for (int64_t m = 0; m < rows; ++m) {
+          out[m * p.n + row] = int8_row(p.w8 + row * k, p.s8[row], xq.values.data() + m * k,
+                                        xq.scales.data() + m * groups, groups);
+        }
+      }
+      if (p.bias != nullptr) {
+        for (int64_t m = 0; m < rows; ++m) out[m * p.n + row] += p.bias[row];
+      }
+    }
+  });
+}
+
+// One row's RMSNorm, as quant_matvec.cpp's rms_norm (the mean of squares in double).
+inline void norm_row(const float* x, const float* w, int64_t d, float eps, float* out) {
+  double sq = 0.0;
+  for (int64_t i = 0; i < d; ++i) sq += static_cast<double>(x[i]) * x[i];
+  const float inv = 1.f / std::sqrt(static_cast<float>(sq / d) + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+// x * cos + rotate_half(x) * sin over one head of `d` values (transformers' RoPE).
+inline void rope_head(float* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  float rotated[512];
+  for (int64_t i = 0; i < half; ++i) {
+    rotated[i] = -x[half + i];
+    rotated[half + i] = x[i];
+  }
+  for (int64_t i = 0; i < d; ++i) x[i] = x[i] * cos[i] + rotated[i] * sin[i];
+}
+
+struct Layer {
+  const float* input_norm;
+  const float* post_norm;
+  const float* q_norm;  // nullptr: no per-head norms
+  const float* k_norm;
+  Projection qkv[3], o, gate_up[2], down;
+};
+
+class DecodeStack {
+ public:
+  // `layers`: per layer [input norm, post-attention norm, q norm, k norm (both empty when
+  // the family has none), then q, k, v, o, gate, up, down as (weight, scales, minimums,
+  // bias) each, minimums empty for int8 and bias empty when absent].
+  DecodeStack(std::vector<std::vector<torch::Tensor>> layers, torch::Tensor final_norm,
+              int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)),
+        final_norm_(final_norm) {
+    TORCH_CHECK(head_dim <= 512 && head_dim % 2 == 0 && heads % kv_heads == 0,
+                "DecodeStack: head_dim must be even and at most 512, heads a multiple of "
+                "kv_heads");
+    for (const auto& t : layers) {
+      TORCH_CHECK(t.size() == 4 + 7 * 4, "DecodeStack: a layer is 32 tensors, not ",
+                  t.size());
+      for (const auto& tensor : t) held_.push_back(tensor);
+      Layer l{};
+      l.input_norm = t[0].data_ptr<float>();
+      l.post_norm = t[1].data_ptr<float>();
+      l.q_norm = t[2].numel() ? t[2].data_ptr<float>() : nullptr;
+      l.k_norm = t[3].numel() ? t[3].data_ptr<float>() : nullptr;
+      Projection* slots[7] = {&l.qkv[0], &l.qkv[1], &l.qkv[2], &l.o, &l.gate_up[0],
+                              &l.gate_up[1], &l.down};
+      static const char* names[7] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj"};
+      for (int i = 0; i < 7; ++i) {
+        const int b = 4 + 4 * i;
+        *slots[i] = projection(t[b], t[b + 1], t[b + 2], t[b + 3], names[i]);
+      }
+      hidden_ = l.qkv[0].k;
+      intermediate_ = l.down.k;
+      TORCH_CHECK(l.qkv[0].n == heads * head_dim && l.qkv[1].n == kv_heads * head_dim &&
+                      l.qkv[2].n == kv_heads * head_dim && l.o.n == hidden_ &&
+                      l.o.k == heads * head_dim && l.gate_up[0].n == intermediate_ &&
+                      l.gate_up[1].n == intermediate_ && l.down.n == hidden_,
+                  "DecodeStack: projection shapes do not fit the heads and sizes given");
+      layers_.push_back(l);
+    }
+    TORCH_CHECK(final_norm.scalar_type() == torch::kFloat32 && final_norm.numel() == hidden_,
+                "DecodeStack: a float32 final norm of the hidden size");
+  }
+
+  // x [M, hidden] float32 (the embedded tokens); cos, sin [M, head_dim]; kv_cache
+  // [layers, 2, blocks, block_size, kv_heads, head_dim] float32; slots [M] int64;
+  // tables [M, W] int64; lens [M] int64 (each row's context, its own token included).
+  // Returns the final-normed hidden states [M, hidden].
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                        torch::Tensor kv_cache, torch::Tensor slots, torch::Tensor tables,
+                        torch::Tensor lens, double scale) {
+    const int64_t rows = x.size(0), h = hidden_, d = head_dim_;
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == h && x.scalar_type() == torch::kFloat32,
+                "DecodeStack.forward: x must be float32 [M, ", h, "]");
+    TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == torch::kFloat32 &&
+                    kv_cache.dim() == 6 && kv_cache.size(0) == (int64_t)layers_.size() &&
+                    kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == d,
+                "DecodeStack.forward: a contiguous float32 KV pool of this model's shape");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == rows &&
+                    cos.size(-1) == d && slots.numel() == rows && lens.numel() == rows &&
+                    tables.size(0) == rows && tables.is_contiguous(),
+                "DecodeStack.forward: one RoPE row, slot, block table and length per row");
+    auto out = x.clone();
+    float* res = out.data_ptr<float>();
+    const int64_t q_width = heads_ * d, kv_width = kv_heads_ * d, inter = intermediate_;
+    normed_.resize(rows * h);
+    q_.resize(rows * q_width);
+    k_.resize(rows * kv_width);
+    v_.resize(rows * kv_width);
+    attn_.resize(rows * q_width);
+    proj_.resize(rows * h);
+    gate_.resize(rows * inter);
+    up_.resize(rows * inter);
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+    const int64_t layer_stride = 2 * blocks * block_size * kv_width;
+    float* pool = kv_cache.data_ptr<float>();
+    const int64_t* table_p = tables.data_ptr<int64_t>();
+    const int64_t* len_p = lens.data_ptr<int64_t>();
+    for (int64_t m = 0; m < rows; ++m) {
+      TORCH_CHECK(slot[m] >= 0 && slot[m] < blocks * block_size,
+                  "DecodeStack.forward: slot ", slot[m], " is outside the KV pool");
+      TORCH_CHECK(len_p[m] >= 1 && len_p[m] <= tables.size(1) * block_size,
+                  "DecodeStack.forward: context length ", len_p[m], " exceeds its block table");
+      for (int64_t b = 0; b * block_size < len_p[m]; ++b) {
+        const int64_t id = table_p[m * tables.size(1) + b];
+        TORCH_CHECK(id >= 0 && id < blocks, "DecodeStack.forward: block ", id,
+                    " is outside the KV pool");
+      }
+    }
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const Layer& l = layers_[li];
+      for (int64_t m = 0; m < rows; ++m) {
+        norm_row(res + m * h, l.input_norm, h, eps_, normed_.data() + m * h);
+      }
+      float* qkv_out[3] = {q_.data(), k_.data(), v_.data()};
+      project(l.qkv, 3, normed_.data(), rows, xq_, qkv_out);
+      float* k_cache = pool + li * layer_stride;
+      float* v_cache = k_cache + blocks * block_size * kv_width;
+      for (int64_t m = 0; m < rows; ++m) {
+        for (int64_t hd = 0; hd < heads_; ++hd) {
+          float* head = q_.data() + m * q_width + hd * d;
+          if (l.q_norm != nullptr) norm_row(head, l.q_norm, d, eps_, head);
+          rope_head(head, cp + m * d, sp + m * d, d);
+        }
+        for (int64_t hd = 0; hd < kv_heads_; ++hd) {
+          float* head = k_.data() + m * kv_width + hd * d;
+          if (l.k_norm != nullptr) norm_row(head, l.k_norm, d, eps_, head);
+          rope_head(head, cp + m * d, sp + m * d, d);
+        }
+        std::copy_n(k_.data() + m * kv_width, kv_width, k_cache + slot[m] * kv_width);
+        std::copy_n(v_.data() + m * kv_width, kv_width, v_cache + slot[m] * kv_width);
+      }
+      attend(k_cache, v_cache, tables, lens, block_size, static_cast<float>(scale), rows);
+      float* o_out[1] = {proj_.data()};
+      project(&l.o, 1, attn_.data(), rows, xq_, o_out);
+      for (int64_t i = 0; i < rows * h; ++i) res[i] += proj_[i];
+      for (int64_t m = 0; m < rows; ++m) {
+        norm_row(res + m * h, l.post_norm, h, eps_, normed_.data() + m * h);
+      }
+      float* gu_out[2] = {gate_.data(), up_.data()};
+      project(l.gate_up, 2, normed_.data(), rows, xq_, gu_out);
+      for (int64_t i = 0; i < rows * inter; ++i) {
+        const float g = gate_[i];
+        gate_[i] = g / (1.f + std::exp(-g)) * up_[i];
+      }
+      float* down_out[1] = {proj_.data()};
+      project(&l.down, 1, gate_.data(), rows, xq_, down_out);
+      for (int64_t i = 0; i < rows * h; ++i) res[i] += proj_[i];
+    }
+    const float* fw = final_norm_.data_ptr<float>();
+    for (int64_t m = 0; m < rows; ++m) norm_row(res + m * h, fw, h, eps_, res + m * h);
+    return out;
+  }
+
+ private:
+  // attn_ = softmax(q k^T * scale) v per (row, query head), keys and values read in
+  // place from their blocks.
+  void attend(const float* k_cache, const float* v_cache, const torch::Tensor& tables,
+              const torch::Tensor& lens, int64_t block_size, float scale, int64_t rows) {
+    const int64_t d = head_dim_, group = heads_ / kv_heads_, kv_width = kv_heads_ * d;
+    const int64_t width = tables.size(1);
+    const int64_t* table_p = tables.data_ptr<int64_t>();
+    const int64_t* len_p = lens.data_ptr<int64_t>();
+    at::parallel_for(0, rows * heads_, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t m = item / heads_, hd = item % heads_, len = len_p[m];
+        const int64_t* table = table_p + m * width;
+        const float* q = q_.data() + item * d;
+        const int64_t kv_offset = (hd / group) * d;
+        scores.resize(len);
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t pos = 0; pos < len; ++pos) {
+          const float* key = k_cache + (table[pos / block_size] * block_size +
+                                        pos % block_size) * kv_width + kv_offset;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < d; ++i) s += q[i] * key[i];
+          scores[pos] = s * scale;
+          top = std::max(top, scores[pos]);
+        }
+        float total = 0.f;
+        for (int64_t pos = 0; pos < len; ++pos) {
+          scores[pos] = std::exp(scores[pos] - top);
+          total += scores[pos];
+        }
+        float* o = attn_.data() + item * d;
+        std::fill_n(o, d, 0.f);
+        const float inv = 1.f / total;
+        for (int64_t pos = 0; pos < len; ++pos) {
+          const float* value = v_cache + (table[pos / block_size] * block_size +
+                                          pos % block_size) * kv_width + kv_offset;
+          const float p = scores[pos] * inv;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) o[i] += p * value[i];
+        }
+      }
+    });
+  }
+
+  int64_t heads_, kv_heads_, head_dim_, hidden_ = 0, intermediate_ = 0;
+  float eps_;
+  torch::Tensor final_norm_;
+  std::vector<torch::Tensor> held_;  // keeps every weight's storage alive
+  std::vector<Layer> layers_;
+  QuantizedRows xq_;
+  std::vector<float> normed_, q_, k_, v_, attn_, proj_, gate_, up_;
+};
+
+}  // namespace
