@@ -177,12 +177,17 @@ def concurrent(base: str, model: str, requests: list) -> dict[str, float]:
     return {"tok_s": tokens / wall, "tokens": tokens, "wall_s": wall}
 
 
-def measure(base: str, model: str, prompt: str, requests: list, repeats: int) -> dict:
-    """Both workloads; a workload the server fails (an HTTP error, a timeout) is reported
-    as its error, and the other still measured."""
+WORKLOADS = ("batch1", "concurrent64")
+
+
+def measure(base: str, model: str, prompt: str, requests: list, repeats: int,
+            workloads: tuple[str, ...] = WORKLOADS) -> dict:
+    """The workloads asked for; a workload the server fails (an HTTP error, a timeout) is
+    reported as its error, and the others still measured."""
     out: dict = {}
-    for name, run in (("batch1", lambda: batch1(base, model, prompt, repeats)),
-                      ("concurrent64", lambda: concurrent(base, model, requests))):
+    runs = {"batch1": lambda: batch1(base, model, prompt, repeats),
+            "concurrent64": lambda: concurrent(base, model, requests)}
+    for name, run in ((w, runs[w]) for w in workloads):
         try:
             out[name] = run()
         except httpx.HTTPError as exc:
@@ -201,9 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--tandem-config", action="append", default=[], metavar="NAME=ARGS",
                    help="a Tandem configuration: its name and extra `tandem serve` flags")
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--build-only", action="store_true")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
+    workloads = tuple(w for w in args.workloads.split(",") if w)
+    unknown = sorted(set(workloads) - set(WORKLOADS))
+    if unknown:
+        p.error(f"--workloads: unknown {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
     bins = build_llamacpp(args.amx == "on", jobs=os.cpu_count() or 2)
     if args.build_only:
         return 0
@@ -232,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                  str(args.requests * 800), "--no-webui"],
                 f"http://127.0.0.1:{port}/health", logs / "peer-llama-server.log"):
         results["llama.cpp"] = measure(f"http://127.0.0.1:{port}", "m", prompt, requests,
-                                       args.repeats)
+                                       args.repeats, workloads)
     for name, extra in configs:
         port = free_port()
         argv = [str(Path(sys.executable).parent / "tandem"), "serve", "--model", model,
@@ -244,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 served = httpx.get(f"http://127.0.0.1:{port}/v1/models",
                                    timeout=10).json()["data"][0]["id"]
                 results[f"tandem {name}"] = measure(f"http://127.0.0.1:{port}", served,
-                                                    prompt, requests, args.repeats)
+                                                    prompt, requests, args.repeats, workloads)
         except RuntimeError as exc:
             print(f"tandem {name} ({extra}): {exc}", flush=True)
     peer = results["llama.cpp"]
@@ -252,17 +263,19 @@ def main(argv: list[str] | None = None) -> int:
           " batch 1 / llama.cpp | 64 / llama.cpp |")
     print("|---|---|---|---|---|---|---|")
     def ratio(r: dict, workload: str) -> str:
+        if workload not in r:
+            return "-"
         mine, theirs = r[workload].get("tok_s"), peer[workload].get("tok_s")
         return "failed" if mine is None or theirs is None else f"{mine / theirs:.2f}x"
 
     for name, r in results.items():
-        if "batch1" not in r:
+        if not any(w in r for w in WORKLOADS):
             continue
-        b, c = r["batch1"], r["concurrent64"]
-        one = ("failed | - | -" if "error" in b else
+        b, c = r.get("batch1"), r.get("concurrent64")
+        one = ("- | - | -" if b is None else "failed | - | -" if "error" in b else
                f"{b['tok_s']:.1f} ({b['tok_s_min']:.1f}-{b['tok_s_max']:.1f}) | "
                f"{b['decode_tok_s']:.1f} | {b['ttft_s']:.3f}")
-        many = "failed" if "error" in c else f"{c['tok_s']:.1f}"
+        many = "-" if c is None else "failed" if "error" in c else f"{c['tok_s']:.1f}"
         print(f"| {name} | {one} | {many} | {ratio(r, 'batch1')} | "
               f"{ratio(r, 'concurrent64')} |")
     if args.json:

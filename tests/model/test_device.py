@@ -367,3 +367,7 @@ def test_dtype_auto_picks_bfloat16_only_on_cpus_that_multiply_it_in_hardware() -
     assert auto_dtype("cuda", "float32", amx, env={}) == "float32"
     assert auto_dtype("cpu", "float32", amx, env={"TANDEM_CPU_BF16": "0"}) == "float32"
     assert auto_dtype("cpu", "float32", avx2, env={"TANDEM_CPU_BF16": "1"}) == "bfloat16"
+    # quantized weights: float32 activations for the native integer kernels, on any CPU
+    assert auto_dtype("cpu", "float32", amx, env={}, quantized=True) == "float32"
+    assert auto_dtype("cpu", "float32", avx512_bf16, env={}, quantized=True) == "float32"
+    assert auto_dtype("cuda", "bfloat16", amx, env={}, quantized=True) == "bfloat16"

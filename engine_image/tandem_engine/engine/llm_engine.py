@@ -111,7 +111,7 @@ class LLMEngine:
         self.model_config = model_config
         self.config = engine_config
         self.tokenizer = tokenizer
-        dtype = resolve_dtype(model_config, engine_config)
+        dtype = resolve_dtype(model_config, engine_config, tensors)
         mtp_heads, draft = speculation_inputs(engine_config, model_config, tensors, tokenizer,
                                               dtype, source)
         context = model_config.max_position_embeddings

@@ -52,6 +52,9 @@ def resolve_device(name: str, cuda: Any = torch.cuda) -> torch.device:
 # --dtype auto on a CPU: bfloat16 where the CPU multiplies bfloat16 in hardware (AMX tiles or
 # AVX-512 BF16 dot products: oneDNN's bf16 matmuls ran 2-3x its float32 ones on such a Xeon),
 # float32 elsewhere (there bfloat16 is widened in software and runs slower than float32).
+# Weights served quantized (int4/int8) run float32 activations on every CPU: the native
+# integer kernels round activations to int8 themselves, and a decode step runs as one fused
+# call there (model/fused_decode.py), 2-3x torch's bfloat16 weight-only kernels at batch 1.
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 # "0" keeps auto at float32 on every CPU, "1" picks bfloat16 on every CPU (the test suite
 # sets 0: its references are float32).
@@ -71,15 +74,17 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
 
 
 def auto_dtype(device_type: str, checkpoint_dtype: str, flags: frozenset[str] | None = None,
-               env: dict[str, str] | None = None) -> str:
-    """What `--dtype auto` means: on a CPU, bfloat16 when it has one of BF16_CPU_FLAGS
-    (unless $TANDEM_CPU_BF16 says otherwise) and float32 when not; on a GPU the
-    checkpoint's own dtype."""
+               env: dict[str, str] | None = None, quantized: bool = False) -> str:
+    """What `--dtype auto` means: on a CPU, float32 for quantized weights, else bfloat16
+    when it has one of BF16_CPU_FLAGS and float32 when not ($TANDEM_CPU_BF16 overrides
+    both); on a GPU the checkpoint's own dtype."""
     if device_type != "cpu":
         return checkpoint_dtype
     override = (os.environ if env is None else env).get(CPU_BF16_ENV)
     if override in ("0", "1"):
         return "bfloat16" if override == "1" else "float32"
+    if quantized:
+        return "float32"
     flags = cpu_flags() if flags is None else flags
     return "bfloat16" if any(flag in flags for flag in BF16_CPU_FLAGS) else "float32"
 

@@ -47,6 +47,7 @@ INT4_GROUP = 32  # input columns per int4 scale and zero (a GGUF block)
 # runs the float32 matmul (an SmolLM2 1536x576 projection: ~25-30 us a row through the
 # int8 dot products; 1.0 ms at 25 rows, 1.2 ms at 64 and 6.9 ms at 512 dequantized).
 NATIVE_MAX_ROWS = 32
+NATIVE_BLOCK_ROWS = 16  # int4 output rows the native kernels interleave (one per vector lane)
 _INT4_MID = 8  # the kernels' zero point: w = (q - 8) * scale + zero
 _COMPUTE_DTYPE = torch.bfloat16  # what the CPU kernels are fast in
 
@@ -200,9 +201,11 @@ class QuantLinear(nn.Module):
         self.packed_scales = both.to(device=self.device, dtype=scale_dtype).contiguous()
 
     def _pack_native(self, weight: QuantizedWeight) -> None:
-        """int8: the values and float32 scales as they are; int4: each group's 16 bytes
-        hold its first 16 columns in the low nibbles, its last 16 in the high ones, and
-        its scale and minimum (w = q * scale + minimum) are float16, as a GGUF Q4 block's
+        """int8: the values and float32 scales as they are. int4: interleaved by 16 output
+        rows for the kernels' vector lanes (csrc/quant_matvec.cpp: block b, group g is 256
+        bytes, chunk c holding each row's columns 4c..4c+3 in low nibbles and 16+4c..
+        16+4c+3 in high ones), the rows padded to a multiple of 16 with zeros; scales and
+        minimums (w = q * scale + minimum) float16 [N/16, K/32, 16], as a GGUF Q4 block's
         (exact for Q4_0/Q4_1; rounded for Q4_K's products and at-load quantization)."""
         if self.scheme.kind == "int8":
             self.packed = weight.values.contiguous()
@@ -210,12 +213,20 @@ class QuantLinear(nn.Module):
             self.packed_mins: torch.Tensor | None = None
             return
         assert weight.zeros is not None
-        groups = weight.values.unflatten(1, (-1, INT4_GROUP))
-        half = INT4_GROUP // 2
-        self.packed = (groups[..., :half] | (groups[..., half:] << 4)).flatten(1).contiguous()
-        self.packed_scales = weight.scales.to(torch.float16).contiguous()
-        self.packed_mins = (weight.zeros - _INT4_MID * weight.scales).to(
-            torch.float16).contiguous()  # the group's minimum
+        n, k = weight.shape
+        pad = -n % NATIVE_BLOCK_ROWS
+        values = F.pad(weight.values, (0, 0, 0, pad))
+        mins = F.pad(weight.zeros - _INT4_MID * weight.scales, (0, 0, 0, pad))
+        scales = F.pad(weight.scales, (0, 0, 0, pad))
+        blocks, groups, half = (n + pad) // NATIVE_BLOCK_ROWS, k // INT4_GROUP, INT4_GROUP // 2
+        v = values.view(blocks, NATIVE_BLOCK_ROWS, groups, INT4_GROUP)
+        nibbles = v[..., :half] | (v[..., half:] << 4)  # [b, row, g, 16]: columns i, 16 + i
+        self.packed = (nibbles.view(blocks, NATIVE_BLOCK_ROWS, groups, 4, 4)
+                       .permute(0, 2, 3, 1, 4).reshape(blocks, groups * 256).contiguous())
+        self.packed_scales = (scales.view(blocks, NATIVE_BLOCK_ROWS, groups).transpose(1, 2)
+                              .to(torch.float16).contiguous())
+        self.packed_mins = (mins.view(blocks, NATIVE_BLOCK_ROWS, groups).transpose(1, 2)
+                            .to(torch.float16).contiguous())
 
     def load_weight(self, weight: QuantizedWeight) -> None:
         """Pack `weight` in place of the current one (same scheme and shape)."""
@@ -240,14 +251,14 @@ class QuantLinear(nn.Module):
             weight = (self.native.int8_dequantize(self.packed, self.packed_scales)
                       if self.scheme.kind == "int8" else
                       self.native.int4_dequantize(self.packed, self.packed_scales,
-                                                  self.packed_mins))
+                                                  self.packed_mins, self.packed_shape[0]))
             out = F.linear(rows, weight)
         elif self.native is not None:
             rows = rows.contiguous()
             out = (self.native.int8_matvec(rows, self.packed, self.packed_scales)
                    if self.scheme.kind == "int8" else
                    self.native.int4_matvec(rows, self.packed, self.packed_scales,
-                                           self.packed_mins))
+                                           self.packed_mins, self.packed_shape[0]))
         elif self.scheme.kind == "int8":
             if self.device.type == "cuda":
                 out = F.linear(rows, self.packed.to(rows.dtype)) * self.packed_scales.to(

@@ -43,9 +43,14 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(model_config: ModelConfig, engine_config: EngineConfig) -> str:
+def resolve_dtype(model_config: ModelConfig, engine_config: EngineConfig,
+                  tensors: dict[str, torch.Tensor | QuantizedWeight] | None = None) -> str:
+    """The engine's dtype; `--dtype auto` also depends on whether `tensors` (the loaded
+    checkpoint) hold quantized weights (model/device.auto_dtype)."""
     if engine_config.dtype == "auto":
-        return auto_dtype(torch.device(engine_config.device).type, model_config.dtype)
+        quantized = any(isinstance(t, QuantizedWeight) for t in (tensors or {}).values())
+        return auto_dtype(torch.device(engine_config.device).type, model_config.dtype,
+                          quantized=quantized)
     return normalize_dtype(engine_config.dtype, "engine option", "dtype")
 
 
@@ -185,7 +190,7 @@ class ModelRunner:
         self.device = torch.device(engine_config.device)
         if self.device.type == "cpu":
             keep_freed_memory()
-        self.dtype = DTYPES[resolve_dtype(model_config, engine_config)]
+        self.dtype = DTYPES[resolve_dtype(model_config, engine_config, tensors)]
         self.quantization = engine_config.quantization  # a refit loads under it too
         self.block_size = engine_config.block_size
         self.kv_shape = (model_config.num_layers, 2, num_blocks, self.block_size,

@@ -9,93 +9,11 @@
 // output projection and residual, RMSNorm, gate and up (one pass), SiLU(gate) * up, the
 // down projection and residual; then the final norm. Work buffers persist between calls.
 //
-// Projections are quant_matvec.cpp's int4 (groups of 32, float16 scale and minimum) or
-// int8 (a float32 scale per row) weights, times activations rounded to int8 per group of
-// 32. Output rows are split over ATen's pool; attention over (row, head) pairs.
+// Projections are quant_matvec.cpp's (`project`): int4 weights interleaved by 16 rows or
+// int8 rows, times activations rounded to int8 per group of 32, output blocks split over
+// ATen's pool; attention over (row, head) pairs.
 
 namespace {
-
-struct Projection {
-  bool int4 = true;
-  int64_t n = 0, k = 0;
-  const uint8_t* w4 = nullptr;
-  const int8_t* w8 = nullptr;
-  const at::Half* s4 = nullptr;
-  const at::Half* mn4 = nullptr;
-  const float* s8 = nullptr;
-  const float* bias = nullptr;
-};
-
-Projection projection(const torch::Tensor& w, const torch::Tensor& s, const torch::Tensor& mn,
-                      const torch::Tensor& bias, const char* what) {
-  Projection p;
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && s.is_contiguous(), what,
-              ": a contiguous [N, K] weight and its scales");
-  p.n = w.size(0);
-  if (w.scalar_type() == torch::kUInt8) {
-    p.k = w.size(1) * 2;
-    TORCH_CHECK(s.scalar_type() == torch::kHalf && mn.scalar_type() == torch::kHalf &&
-                    mn.is_contiguous() && s.numel() == p.n * (p.k / kGroup) &&
-                    mn.numel() == s.numel(),
-                what, ": int4 weights take float16 scales and minimums [N, K/32]");
-    p.w4 = w.data_ptr<uint8_t>();
-    p.s4 = s.data_ptr<at::Half>();
-    p.mn4 = mn.data_ptr<at::Half>();
-  } else {
-    TORCH_CHECK(w.scalar_type() == torch::kInt8 && s.scalar_type() == torch::kFloat32 &&
-                    s.numel() == p.n,
-                what, ": int8 weights take float32 scales [N]");
-    p.int4 = false;
-    p.k = w.size(1);
-    p.w8 = w.data_ptr<int8_t>();
-    p.s8 = s.data_ptr<float>();
-  }
-  TORCH_CHECK(p.k % kGroup == 0, what, ": K=", p.k, " must be a multiple of 32");
-  if (bias.numel()) {
-    TORCH_CHECK(bias.scalar_type() == torch::kFloat32 && bias.numel() == p.n &&
-                    bias.is_contiguous(),
-                what, ": a float32 bias of N values");
-    p.bias = bias.data_ptr<float>();
-  }
-  return p;
-}
-
-// outs[i] ([rows, projs[i].n]) = x times each projection (all of the same K), the
-// activations quantized once; one parallel pass over every output row of all of them.
-void project(const Projection* projs, int count, const float* x, int64_t rows,
-             QuantizedRows& xq, float* const* outs) {
-  const int64_t k = projs[0].k, groups = k / kGroup;
-  quantize_into(x, rows, k, xq);
-  int64_t total = 0;
-  for (int i = 0; i < count; ++i) total += projs[i].n;
-  at::parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
-    float part[kMaxRows];
-    int i = 0;
-    int64_t first = 0;  // output rows before projection i
-    for (int64_t j = begin; j < end; ++j) {
-      while (j >= first + projs[i].n) first += projs[i++].n;
-      const Projection& p = projs[i];
-      const int64_t row = j - first;
-      float* out = outs[i];
-      if (p.int4) {
-        for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-          const int64_t r = std::min(kMaxRows, rows - m0);
-          int4_dot(p.w4 + row * (k / 2), p.s4 + row * groups, p.mn4 + row * groups, xq, m0,
-                    r, groups, part);
-          for (int64_t m = 0; m < r; ++m) out[(m0 + m) * p.n + row] = part[m];
-        }
-      } else {
-        for (int64_t m = 0; m < rows; ++m) {
-          out[m * p.n + row] = int8_row(p.w8 + row * k, p.s8[row], xq.values.data() + m * k,
-                                        xq.scales.data() + m * groups, groups);
-        }
-      }
-      if (p.bias != nullptr) {
-        for (int64_t m = 0; m < rows; ++m) out[m * p.n + row] += p.bias[row];
-      }
-    }
-  });
-}
 
 // One row's RMSNorm, as quant_matvec.cpp's rms_norm (the mean of squares in double).
 inline void norm_row(const float* x, const float* w, int64_t d, float eps, float* out) {
@@ -149,16 +67,21 @@ class DecodeStack {
                               &l.gate_up[1], &l.down};
       static const char* names[7] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                      "up_proj", "down_proj"};
+      // Output sizes: int4 weights are padded to 16 rows, so they come from the shapes.
+      const int64_t hidden = t[0].numel();
+      const int64_t inter = t[4 + 4 * 6].scalar_type() == torch::kUInt8
+                                ? t[4 + 4 * 6].size(1) / 8 : t[4 + 4 * 6].size(1);
+      const int64_t sizes[7] = {heads * head_dim, kv_heads * head_dim, kv_heads * head_dim,
+                                hidden, inter, inter, hidden};
       for (int i = 0; i < 7; ++i) {
         const int b = 4 + 4 * i;
-        *slots[i] = projection(t[b], t[b + 1], t[b + 2], t[b + 3], names[i]);
+        *slots[i] = projection(t[b], t[b + 1], t[b + 2], t[b + 3], sizes[i], names[i]);
       }
-      hidden_ = l.qkv[0].k;
-      intermediate_ = l.down.k;
-      TORCH_CHECK(l.qkv[0].n == heads * head_dim && l.qkv[1].n == kv_heads * head_dim &&
-                      l.qkv[2].n == kv_heads * head_dim && l.o.n == hidden_ &&
-                      l.o.k == heads * head_dim && l.gate_up[0].n == intermediate_ &&
-                      l.gate_up[1].n == intermediate_ && l.down.n == hidden_,
+      hidden_ = hidden;
+      intermediate_ = inter;
+      TORCH_CHECK(l.qkv[0].k == hidden && l.qkv[1].k == hidden && l.qkv[2].k == hidden &&
+                      l.o.k == heads * head_dim && l.gate_up[0].k == hidden &&
+                      l.gate_up[1].k == hidden,
                   "DecodeStack: projection shapes do not fit the heads and sizes given");
       layers_.push_back(l);
     }
