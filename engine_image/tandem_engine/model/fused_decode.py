@@ -6,12 +6,13 @@ dispatch costs as much as the arithmetic. `csrc/decode_stack.cpp` runs the same 
 in one call with persistent work buffers: `FusedDecode.build` hands it every layer's
 packed weights once, and the runner calls it for steps of decodes only with at most
 `quant.NATIVE_MAX_ROWS` rows (prefill chunks, speculative verification and larger
-batches take the eager path, whose matmuls are what counts there).
+batches take the eager path, whose matmuls are what counts there), and `logits` for the
+output head of such a step.
 
 It applies when the model is `llama.CausalLM`'s layer structure (llama, mistral, qwen2,
 qwen3: RMSNorms, optional per-head q/k norms, q/k/v/o and gate/up/down projections) with
-every projection quantized for the native kernels (`QuantLinear` on a float32 CPU
-engine). `build` returns None, and says why, for anything else. The result is the eager
+every projection, the output head included, quantized for the native kernels
+(`QuantLinear` on a float32 CPU engine). `build` returns None, and says why, for anything else. The result is the eager
 path's up to float rounding (the same kernels and order for the projections; RoPE and
 SiLU in plain C++): tests/model/test_fused_decode.py holds them together.
 """
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from tandem_engine.model.attention import AttentionMetadata
-from tandem_engine.model.quant import NATIVE_MAX_ROWS, QuantLinear
+from tandem_engine.model.quant import NATIVE_MAX_ROWS, QuantEmbedding, QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,14 @@ class FusedDecode:
                             _NONE if mins is None else mins,
                             _NONE if proj.bias is None else proj.bias.contiguous()]
             layers.append(tensors)
-        stack = native.DecodeStack(layers, _norm_weight(model.model.norm), c.num_heads,
-                                   c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        head = _head(model)
+        assert head is not None  # _unsupported checked it
+        mins = getattr(head, "packed_mins", None)
+        stack = native.DecodeStack(
+            layers, _norm_weight(model.model.norm),
+            [head.packed, head.packed_scales, _NONE if mins is None else mins,
+             _NONE if head.bias is None else head.bias.contiguous()],
+            c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
         return cls(stack, model)
 
     @staticmethod
@@ -87,9 +94,22 @@ class FusedDecode:
                                    kv_cache, meta.slot_mapping, meta.decode_blocks,
                                    meta.decode_lens, self._scale)
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's `logits` of a fused step's rows, on the stack's own threads."""
+        return self._stack.logits(hidden.contiguous())
+
 
 def _norm_weight(norm: nn.Module) -> torch.Tensor:
     return norm.weight.detach().contiguous()
+
+
+def _head(model: nn.Module) -> QuantLinear | None:
+    """The output head as a natively packed projection (the tied embedding's rows or
+    the LM head), or None."""
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is None and isinstance(model.model.embed_tokens, QuantEmbedding):
+        lm_head = model.model.embed_tokens.head
+    return lm_head if isinstance(lm_head, QuantLinear) and lm_head.native is not None else None
 
 
 def _unsupported(model: nn.Module, native: ModuleType | None) -> str | None:
@@ -107,4 +127,6 @@ def _unsupported(model: nn.Module, native: ModuleType | None) -> str | None:
             proj = getattr(getattr(layer, owner, None), name, None)
             if not isinstance(proj, QuantLinear) or proj.native is None:
                 return f"{owner}.{name} is not a natively packed quantized projection"
+    if _head(model) is None:
+        return "the output head is not a natively packed quantized projection"
     return None

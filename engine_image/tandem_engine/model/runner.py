@@ -424,11 +424,12 @@ class ModelRunner:
             return StepBatch(logits.index_select(0, step.sample_rows), step.requests,
                              step.drafts)
         assert step.meta is not None
-        run = self.fused if self.fused is not None and FusedDecode.takes(step.meta) \
-            else self.model
+        fused = self.fused if self.fused is not None and FusedDecode.takes(step.meta) \
+            else None
+        run = fused or self.model
         hidden = run(step.input_ids, step.positions, self.kv_cache, step.meta)
         sampled = hidden.index_select(0, step.sample_rows)
-        logits = self.model.logits(sampled)
+        logits = (fused or self.model).logits(sampled)
         prompt_logits = [(request, first, self.model.logits(hidden.index_select(0, rows)))
                          for request, first, rows in step.prompt_rows]
         return StepBatch(logits, step.requests, step.drafts, prompt_logits,

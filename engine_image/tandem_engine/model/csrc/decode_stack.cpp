@@ -10,10 +10,115 @@
 // down projection and residual; then the final norm. Work buffers persist between calls.
 //
 // Projections are quant_matvec.cpp's (`project`): int4 weights interleaved by 16 rows or
-// int8 rows, times activations rounded to int8 per group of 32, output blocks split over
-// ATen's pool; attention over (row, head) pairs.
+// int8 rows, times activations rounded to int8 per group of 32. Work is shared by
+// `WorkPool`, not ATen's OpenMP team: a step makes ~150 parallel passes, and an OpenMP
+// barrier waits for every thread of the team. Where the engine shares its cores with a
+// router and its own I/O thread, the second thread is often not running, and each pass
+// waited for it (a served token took twice as long as in process).
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define TANDEM_PAUSE() _mm_pause()
+#else
+#define TANDEM_PAUSE() std::this_thread::yield()
+#endif
 
 namespace {
+
+// Work sharing without a barrier: the caller posts a job of `items`; helpers that are
+// running take items from a shared counter and so does the caller, who then waits only
+// for items already taken. A helper the OS has not scheduled is never waited for: the
+// caller does its share. Helpers spin a while between jobs (a step's passes follow each
+// other within microseconds), then sleep until the next one.
+class WorkPool {
+ public:
+  explicit WorkPool(int helpers) {
+    for (int i = 0; i < helpers; ++i) threads_.emplace_back([this] { help(); });
+  }
+  ~WorkPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  WorkPool(const WorkPool&) = delete;
+  WorkPool& operator=(const WorkPool&) = delete;
+
+  void run(int64_t items, const std::function<void(int64_t)>& body) {
+    if (threads_.empty() || items <= 1) {
+      for (int64_t i = 0; i < items; ++i) body(i);
+      return;
+    }
+    Job job{&body, items};
+    job_.store(&job);
+    generation_.fetch_add(1);
+    if (sleeping_.load() > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_all();
+    }
+    work(job);
+    while (job.done.load() < items) TANDEM_PAUSE();  // items helpers took, still running
+    job_.store(nullptr);
+    while (inside_.load() != 0) TANDEM_PAUSE();  // nobody holds `job` any more
+  }
+
+ private:
+  struct Job {
+    const std::function<void(int64_t)>* body;
+    int64_t items;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+
+  static void work(Job& job) {
+    int64_t finished = 0;  // told once: each shared update moves a cache line between cores
+    for (int64_t i = job.next.fetch_add(1); i < job.items; i = job.next.fetch_add(1)) {
+      (*job.body)(i);
+      ++finished;
+    }
+    if (finished) job.done.fetch_add(finished);
+  }
+
+  void help() {
+    uint64_t seen = generation_.load();
+    while (true) {
+      int spins = 0;
+      while (generation_.load() == seen && !stop_.load() && spins < kSpins) {
+        TANDEM_PAUSE();
+        ++spins;
+      }
+      if (generation_.load() == seen && !stop_.load()) {
+        sleeping_.fetch_add(1);
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
+        sleeping_.fetch_sub(1);
+      }
+      if (stop_.load()) return;
+      seen = generation_.load();
+      inside_.fetch_add(1);
+      Job* job = job_.load();
+      if (job != nullptr) work(*job);
+      inside_.fetch_sub(1);
+    }
+  }
+
+  static constexpr int kSpins = 20000;  // ~100 us of pause instructions
+  std::vector<std::thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<Job*> job_{nullptr};
+  std::atomic<int> inside_{0};
+  std::atomic<int> sleeping_{0};
+};
 
 // One row's RMSNorm, as quant_matvec.cpp's rms_norm (the mean of squares in double).
 inline void norm_row(const float* x, const float* w, int64_t d, float eps, float* out) {
@@ -47,10 +152,14 @@ class DecodeStack {
   // `layers`: per layer [input norm, post-attention norm, q norm, k norm (both empty when
   // the family has none), then q, k, v, o, gate, up, down as (weight, scales, minimums,
   // bias) each, minimums empty for int8 and bias empty when absent].
+  // `head`: the output head's (weight, scales, minimums, bias) of `vocab` rows, as a
+  // projection's; see `logits`.
   DecodeStack(std::vector<std::vector<torch::Tensor>> layers, torch::Tensor final_norm,
-              int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+              std::vector<torch::Tensor> head, int64_t vocab, int64_t heads,
+              int64_t kv_heads, int64_t head_dim, double eps)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(static_cast<float>(eps)),
-        final_norm_(final_norm) {
+        final_norm_(final_norm),
+        pool_(std::make_unique<WorkPool>(std::max(0, at::get_num_threads() - 1))) {
     TORCH_CHECK(head_dim <= 512 && head_dim % 2 == 0 && heads % kv_heads == 0,
                 "DecodeStack: head_dim must be even and at most 512, heads a multiple of "
                 "kv_heads");
@@ -87,6 +196,22 @@ class DecodeStack {
     }
     TORCH_CHECK(final_norm.scalar_type() == torch::kFloat32 && final_norm.numel() == hidden_,
                 "DecodeStack: a float32 final norm of the hidden size");
+    TORCH_CHECK(head.size() == 4, "DecodeStack: the head is 4 tensors, not ", head.size());
+    for (const auto& tensor : head) held_.push_back(tensor);
+    head_ = projection(head[0], head[1], head[2], head[3], vocab, "head");
+    TORCH_CHECK(head_.k == hidden_, "DecodeStack: the head's K must be the hidden size");
+  }
+
+  // Float32 logits [M, vocab] of final-normed hidden states [M, hidden], on this stack's
+  // threads (as the model's `logits`).
+  torch::Tensor logits(torch::Tensor hidden) {
+    TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == hidden_ &&
+                    hidden.scalar_type() == torch::kFloat32 && hidden.is_contiguous(),
+                "DecodeStack.logits: contiguous float32 [M, ", hidden_, "]");
+    auto out = torch::empty({hidden.size(0), head_.n}, hidden.options());
+    float* o = out.data_ptr<float>();
+    project(&head_, 1, hidden.data_ptr<float>(), hidden.size(0), xq_, &o, for_each_);
+    return out;
   }
 
   // x [M, hidden] float32 (the embedded tokens); cos, sin [M, head_dim]; kv_cache
@@ -143,7 +268,7 @@ class DecodeStack {
         norm_row(res + m * h, l.input_norm, h, eps_, normed_.data() + m * h);
       }
       float* qkv_out[3] = {q_.data(), k_.data(), v_.data()};
-      project(l.qkv, 3, normed_.data(), rows, xq_, qkv_out);
+      project(l.qkv, 3, normed_.data(), rows, xq_, qkv_out, for_each_);
       float* k_cache = pool + li * layer_stride;
       float* v_cache = k_cache + blocks * block_size * kv_width;
       for (int64_t m = 0; m < rows; ++m) {
@@ -162,19 +287,19 @@ class DecodeStack {
       }
       attend(k_cache, v_cache, tables, lens, block_size, static_cast<float>(scale), rows);
       float* o_out[1] = {proj_.data()};
-      project(&l.o, 1, attn_.data(), rows, xq_, o_out);
+      project(&l.o, 1, attn_.data(), rows, xq_, o_out, for_each_);
       for (int64_t i = 0; i < rows * h; ++i) res[i] += proj_[i];
       for (int64_t m = 0; m < rows; ++m) {
         norm_row(res + m * h, l.post_norm, h, eps_, normed_.data() + m * h);
       }
       float* gu_out[2] = {gate_.data(), up_.data()};
-      project(l.gate_up, 2, normed_.data(), rows, xq_, gu_out);
+      project(l.gate_up, 2, normed_.data(), rows, xq_, gu_out, for_each_);
       for (int64_t i = 0; i < rows * inter; ++i) {
         const float g = gate_[i];
         gate_[i] = g / (1.f + std::exp(-g)) * up_[i];
       }
       float* down_out[1] = {proj_.data()};
-      project(&l.down, 1, gate_.data(), rows, xq_, down_out);
+      project(&l.down, 1, gate_.data(), rows, xq_, down_out, for_each_);
       for (int64_t i = 0; i < rows * h; ++i) res[i] += proj_[i];
     }
     const float* fw = final_norm_.data_ptr<float>();
@@ -191,39 +316,37 @@ class DecodeStack {
     const int64_t width = tables.size(1);
     const int64_t* table_p = tables.data_ptr<int64_t>();
     const int64_t* len_p = lens.data_ptr<int64_t>();
-    at::parallel_for(0, rows * heads_, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t m = item / heads_, hd = item % heads_, len = len_p[m];
-        const int64_t* table = table_p + m * width;
-        const float* q = q_.data() + item * d;
-        const int64_t kv_offset = (hd / group) * d;
-        scores.resize(len);
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t pos = 0; pos < len; ++pos) {
-          const float* key = k_cache + (table[pos / block_size] * block_size +
-                                        pos % block_size) * kv_width + kv_offset;
-          float s = 0.f;
+    pool_->run(rows * heads_, [&](int64_t item) {
+      thread_local std::vector<float> scores;
+      const int64_t m = item / heads_, hd = item % heads_, len = len_p[m];
+      const int64_t* table = table_p + m * width;
+      const float* q = q_.data() + item * d;
+      const int64_t kv_offset = (hd / group) * d;
+      scores.resize(len);
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const float* key = k_cache + (table[pos / block_size] * block_size +
+                                      pos % block_size) * kv_width + kv_offset;
+        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t i = 0; i < d; ++i) s += q[i] * key[i];
-          scores[pos] = s * scale;
-          top = std::max(top, scores[pos]);
-        }
-        float total = 0.f;
-        for (int64_t pos = 0; pos < len; ++pos) {
-          scores[pos] = std::exp(scores[pos] - top);
-          total += scores[pos];
-        }
-        float* o = attn_.data() + item * d;
-        std::fill_n(o, d, 0.f);
-        const float inv = 1.f / total;
-        for (int64_t pos = 0; pos < len; ++pos) {
-          const float* value = v_cache + (table[pos / block_size] * block_size +
-                                          pos % block_size) * kv_width + kv_offset;
-          const float p = scores[pos] * inv;
+        for (int64_t i = 0; i < d; ++i) s += q[i] * key[i];
+        scores[pos] = s * scale;
+        top = std::max(top, scores[pos]);
+      }
+      float total = 0.f;
+      for (int64_t pos = 0; pos < len; ++pos) {
+        scores[pos] = std::exp(scores[pos] - top);
+        total += scores[pos];
+      }
+      float* o = attn_.data() + item * d;
+      std::fill_n(o, d, 0.f);
+      const float inv = 1.f / total;
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const float* value = v_cache + (table[pos / block_size] * block_size +
+                                        pos % block_size) * kv_width + kv_offset;
+        const float p = scores[pos] * inv;
 #pragma omp simd
-          for (int64_t i = 0; i < d; ++i) o[i] += p * value[i];
-        }
+        for (int64_t i = 0; i < d; ++i) o[i] += p * value[i];
       }
     });
   }
@@ -233,8 +356,13 @@ class DecodeStack {
   torch::Tensor final_norm_;
   std::vector<torch::Tensor> held_;  // keeps every weight's storage alive
   std::vector<Layer> layers_;
+  Projection head_;
   QuantizedRows xq_;
   std::vector<float> normed_, q_, k_, v_, attn_, proj_, gate_, up_;
+  std::unique_ptr<WorkPool> pool_;
+  ForEach for_each_ = [this](int64_t items, const std::function<void(int64_t)>& body) {
+    pool_->run(items, body);
+  };
 };
 
 }  // namespace

@@ -12,7 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
   py::class_<DecodeStack>(m, "DecodeStack",
                           "A Llama-family decoder stack's decode step in one call (CPU)")
-      .def(py::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor, int64_t, int64_t,
-                    int64_t, double>())
-      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
+      .def(py::init<std::vector<std::vector<torch::Tensor>>, torch::Tensor,
+                    std::vector<torch::Tensor>, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
+      .def("logits", &DecodeStack::logits, py::call_guard<py::gil_scoped_release>());
 }

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -323,22 +324,34 @@ void project_block(const Projection& p, const QuantizedRows& xq, int64_t rows, i
   }
 }
 
+// Runs body(i) for i in 0..items-1 on some threads (`parallel_items`: ATen's pool).
+using ForEach = std::function<void(int64_t items, const std::function<void(int64_t)>& body)>;
+
+void parallel_items(int64_t items, const std::function<void(int64_t)>& body) {
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) body(i);
+  });
+}
+
 // outs[i] ([rows, projs[i].n]) = x times each projection (all of the same K), the
-// activations quantized once into `xq`; one parallel pass over the 16-row blocks of all.
+// activations quantized once into `xq`; one parallel pass over the 16-row blocks of all,
+// a few blocks an item.
 void project(const Projection* projs, int count, const float* x, int64_t rows,
-             QuantizedRows& xq, float* const* outs) {
+             QuantizedRows& xq, float* const* outs, const ForEach& for_each = parallel_items) {
   quantize_into(x, rows, projs[0].k, xq);
-  int64_t total = 0;
-  for (int i = 0; i < count; ++i) total += (projs[i].n + kRows - 1) / kRows;
-  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
-    int i = 0;
-    int64_t first = 0;  // blocks before projection i
-    for (int64_t j = begin; j < end; ++j) {
-      while (j >= first + (projs[i].n + kRows - 1) / kRows) {
-        first += (projs[i].n + kRows - 1) / kRows;
-        ++i;
-      }
-      project_block(projs[i], xq, rows, j - first, outs[i]);
+  int64_t starts[8], total = 0;  // the first block of each projection, in the joint count
+  TORCH_CHECK(count <= 7, "project: at most 7 projections at once");
+  for (int i = 0; i < count; ++i) {
+    starts[i] = total;
+    total += (projs[i].n + kRows - 1) / kRows;
+  }
+  starts[count] = total;
+  const int64_t chunk = std::max<int64_t>(1, total / 8);  // few items: each is a shared update
+  for_each((total + chunk - 1) / chunk, [&](int64_t item) {
+    for (int64_t j = item * chunk; j < std::min(total, (item + 1) * chunk); ++j) {
+      int i = 0;
+      while (j >= starts[i + 1]) ++i;
+      project_block(projs[i], xq, rows, j - starts[i], outs[i]);
     }
   });
 }
