@@ -34,6 +34,7 @@ def _eager_and_fused(llm: LLM, rows: int, context: int, seed: int = 0):
     ids = torch.randint(4, vocab, (rows,), generator=g)
     positions = torch.full((rows,), context - 1)
     out = []
+    before = runner.kv_cache.clone()
     for run in (runner.model, runner.fused):
         pool = runner.kv_cache.clone()  # each writes this step's keys into its own copy
         meta = build_metadata(tables, [context] * rows, [], slots, bs, runner.device,
@@ -41,15 +42,24 @@ def _eager_and_fused(llm: LLM, rows: int, context: int, seed: int = 0):
         with torch.inference_mode():
             hidden = run(ids, positions, pool, meta)
             out.append((hidden, run.logits(hidden), pool))
-    return out
+    return (*out, before, rows)
 
 
-def _assert_close(eager, fused) -> None:
+def _assert_close(eager, fused, pool_before: torch.Tensor, rows: int) -> None:
+    """Rounding apart, as the int8 rounding of activations amplifies it: a last-bit
+    difference can flip one value of a group (seen: 3e-3 of the hidden state's norm on
+    the AVX2 kernel); a wrong layout, head or position is off by the whole norm."""
     (h0, l0, pool0), (h1, l1, pool1) = eager, fused
-    assert (h1 - h0).norm() / h0.norm() < 2e-3
-    assert (l1 - l0).abs().max() < 2e-2 * l0.abs().max()
-    # the keys and values written for this step agree too (the rest is untouched)
-    assert (pool1 - pool0).abs().max() < 2e-3 * pool0.abs().max()
+    assert (h1 - h0).norm() / h0.norm() < 1e-2
+    assert (l1 - l0).abs().max() < 3e-2 * l0.abs().max()
+    # the keys and values written for this step agree too, the rest is untouched
+    slots0, slots1 = pool0.flatten(2, 3), pool1.flatten(2, 3)  # [L, 2, slots, kvh, d]
+    written = (slots0 != slots1) | (slots0 != pool_before.flatten(2, 3))
+    written = written.any(-1).any(-1).any(0).any(0)  # [slots]
+    assert 0 < int(written.sum()) <= rows
+    want = slots0[:, :, written]
+    assert (slots1[:, :, written] - want).norm() / want.norm() < 3e-2
+    assert torch.equal(slots1[:, :, ~written], slots0[:, :, ~written])
     top2 = l0.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) > 1e-2 * l0.abs().max()
     assert torch.equal(l0.argmax(-1)[decided], l1.argmax(-1)[decided])

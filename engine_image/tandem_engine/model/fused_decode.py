@@ -12,9 +12,9 @@ output head of such a step.
 It applies when the model is `llama.CausalLM`'s layer structure (llama, mistral, qwen2,
 qwen3: RMSNorms, optional per-head q/k norms, q/k/v/o and gate/up/down projections) with
 every projection, the output head included, quantized for the native kernels
-(`QuantLinear` on a float32 CPU engine). `build` returns None, and says why, for anything else. The result is the eager
-path's up to float rounding (the same kernels and order for the projections; RoPE and
-SiLU in plain C++): tests/model/test_fused_decode.py holds them together.
+(`QuantLinear` on a float32 CPU engine). `build` returns None, and says why, for
+anything else. Its results are the eager path's up to float rounding, which the int8
+rounding of activations now and then amplifies (tests/model/test_fused_decode.py).
 """
 
 from __future__ import annotations
