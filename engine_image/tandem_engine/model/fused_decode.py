@@ -62,20 +62,13 @@ class FusedDecode:
                        _NONE if attn.q_norm is None else _norm_weight(attn.q_norm),
                        _NONE if attn.k_norm is None else _norm_weight(attn.k_norm)]
             for owner, name in _PROJECTIONS:
-                proj: QuantLinear = getattr(getattr(layer, owner), name)
-                mins = getattr(proj, "packed_mins", None)
-                tensors += [proj.packed, proj.packed_scales,
-                            _NONE if mins is None else mins,
-                            _NONE if proj.bias is None else proj.bias.contiguous()]
+                tensors += _packed(getattr(getattr(layer, owner), name))
             layers.append(tensors)
         head = _head(model)
         assert head is not None  # _unsupported checked it
-        mins = getattr(head, "packed_mins", None)
-        stack = native.DecodeStack(
-            layers, _norm_weight(model.model.norm),
-            [head.packed, head.packed_scales, _NONE if mins is None else mins,
-             _NONE if head.bias is None else head.bias.contiguous()],
-            c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        stack = native.DecodeStack(layers, _norm_weight(model.model.norm), _packed(head),
+                                   c.vocab_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                   c.rms_norm_eps)
         return cls(stack, model)
 
     @staticmethod
@@ -97,6 +90,14 @@ class FusedDecode:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's `logits` of a fused step's rows, on the stack's own threads."""
         return self._stack.logits(hidden.contiguous())
+
+
+def _packed(proj: QuantLinear) -> list[torch.Tensor]:
+    """A projection as the native stack takes it: weight, scales, minimums (int4) and
+    bias, each empty when absent."""
+    mins = getattr(proj, "packed_mins", None)
+    return [proj.packed, proj.packed_scales, _NONE if mins is None else mins,
+            _NONE if proj.bias is None else proj.bias.contiguous()]
 
 
 def _norm_weight(norm: nn.Module) -> torch.Tensor:

@@ -273,7 +273,7 @@ class ModelRunner:
             release_freed_memory()  # the load's temporaries
         self.last_refit_peak_bytes = peak
         # Its references are to the packed weights just replaced (also when streamed).
-        self.fused = FusedDecode.build(self.model, self.native) if not cuda else None
+        self.fused = FusedDecode.build(self.model, self.native)
 
     @property
     def weight_bytes(self) -> int:

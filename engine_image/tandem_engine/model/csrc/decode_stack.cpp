@@ -120,14 +120,6 @@ class WorkPool {
   std::atomic<int> sleeping_{0};
 };
 
-// One row's RMSNorm, as quant_matvec.cpp's rms_norm (the mean of squares in double).
-inline void norm_row(const float* x, const float* w, int64_t d, float eps, float* out) {
-  double sq = 0.0;
-  for (int64_t i = 0; i < d; ++i) sq += static_cast<double>(x[i]) * x[i];
-  const float inv = 1.f / std::sqrt(static_cast<float>(sq / d) + eps);
-  for (int64_t i = 0; i < d; ++i) out[i] = w[i] * (x[i] * inv);
-}
-
 // x * cos + rotate_half(x) * sin over one head of `d` values (transformers' RoPE).
 inline void rope_head(float* x, const float* cos, const float* sin, int64_t d) {
   const int64_t half = d / 2;
@@ -147,6 +139,7 @@ struct Layer {
   Projection qkv[3], o, gate_up[2], down;
 };
 
+// One caller at a time (the engine's step thread): the work buffers are the stack's.
 class DecodeStack {
  public:
   // `layers`: per layer [input norm, post-attention norm, q norm, k norm (both empty when

@@ -81,10 +81,13 @@ void quantize_into(const float* x, int64_t rows, int64_t cols, QuantizedRows& q)
   }
 }
 
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t cols) {
-  QuantizedRows q;
-  quantize_into(x, rows, cols, q);
-  return q;
+// One row's RMSNorm: out = w * x / sqrt(mean(x^2) + eps), the mean accumulated in double
+// (`out` may be `x`).
+inline void norm_row(const float* x, const float* w, int64_t d, float eps, float* out) {
+  double sq = 0.0;
+  for (int64_t i = 0; i < d; ++i) sq += static_cast<double>(x[i]) * x[i];
+  const float inv = 1.f / std::sqrt(static_cast<float>(sq / d) + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
 #if defined(__AVX2__)
@@ -395,11 +398,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * d;
-      double sq = 0.0;
-      for (int64_t i = 0; i < d; ++i) sq += static_cast<double>(row[i]) * row[i];
-      const float inv = 1.f / std::sqrt(static_cast<float>(sq / d) + static_cast<float>(eps));
-      for (int64_t i = 0; i < d; ++i) op[r * d + i] = wp[i] * (row[i] * inv);
+      norm_row(xp + r * d, wp, d, static_cast<float>(eps), op + r * d);
     }
   });
   return out;
