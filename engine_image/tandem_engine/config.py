@@ -197,8 +197,8 @@ class EngineConfig:
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    # auto: on a CPU bfloat16 where it has AMX or AVX-512 BF16, else float32; on a GPU the
-    # checkpoint's dtype (model/device.auto_dtype)
+    # auto: on a CPU float32 for quantized weights, else bfloat16 where it has AMX or
+    # AVX-512 BF16 and float32 elsewhere; on a GPU the checkpoint's (model/device.auto_dtype)
     dtype: str = "auto"
     quantization: str = DEFAULT_QUANTIZATION  # QUANTIZATION_CHOICES
     device: str = DEFAULT_DEVICE  # auto | cpu | cuda | cuda:N
@@ -335,8 +335,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "longest sequence, prompt and output (default: the model's context)",
                minimum=0, above_minimum=True, limit="must be positive", serve=True),
     EngineFlag("dtype", "--dtype", str, "auto", "weights and activations: auto (on a CPU "
-               "with AMX or AVX-512 BF16 bfloat16, on other CPUs float32, on a GPU the "
-               "checkpoint's), float32, bfloat16 or float16", serve=True),
+               "float32 for quantized weights, else bfloat16 with AMX or AVX-512 BF16 and "
+               "float32 without; on a GPU the checkpoint's), float32, bfloat16 or float16",
+               serve=True),
     EngineFlag("quantization", "--quantization", str, DEFAULT_QUANTIZATION,
                "projection weights: auto (as the checkpoint holds them: a GGUF stays "
                "quantized), none (dense in --dtype), int8 or int4 (weight-only; an HF "
