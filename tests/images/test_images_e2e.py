@@ -39,6 +39,7 @@ from kcluster.fixtures import test_cluster  # noqa: F401
 from kcluster.podrunner import PodRunner
 from tandem_engine import LLM, SamplingParams
 from tandem_engine.cli.demo_model import write_demo_model
+from tandem_engine.model.device import auto_dtype
 from test_images import built_images
 from test_operator_cluster import wait_for
 from test_operator_e2e import condition, get, helm, live_pods, run_deployment
@@ -102,9 +103,13 @@ def get_ok(url: str) -> bool:
 
 
 def offline(tmp: Path, version: str) -> list[list[int]]:
+    """The offline engine's tokens, in the dtype the pods' `--dtype auto` picks on this
+    CPU: the pods' env lacks the suite's TANDEM_CPU_BF16=0, so on an AVX-512 BF16 or AMX
+    CPU they serve the float32 demo model in bfloat16."""
     model = write_demo_model(tmp / version, seed=SEEDS[version])
-    outs = LLM(model).generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0,
-                                                       ignore_eos=True))
+    dtype = auto_dtype("cpu", "float32", env={})
+    outs = LLM(model, dtype=dtype).generate(
+        PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     return [o.outputs[0].token_ids for o in outs]
 
 
