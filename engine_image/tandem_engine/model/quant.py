@@ -14,13 +14,15 @@ Both torch CPU kernels run 2-10x faster with bfloat16 activations than with floa
 (float32 takes a scalar path), so a float32 engine hands them its activations rounded to
 bfloat16 and gets float32 back. With the native kernels (`--kernels auto|native` on CPU,
 float32 engines) the projections run `csrc/quant_matvec.cpp` instead: activations rounded
-to int8 per group of 32 and byte multiply-adds, as llama.cpp does, up to
-`NATIVE_MAX_ROWS` rows (1.5x faster than torch's kernels at one row, no conversion to
-bfloat16 and back); a step with more rows (prefill chunks, large batches) dequantizes
-the weight to float32 once and runs the float32 matmul, 2-3x faster per row there than
-either integer kernel. int4 scales and minimums are float16 there, as a GGUF's.
-Measured at batch 1 on an AVX2 EPYC (2 threads), the SmolLM2 GGUF in process: 24.8 ms a
-token with torch's kernels, 20 with the native ones, 46 dequantized to float32.
+to int8 per group of 32 and byte multiply-adds, as llama.cpp does, int4 weights
+interleaved by 16 output rows (`_pack_native`), up to `NATIVE_MAX_ROWS` rows; a step with
+more rows (prefill chunks, large batches) dequantizes the weight to float32 once and runs
+the float32 matmul, 2-3x faster per row there than either integer kernel. int4 scales
+and minimums are float16 there, as a GGUF's. A decode step of such a model runs as one
+native call (model/fused_decode.py). Measured at batch 1 on the SmolLM2 GGUF, 2 threads,
+in process: a 1536x576 int4 projection takes 36 us with the row-by-row AVX-512 kernel
+and 12.5 us interleaved (Zen 5); the 30 layers 3.1 ms a token fused, 7.1 eagerly
+(docs/benchmarks.md).
 
 torchao's int8/int4 weight-only layouts call the same aten kernels; this module needs
 no extra package. The scales and zeros are held in the activations' dtype, as the kernels
