@@ -120,7 +120,7 @@ def test_only_decode_steps_of_few_rows_are_fused(tiny_llama: Path) -> None:
 
 
 @pytest.mark.parametrize("quantization,dtype", [("none", "float32"), ("int4", "bfloat16")])
-def test_engines_the_fused_step_cannot_run_say_so_and_run_eagerly(
+def test_engines_the_fused_step_cannot_run_run_eagerly(
         tiny_llama: Path, quantization: str, dtype: str) -> None:
     llm = LLM(tiny_llama, dtype=dtype, quantization=quantization)
     assert llm.engine.runner.fused is None
