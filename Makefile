@@ -4,8 +4,9 @@
 #                 make run DEMO=1: the tiny random-weight demo model instead (offline, fast)
 #                 make run MODEL=/path/to/checkpoint: any other model
 #   make test  -> set up .venv with dev tools, lint, check architecture, build the images,
-#                 install the test tools (Prometheus), run the tests, then the numerics-
-#                 sensitive ones again as on another kind of CPU
+#                 install the test tools (Prometheus), compile the native kernels, run
+#                 the tests, then the numerics-sensitive ones again as on another kind
+#                 of CPU
 #   make images -> the engine and operator images, REGISTRY/tandem/{engine,operator}:VERSION
 #                 (VERSION: the chart's appVersion); REGISTRY=ghcr.io/me make images push
 PY ?= python3
@@ -111,7 +112,11 @@ test-tools:
 # (tests/conftest.py). TEST_WORKERS=0: one process, in collection order.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile)
+# The native kernels are compiled (or found in torch's cache) before the tests start: on
+# a new machine that takes about a minute of one core, which inside the run would land in
+# the middle of the other worker's deadline-bound end-to-end tests.
 test: lint images test-tools
+	$(BIN)/python -c 'from tandem_engine.model.native import paged_decode_kernel as k; k()'
 	$(BIN)/python -m pytest $(XDIST)
 	env $$(scripts/other-isa.sh) $(BIN)/python -m pytest -m numerics -q $(XDIST)
 
