@@ -199,6 +199,10 @@ def serve_child_kill(model: Path, folder: Path, child: str, duration: float,
 
 
 REFIT_TOKENS = 128  # per request: long enough that a drain lasts a while
+# The refit's own progress line for a phase (None: only the engines' state shows it). A
+# drain lasts only as long as the drained engine's in-flight requests, which can pass
+# between two polls of its state; the wave's line is printed once its drain has begun.
+REFIT_PHASE_LINES = {"drain": "RefitWave: wave 1:", "refit": None, "last": "RefitWave: wave 2:"}
 REFIT_PHASES = {  # when engine-1 is killed, by engine-0's (and engine-1's) admin state
     # wave 1 took engine-0: it drains (engine-1 is the other engine of the old version)
     "drain": lambda s0, s1, v: s0["state"] == "RUNNING" and s0["draining"]
@@ -236,15 +240,28 @@ def refit_engine_kill(serve: Serve, target: Path, version: str, phase: str,
         time.sleep(0.5)  # streams in flight on both engines
         refit = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, env={**os.environ, **ENV, "TMPDIR": str(serve.folder)})
+        lines: list[str] = []
+        marker, seen = REFIT_PHASE_LINES[phase], threading.Event()
+
+        def read() -> None:
+            for line in refit.stdout:
+                lines.append(line)
+                if marker is not None and marker in line:
+                    seen.set()
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
         try:
-            wait_for(f"the refit's {phase} phase", lambda: due(state(e0), state(e1), version),
+            wait_for(f"the refit's {phase} phase",
+                     lambda: seen.is_set() or due(state(e0), state(e1), version),
                      timeout=90, every=0.01)
             os.kill(pid, signal.SIGKILL)
-            out, _ = refit.communicate(timeout=240)
+            refit.wait(timeout=240)
         finally:
             if refit.poll() is None:
                 refit.kill()
                 refit.wait(10)
+            reader.join(10)
+        out = "".join(lines)
 
         def back() -> bool:
             child = serve.stack()["children"][e1["name"]]

@@ -14,6 +14,7 @@ from tandem_engine import LLM, SamplingParams
 from tandem_engine.bench.quality import greedy_agreement
 from tandem_engine.model.attention import build_metadata
 from tandem_engine.model.fused_decode import FusedDecode
+from tandem_engine.model.quant import one_term_activations
 
 MAX_NEW = 24
 
@@ -39,7 +40,9 @@ def _eager_and_fused(llm: LLM, rows: int, context: int, seed: int = 0):
         pool = runner.kv_cache.clone()  # each writes this step's keys into its own copy
         meta = build_metadata(tables, [context] * rows, [], slots, bs, runner.device,
                               runner.gather_buffers, runner.native)
-        with torch.inference_mode():
+        # one int8 term per activation group, as the runner's decode-only steps: the same
+        # arithmetic, only the order of float sums differs
+        with torch.inference_mode(), one_term_activations():
             hidden = run(ids, positions, pool, meta)
             out.append((hidden, run.logits(hidden), pool))
     return (*out, before, rows)
@@ -70,7 +73,7 @@ def kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.mark.parametrize("rows,context", [(1, 1), (1, 40), (3, 70), (32, 17)])
+@pytest.mark.parametrize("rows,context", [(1, 1), (1, 40), (3, 70), (32, 17), (96, 9)])
 def test_a_fused_step_is_the_eager_step(tiny_model: Path, kind: str, rows: int,
                                         context: int) -> None:
     llm = LLM(tiny_model, dtype="float32", quantization=kind, num_blocks=256, block_size=16)
@@ -94,7 +97,19 @@ def test_greedy_generation_is_the_same_with_and_without_the_fused_step(
         [o.outputs[0].token_ids for o in alone]
 
 
-def test_only_decode_steps_of_few_rows_are_fused(tiny_llama: Path) -> None:
+def test_a_large_batch_fused_agrees_with_the_eager_step(tiny_model: Path) -> None:
+    """12 requests at once: decode steps of 12 rows, whose per-row work (norms, RoPE,
+    the KV write, SiLU) the fused step shares out over its threads."""
+    fused = LLM(tiny_model, dtype="float32", quantization="int4")
+    eager = LLM(tiny_model, dtype="float32", quantization="int4")
+    eager.engine.runner.fused = None
+    prompts = [[1 + i, 5 + 2 * i, 9, 20 + i, 33] for i in range(12)]
+    for prompt, c in zip(prompts, greedy_agreement(eager, fused, prompts, MAX_NEW),
+                         strict=True):
+        assert c.near_tie, f"{prompt}: first differs at {c.first_difference}"
+
+
+def test_every_decode_only_step_is_fused_at_any_batch_size(tiny_llama: Path) -> None:
     llm = LLM(tiny_llama, dtype="float32", quantization="int4")
     runner = llm.engine.runner
     calls: list[int] = []
@@ -115,8 +130,8 @@ def test_only_decode_steps_of_few_rows_are_fused(tiny_llama: Path) -> None:
     llm.generate([[1, 5, 9, 20, 33]], params)
     assert calls == [1, 1, 1, 1]  # the prefill ran eagerly, each decode step fused
     calls.clear()
-    llm.generate([[3, 4, 5]] * 40, params)  # 40 rows at once: past NATIVE_MAX_ROWS
-    assert calls == []
+    llm.generate([[3, 4, 5]] * 40, params)  # 40 rows at once
+    assert calls == [40, 40, 40, 40]
 
 
 @pytest.mark.parametrize("quantization,dtype", [("none", "float32"), ("int4", "bfloat16")])

@@ -17,6 +17,7 @@ from tandem_engine.model.quant import (
     QuantLinear,
     Scheme,
     check_same_schemes,
+    one_term_activations,
     quantize_int4,
     quantize_int8,
 )
@@ -73,7 +74,7 @@ def kernels(request: pytest.FixtureRequest) -> object:
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K],
                          ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 7, 40])  # 40: past NATIVE_MAX_ROWS, dequantized
+@pytest.mark.parametrize("rows", [1, 7, 40, 300])  # a decode batch, a prefill chunk
 def test_every_gguf_type_multiplies_as_its_dequantized_weight(qtype: GGMLQuantizationType,
                                                               rows: int, kernels) -> None:
     tensor = _gguf_tensor(qtype)
@@ -114,6 +115,32 @@ def test_a_float_weight_quantized_at_load_stays_close(kind: str, kernels) -> Non
     out32 = QuantLinear(weight, None, CPU, torch.float32, kernels)(x32)
     assert out32.shape == (3, 6, ROWS)
     assert _relative_error(out32, x32 @ weight.dequantize().T) < KERNEL_TOL
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_prefill_activations_round_to_two_terms_and_decode_steps_to_one(kind: str) -> None:
+    """The native kernels round activations to int8 per group of 32: in two terms (the
+    remainder on its own scale) by default, as prefill chunks run, and in one term for
+    the runner's decode-only steps (`one_term_activations`), as llama.cpp does. Two terms
+    come out an order of magnitude closer to the float32 matmul of the same weight."""
+    from tandem_engine.model.native import NativeKernelUnavailable, paged_decode_kernel
+
+    try:
+        native = paged_decode_kernel()
+    except NativeKernelUnavailable as exc:
+        pytest.skip(str(exc))
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(ROWS, COLS, generator=g)
+    weight = quantize_int8(w) if kind == "int8" else quantize_int4(w)
+    layer = QuantLinear(weight, None, CPU, torch.float32, native)
+    x = torch.randn(64, COLS, generator=g)
+    x[:, 5] *= 30  # an outlier channel, as real hidden states have
+    want = x @ weight.dequantize().T  # (int4's native scales are float16: a floor)
+    two = _relative_error(layer(x), want)
+    with one_term_activations():
+        one = _relative_error(layer(x), want)
+    assert one < 0.05
+    assert two < one / 4, (one, two)
 
 
 def test_int4_needs_whole_groups() -> None:

@@ -10,6 +10,7 @@ router and compares greedy output with the offline engine token for token.
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import httpx
 import pytest
 from tandem_engine import SamplingParams
 from tandem_engine import protocol as p
+from tandem_engine.router.attempts import GenerationFailed
 from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
 from tandem_engine.router.engines import EngineClient, EngineLost, EnginePool
 from tandem_engine.router.metrics import RouterMetrics
@@ -73,6 +75,8 @@ def scripted(client: EngineClient, role: str, script: Script, calls: list[Call],
     client.submit = submit  # type: ignore[method-assign]
     client.aborted = []  # type: ignore[attr-defined]
     client.abort = client.aborted.append  # type: ignore[method-assign,attr-defined]
+    client.unpinned = []  # type: ignore[attr-defined]
+    client.unpin = client.unpinned.append  # type: ignore[method-assign,attr-defined]
 
 
 def colocated(request_id: str, prompt: list[int], sampling: SamplingParams, pin: bool,
@@ -145,6 +149,8 @@ def test_prefill_then_pulled_decode() -> None:
     assert dec.pull == p.PullSource(AGENT, "r.1", [7])  # from the prefill's Handoff
     assert _count(metrics, "handoff") == 1
     assert metrics.handoff_versions.labels("v1", "v1")._value.get() == 1
+    # The decode engine pulled: its notification, not the router, frees the pin.
+    assert dispatcher.pool.by_key[PRE].unpinned == []
 
 
 def test_done_after_the_first_token_never_reaches_the_decode_engine() -> None:
@@ -193,6 +199,7 @@ def test_a_decode_engine_lost_mid_stream_fails_over_colocated() -> None:
         (DEC, PROMPT, 6, p.Resume(TARGET[:1], 1), True),
         (PRE, PROMPT, 6, p.Resume(TARGET[:3], 3), False)]
     assert decode.aborted == ["r.2"]
+    assert dispatcher.pool.by_key[PRE].unpinned == ["r.1"]  # whether it pulled or not
     assert metrics.failovers.labels("engine_lost")._value.get() == 1
     assert metrics.resumed._value.get() == 1  # failed over mid-stream, then completed
 
@@ -211,6 +218,33 @@ def test_a_refused_pull_fails_over_colocated() -> None:
         (PRE, None, False), (DEC, p.Resume(TARGET[:1], 1), True),
         (PRE, p.Resume(TARGET[:1], 1), False)]
     assert metrics.failovers.labels("rejected")._value.get() == 1
+    # Nobody will pull the prefill's KV: its pin is released now, not by the pin TTL.
+    assert dispatcher.pool.by_key[PRE].unpinned == ["r.1"]
+
+
+def test_a_client_gone_during_the_decode_attempt_releases_the_prefill_pin() -> None:
+    dispatcher, _, _ = scripted_dispatcher(
+        {PRE: ("prefill", colocated), DEC: ("decode", colocated)})
+
+    async def two_tokens() -> list:
+        async with aclosing(dispatcher.generate("r", PROMPT, SamplingParams(max_tokens=6))
+                            ) as stream:
+            seen = []
+            async for delta in stream:
+                seen.append(delta.token_ids)
+                if len(seen) == 2:
+                    return seen
+    assert asyncio.run(two_tokens()) == [TARGET[:1], TARGET[1:2]]  # then the client left
+    assert dispatcher.pool.by_key[DEC].aborted == ["r.2"]
+    assert dispatcher.pool.by_key[PRE].unpinned == ["r.1"]
+
+
+def test_a_choice_out_of_attempts_releases_the_prefill_pin() -> None:
+    dispatcher, _, _ = scripted_dispatcher(
+        {PRE: ("prefill", colocated), DEC: ("decode", colocated)}, max_attempts=1)
+    with pytest.raises(GenerationFailed):
+        _run(dispatcher, SamplingParams(max_tokens=6))
+    assert dispatcher.pool.by_key[PRE].unpinned == ["r.1"]
 
 
 def test_mixed_pools_are_not_disaggregated() -> None:
@@ -252,6 +286,7 @@ def test_a_prefill_refit_under_the_request_hands_no_kv_across_versions() -> None
     assert [t for d in deltas for t in d.token_ids] == TARGET
     assert [(c.key, c.pull is not None) for c in calls] == [(PRE, False), (PRE, False)]
     assert _count(metrics, "version_changed") == 1 and _count(metrics, "handoff") == 0
+    assert prefill.unpinned == ["r.1"]  # its KV is never pulled
 
 
 # ---- real engine processes ----------------------------------------------------------------------

@@ -4,10 +4,10 @@ At batch 1 the eager forward pass of SmolLM2 makes ~600 torch calls a token (30 
 of norms, projections, RoPE, the KV write, attention, SiLU and residuals), and their
 dispatch costs as much as the arithmetic. `csrc/decode_stack.cpp` runs the same layers
 in one call with persistent work buffers: `FusedDecode.build` hands it every layer's
-packed weights once, and the runner calls it for steps of decodes only with at most
-`quant.NATIVE_MAX_ROWS` rows (prefill chunks, speculative verification and larger
-batches take the eager path, whose matmuls are what counts there), and `logits` for the
-output head of such a step.
+packed weights once, and the runner calls it for steps of decodes only, at any batch
+size (prefill chunks and speculative verification take the eager path, whose projections
+are the same native kernels), and `logits` for the output head of such a step. With many
+rows the per-row work (norms, RoPE, SiLU) is shared on its pool too.
 
 It applies when the model is `llama.CausalLM`'s layer structure (llama, mistral, qwen2,
 qwen3: RMSNorms, optional per-head q/k norms, q/k/v/o and gate/up/down projections) with
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from tandem_engine.model.attention import AttentionMetadata
-from tandem_engine.model.quant import NATIVE_MAX_ROWS, QuantEmbedding, QuantLinear
+from tandem_engine.model.quant import QuantEmbedding, QuantLinear
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,8 @@ class FusedDecode:
 
     @staticmethod
     def takes(meta: AttentionMetadata) -> bool:
-        """Whether a step with this metadata runs fused: decodes only, few enough rows."""
-        return (not meta.prefills and meta.flex is None
-                and 0 < meta.num_decodes <= NATIVE_MAX_ROWS)
+        """Whether a step with this metadata runs fused: decodes only."""
+        return not meta.prefills and meta.flex is None and meta.num_decodes > 0
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

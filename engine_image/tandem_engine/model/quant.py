@@ -15,14 +15,15 @@ Both torch CPU kernels run 2-10x faster with bfloat16 activations than with floa
 bfloat16 and gets float32 back. With the native kernels (`--kernels auto|native` on CPU,
 float32 engines) the projections run `csrc/quant_matvec.cpp` instead: activations rounded
 to int8 per group of 32 and byte multiply-adds, as llama.cpp does, int4 weights
-interleaved by 16 output rows (`_pack_native`), up to `NATIVE_MAX_ROWS` rows; a step with
-more rows (prefill chunks, large batches) dequantizes the weight to float32 once and runs
-the float32 matmul, 2-3x faster per row there than either integer kernel. int4 scales
+interleaved by 16 output rows (`_pack_native`), at every step size: prefill chunks and
+large batches too (each pass over a weight block serves 4 activation rows). int4 scales
 and minimums are float16 there, as a GGUF's. A decode step of such a model runs as one
-native call (model/fused_decode.py). Measured at batch 1 on the SmolLM2 GGUF, 2 threads,
-in process: a 1536x576 int4 projection takes 36 us with the row-by-row AVX-512 kernel
-and 12.5 us interleaved (Zen 5); the 30 layers 3.1 ms a token fused, 7.1 eagerly
-(docs/benchmarks.md).
+native call (model/fused_decode.py). Measured on the SmolLM2 GGUF, 2 threads, in process
+(Zen 5): a 1536x576 int4 projection takes 36 us at batch 1 with the row-by-row AVX-512
+kernel and 8.7 us interleaved, then 3.5 us a row from 16 to 512 rows, where the float32
+matmul of the dequantized weight takes 9.5 (2.5x; 4.9 ms at 512 rows); int8 takes 9-10
+us a row, at most the float32 matmul's time even before counting the dequantization.
+The 30 layers take 3.1 ms a token fused, 7.1 eagerly (docs/benchmarks.md).
 
 torchao's int8/int4 weight-only layouts call the same aten kernels; this module needs
 no extra package. The scales and zeros are held in the activations' dtype, as the kernels
@@ -34,6 +35,9 @@ without dequantizing where the scheme holds them exactly (model/gguf_blocks.py).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Literal
@@ -45,15 +49,29 @@ from torch import nn
 from tandem_engine.errors import CheckpointError
 
 INT4_GROUP = 32  # input columns per int4 scale and zero (a GGUF block)
-# Native kernels: above this many rows a step dequantizes the weight to float32 once and
-# runs the float32 matmul (an SmolLM2 1536x576 projection: ~25-30 us a row through the
-# int8 dot products; 1.0 ms at 25 rows, 1.2 ms at 64 and 6.9 ms at 512 dequantized).
-NATIVE_MAX_ROWS = 32
 NATIVE_BLOCK_ROWS = 16  # int4 output rows the native kernels interleave (one per vector lane)
 _INT4_MID = 8  # the kernels' zero point: w = (q - 8) * scale + zero
 _COMPUTE_DTYPE = torch.bfloat16  # what the CPU kernels are fast in
 
 Kind = Literal["int8", "int4"]
+
+_rounding = threading.local()  # one_term: see `one_term_activations`
+
+
+@contextlib.contextmanager
+def one_term_activations(on: bool = True) -> Iterator[None]:
+    """Within (on this thread, where `on`): the native kernels round activations to one
+    int8 term per group of 32, as llama.cpp and the fused decode step do; otherwise to two
+    (the first's remainder on its own scale, ~14 bits), at twice the multiply-adds. The
+    runner asks for one term in decode-only steps; prefill chunks keep two, since their
+    keys and values serve every later token (SmolLM2's GGUF: perplexity +0.13% over the
+    dequantized float32 model with two terms, +0.63% with one)."""
+    before = getattr(_rounding, "one_term", False)
+    _rounding.one_term = on
+    try:
+        yield
+    finally:
+        _rounding.one_term = before
 
 
 @dataclass(frozen=True)
@@ -249,18 +267,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if self.native is not None and rows.shape[0] > NATIVE_MAX_ROWS:
-            weight = (self.native.int8_dequantize(self.packed, self.packed_scales)
-                      if self.scheme.kind == "int8" else
-                      self.native.int4_dequantize(self.packed, self.packed_scales,
-                                                  self.packed_mins, self.packed_shape[0]))
-            out = F.linear(rows, weight)
-        elif self.native is not None:
+        if self.native is not None:
             rows = rows.contiguous()
-            out = (self.native.int8_matvec(rows, self.packed, self.packed_scales)
+            precise = not getattr(_rounding, "one_term", False)
+            out = (self.native.int8_matvec(rows, self.packed, self.packed_scales, precise)
                    if self.scheme.kind == "int8" else
                    self.native.int4_matvec(rows, self.packed, self.packed_scales,
-                                           self.packed_mins, self.packed_shape[0]))
+                                           self.packed_mins, self.packed_shape[0], precise))
         elif self.scheme.kind == "int8":
             if self.device.type == "cuda":
                 out = F.linear(rows, self.packed.to(rows.dtype)) * self.packed_scales.to(

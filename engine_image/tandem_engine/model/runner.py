@@ -36,7 +36,12 @@ from tandem_engine.model.layers import (
     stream_weights,
 )
 from tandem_engine.model.native import NativeKernelUnavailable, paged_decode_kernel
-from tandem_engine.model.quant import QuantizedWeight, check_same_schemes, schemes
+from tandem_engine.model.quant import (
+    QuantizedWeight,
+    check_same_schemes,
+    one_term_activations,
+    schemes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -427,9 +432,10 @@ class ModelRunner:
         fused = self.fused if self.fused is not None and FusedDecode.takes(step.meta) \
             else None
         run = fused or self.model
-        hidden = run(step.input_ids, step.positions, self.kv_cache, step.meta)
-        sampled = hidden.index_select(0, step.sample_rows)
-        logits = (fused or self.model).logits(sampled)
+        with one_term_activations(not step.meta.prefills):  # decode-only steps (fused or not)
+            hidden = run(step.input_ids, step.positions, self.kv_cache, step.meta)
+            sampled = hidden.index_select(0, step.sample_rows)
+            logits = run.logits(sampled)
         prompt_logits = [(request, first, self.model.logits(hidden.index_select(0, rows)))
                          for request, first, rows in step.prompt_rows]
         return StepBatch(logits, step.requests, step.drafts, prompt_logits,

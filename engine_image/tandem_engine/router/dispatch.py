@@ -89,6 +89,15 @@ class _Leg:
     client: EngineClient
     decode: EngineClient | None = None  # a prefill attempt: the decode engine paired with it
     pull: p.PullSource | None = None  # a decode attempt: the pinned KV to pull
+    # A decode attempt: the prefill engine holding that KV, and its request there
+    pinned: tuple[EngineClient, str] | None = None
+
+    def release_pin(self) -> None:
+        """Tell the prefill engine that nobody will pull its pinned KV (the decode attempt
+        did not finish), so the blocks are free now rather than after its pin TTL."""
+        if self.pinned is not None:
+            client, request_id = self.pinned
+            client.unpin(request_id)
 
 
 @dataclass
@@ -103,6 +112,11 @@ class _Choice:
     progress: Progress = field(default_factory=Progress)
     excluded: set[str] = field(default_factory=set)  # engines that refused or failed it
     resumed: bool = False  # failed over after tokens were streamed
+
+    @property
+    def sub_id(self) -> str:
+        """The engine-side request id of the choice's latest attempt."""
+        return f"{self.request_id}.{self.progress.attempts}"
 
 
 def finished_line(choice: _Choice, finish_reason: str | None) -> str:
@@ -142,6 +156,8 @@ class Dispatcher:
         finish_reason: str | None = None
         while True:
             if choice.progress.attempts >= self.config.max_attempts:
+                if leg is not None:
+                    leg.release_pin()
                 raise GenerationFailed(f"request {request_id} failed on "
                                        f"{choice.progress.attempts} engine attempts; giving up")
             if leg is None:
@@ -170,12 +186,24 @@ class Dispatcher:
     async def _attempt(self, choice: _Choice, leg: _Leg) -> AsyncIterator[Step]:
         """Submit the choice on `leg` and stream it: Deltas, then the attempt's outcome.
         Unless it ended in Finished or HandOff (a client gone, a failover, an error),
-        the request is aborted on its engine."""
+        the request is aborted on its engine, and a decode attempt's pin is released on
+        the prefill engine (`_Leg.release_pin`)."""
+        finished = False
+        try:
+            async with aclosing(self._submitted(choice, leg)) as steps:
+                async for step in steps:
+                    finished = isinstance(step, Finished)
+                    yield step
+        finally:
+            if not finished:
+                leg.release_pin()
+
+    async def _submitted(self, choice: _Choice, leg: _Leg) -> AsyncIterator[Step]:
         progress, client = choice.progress, leg.client
         if not progress.generated:
             progress.version = client.view().weight_version
         progress.attempts += 1
-        sub_id = f"{choice.request_id}.{progress.attempts}"
+        sub_id = choice.sub_id
         prefill = leg.decode is not None
         try:
             queue = client.submit(
@@ -227,12 +255,13 @@ class Dispatcher:
             # the decode engine picked with it was not: never hand KV across versions;
             # the rest is computed on an engine of the first token's version.
             self._count_disaggregated("version_changed")
+            leg.client.unpin(choice.sub_id)
             return None
         self._count_disaggregated("handoff")
         if self.metrics is not None:  # a record that versions never mix
             self.metrics.handoff_versions.labels(leg.client.view().weight_version,
                                                  decode_version).inc()
-        return _Leg(leg.decode, pull=source)
+        return _Leg(leg.decode, pull=source, pinned=(leg.client, choice.sub_id))
 
     async def _engine_for(self, choice: _Choice) -> EngineClient:
         """A colocated engine for the choice's next attempt: any of the serving version

@@ -170,6 +170,16 @@ class EngineClient:
             with contextlib.suppress(EngineUnavailable):
                 self._send(p.Abort(request_id))
 
+    def unpin(self, request_id: str) -> None:
+        """Release the KV a finished prefill request pinned for a decode engine that will
+        not pull it (best effort, never blocks): an `Abort`, which the engine also takes
+        to mean that its pin is no longer needed. An engine that is gone took its pins
+        with it."""
+        log.debug("unpin %s", request_id)
+        self._queues.pop(request_id, None)
+        with contextlib.suppress(EngineUnavailable):
+            self._send(p.Abort(request_id))
+
     def release(self, request_id: str) -> None:
         """Forget a finished request's queue."""
         self._queues.pop(request_id, None)

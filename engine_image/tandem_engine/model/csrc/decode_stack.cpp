@@ -257,14 +257,14 @@ class DecodeStack {
     }
     for (size_t li = 0; li < layers_.size(); ++li) {
       const Layer& l = layers_[li];
-      for (int64_t m = 0; m < rows; ++m) {
+      each_row(rows, [&](int64_t m) {
         norm_row(res + m * h, l.input_norm, h, eps_, normed_.data() + m * h);
-      }
+      });
       float* qkv_out[3] = {q_.data(), k_.data(), v_.data()};
       project(l.qkv, 3, normed_.data(), rows, xq_, qkv_out, for_each_);
       float* k_cache = pool + li * layer_stride;
       float* v_cache = k_cache + blocks * block_size * kv_width;
-      for (int64_t m = 0; m < rows; ++m) {
+      each_row(rows, [&](int64_t m) {
         for (int64_t hd = 0; hd < heads_; ++hd) {
           float* head = q_.data() + m * q_width + hd * d;
           if (l.q_norm != nullptr) norm_row(head, l.q_norm, d, eps_, head);
@@ -277,30 +277,43 @@ class DecodeStack {
         }
         std::copy_n(k_.data() + m * kv_width, kv_width, k_cache + slot[m] * kv_width);
         std::copy_n(v_.data() + m * kv_width, kv_width, v_cache + slot[m] * kv_width);
-      }
+      });
       attend(k_cache, v_cache, tables, lens, block_size, static_cast<float>(scale), rows);
       float* o_out[1] = {proj_.data()};
       project(&l.o, 1, attn_.data(), rows, xq_, o_out, for_each_);
-      for (int64_t i = 0; i < rows * h; ++i) res[i] += proj_[i];
-      for (int64_t m = 0; m < rows; ++m) {
+      each_row(rows, [&](int64_t m) {
+        for (int64_t i = m * h; i < (m + 1) * h; ++i) res[i] += proj_[i];
         norm_row(res + m * h, l.post_norm, h, eps_, normed_.data() + m * h);
-      }
+      });
       float* gu_out[2] = {gate_.data(), up_.data()};
       project(l.gate_up, 2, normed_.data(), rows, xq_, gu_out, for_each_);
-      for (int64_t i = 0; i < rows * inter; ++i) {
-        const float g = gate_[i];
-        gate_[i] = g / (1.f + std::exp(-g)) * up_[i];
-      }
+      each_row(rows, [&](int64_t m) {
+        for (int64_t i = m * inter; i < (m + 1) * inter; ++i) {
+          const float g = gate_[i];
+          gate_[i] = g / (1.f + std::exp(-g)) * up_[i];
+        }
+      });
       float* down_out[1] = {proj_.data()};
       project(&l.down, 1, gate_.data(), rows, xq_, down_out, for_each_);
       for (int64_t i = 0; i < rows * h; ++i) res[i] += proj_[i];
     }
     const float* fw = final_norm_.data_ptr<float>();
-    for (int64_t m = 0; m < rows; ++m) norm_row(res + m * h, fw, h, eps_, res + m * h);
+    each_row(rows, [&](int64_t m) { norm_row(res + m * h, fw, h, eps_, res + m * h); });
     return out;
   }
 
  private:
+  // body(m) for every row m: on the caller alone for a few rows (waking a helper costs
+  // more than it saves), shared on the pool for many.
+  void each_row(int64_t rows, const std::function<void(int64_t)>& body) {
+    if (rows < kSharedRows) {
+      for (int64_t m = 0; m < rows; ++m) body(m);
+    } else {
+      pool_->run(rows, body);
+    }
+  }
+  static constexpr int64_t kSharedRows = 8;
+
   // attn_ = softmax(q k^T * scale) v per (row, query head), keys and values read in
   // place from their blocks.
   void attend(const float* k_cache, const float* v_cache, const torch::Tensor& tables,

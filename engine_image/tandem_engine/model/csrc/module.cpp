@@ -5,10 +5,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU)");
   m.def("int4_matvec", &int4_matvec,
-        "x [M, K] float32 times int4 weights in groups of 32 (CPU, few rows)");
-  m.def("int8_matvec", &int8_matvec, "x [M, K] float32 times int8 rows (CPU, few rows)");
-  m.def("int4_dequantize", &int4_dequantize, "int4 rows as float32 (CPU)");
-  m.def("int8_dequantize", &int8_dequantize, "int8 rows as float32 (CPU)");
+        "x [M, K] float32 times int4 weights in groups of 32 (CPU); precise: activations "
+        "in two int8 terms",
+        py::arg("x"), py::arg("weight"), py::arg("scales"), py::arg("mins"), py::arg("n"),
+        py::arg("precise") = false);
+  m.def("int8_matvec", &int8_matvec,
+        "x [M, K] float32 times int8 rows (CPU); precise: activations in two int8 terms",
+        py::arg("x"), py::arg("weight"), py::arg("scales"), py::arg("precise") = false);
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows (CPU)");
   py::class_<DecodeStack>(m, "DecodeStack",
                           "A Llama-family decoder stack's decode step in one call (CPU)")

@@ -18,7 +18,9 @@
 // 16+4c..16+4c+3. Scales and minimums are float16 (as a GGUF Q4 block's), [N/16, G, 16].
 // N is padded to a multiple of 16 with zero rows (model/quant.py packs them). AVX-512
 // VNNI takes a chunk in two vpdpbusd; AVX2 in maddubs + madd per 8 rows; other CPUs a
-// plain loop. Output blocks are split over ATen's pool.
+// plain loop. Output blocks are split over ATen's pool (or the caller's, `ForEach`); a
+// pass over one block's weights serves `kMaxRows` activation rows, so the same kernels
+// run prefill chunks and large batches, 2.5x the float32 matmul of the dequantized weight.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -46,39 +48,55 @@ constexpr int64_t kRows = 16;  // int4 output rows interleaved in a block
 constexpr int64_t kMaxRows = 4;  // activation rows one pass over the weights serves
 
 // Rows of activations as int8 per group of 32, with what the kernels need per group.
+// `precise` adds a second int8 term per value, the first's remainder on its own scale
+// (x = dx xq + dx2 xq2, about 14 bits against the group's largest value instead of 7):
+// twice the multiply-adds, for prefill chunks, whose keys and values every later token
+// reads (one term there cost SmolLM2 0.5% of perplexity and flipped near ties).
 struct QuantizedRows {
-  std::vector<int8_t> values;  // [M, K]
-  std::vector<float> scales;   // [M, K / 32] dx
-  std::vector<float> sums;     // [M, K / 32] xsum: the float values' sum
-  std::vector<float> offsets;  // [M, K / 32] off = 8 (xsum - dx * sum of the int8 values)
+  bool precise = false;
+  std::vector<int8_t> values;   // [M, K] xq
+  std::vector<float> scales;    // [M, K / 32] dx
+  std::vector<int8_t> values2;  // [M, K] xq2 (precise only)
+  std::vector<float> scales2;   // [M, K / 32] dx2 (precise only)
+  std::vector<float> sums;      // [M, K / 32] xsum: the float values' sum
+  std::vector<float> offsets;   // [M, K / 32] off = 8 (xsum - dx sum xq - dx2 sum xq2)
 };
 
-// Rows of activations as int8 per group of 32, into `q`'s buffers (reused between calls).
-void quantize_into(const float* x, int64_t rows, int64_t cols, QuantizedRows& q) {
-  const int64_t groups = cols / kGroup;
-  q.values.resize(rows * cols);
-  q.scales.resize(rows * groups);
-  q.sums.resize(rows * groups);
-  q.offsets.resize(rows * groups);
-  for (int64_t i = 0; i < rows * groups; ++i) {
-    const float* g = x + i * kGroup;
-    float amax = 0.f, sum = 0.f;
-    for (int64_t k = 0; k < kGroup; ++k) {
-      amax = std::max(amax, std::fabs(g[k]));
-      sum += g[k];
-    }
-    const float scale = amax / 127.f;
-    const float inv = scale > 0.f ? 1.f / scale : 0.f;
-    int32_t isum = 0;
-    for (int64_t k = 0; k < kGroup; ++k) {
-      const int8_t v = static_cast<int8_t>(std::nearbyint(g[k] * inv));
-      q.values[i * kGroup + k] = v;
-      isum += v;
-    }
-    q.scales[i] = scale;
-    q.sums[i] = sum;
-    q.offsets[i] = 8.f * (sum - scale * static_cast<float>(isum));
+// int8 values of `g` on the scale of its largest magnitude; returns the scale, adds the
+// values' sum to `isum`.
+inline float round_group(const float* g, int8_t* out, int32_t& isum) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(g[k]));
+  const float scale = amax / 127.f;
+  const float inv = scale > 0.f ? 1.f / scale : 0.f;
+  for (int64_t k = 0; k < kGroup; ++k) {
+    out[k] = static_cast<int8_t>(std::nearbyint(g[k] * inv));
+    isum += out[k];
   }
+  return scale;
+}
+
+// Group i (of 32 activations at x + 32 i) as int8 (two terms where `q.precise`), with
+// its scales, sum and offset.
+inline void quantize_group(const float* x, int64_t i, QuantizedRows& q) {
+  const float* g = x + i * kGroup;
+  float sum = 0.f;
+  for (int64_t k = 0; k < kGroup; ++k) sum += g[k];
+  int32_t isum = 0;
+  int8_t* xq = q.values.data() + i * kGroup;
+  const float scale = round_group(g, xq, isum);
+  float approx = scale * static_cast<float>(isum);
+  if (q.precise) {
+    float rest[kGroup];
+    for (int64_t k = 0; k < kGroup; ++k) rest[k] = g[k] - scale * xq[k];
+    int32_t isum2 = 0;
+    const float scale2 = round_group(rest, q.values2.data() + i * kGroup, isum2);
+    q.scales2[i] = scale2;
+    approx += scale2 * static_cast<float>(isum2);
+  }
+  q.scales[i] = scale;
+  q.sums[i] = sum;
+  q.offsets[i] = 8.f * (sum - approx);
 }
 
 // One row's RMSNorm: out = w * x / sqrt(mean(x^2) + eps), the mean accumulated in double
@@ -115,7 +133,8 @@ inline int32_t load4(const int8_t* p) {
 
 // One block of 16 int4 output rows times activation rows m0..m0+R-1 (R <= kMaxRows):
 // out[r * ld + i] for i < `valid` (the block's real rows). `w`: the block's groups (256
-// bytes each); `sh`, `mh`: its scales and minimums [G, 16].
+// bytes each); `sh`, `mh`: its scales and minimums [G, 16]. kTwo: `x` is precise.
+template <bool kTwo>
 void int4_block(const uint8_t* w, const at::Half* sh, const at::Half* mh,
                 const QuantizedRows& x, int64_t m0, int64_t rows, int64_t groups,
                 float* out, int64_t ld, int64_t valid) {
@@ -126,16 +145,23 @@ void int4_block(const uint8_t* w, const at::Half* sh, const at::Half* mh,
   for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* wg = w + g * 256;
-    __m512i dot[kMaxRows];
-    for (int64_t r = 0; r < rows; ++r) dot[r] = _mm512_setzero_si512();
+    __m512i dot[kMaxRows], dot2[kMaxRows];
+    for (int64_t r = 0; r < rows; ++r) dot[r] = dot2[r] = _mm512_setzero_si512();
     for (int64_t c = 0; c < 4; ++c) {
       const __m512i b = _mm512_loadu_si512(wg + c * 64);
       const __m512i lo = _mm512_and_si512(b, low4);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low4);
       for (int64_t r = 0; r < rows; ++r) {
-        const int8_t* xg = x.values.data() + (m0 + r) * k + g * kGroup;
+        const int64_t at = (m0 + r) * k + g * kGroup;
+        const int8_t* xg = x.values.data() + at;
         dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(load4(xg + 4 * c)));
         dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(load4(xg + 16 + 4 * c)));
+        if constexpr (kTwo) {
+          const int8_t* xg2 = x.values2.data() + at;
+          dot2[r] = _mm512_dpbusd_epi32(dot2[r], lo, _mm512_set1_epi32(load4(xg2 + 4 * c)));
+          dot2[r] = _mm512_dpbusd_epi32(dot2[r], hi,
+                                        _mm512_set1_epi32(load4(xg2 + 16 + 4 * c)));
+        }
       }
     }
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(
@@ -146,6 +172,10 @@ void int4_block(const uint8_t* w, const at::Half* sh, const at::Half* mh,
       const int64_t i = (m0 + r) * groups + g;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
                                _mm512_mul_ps(s, _mm512_set1_ps(x.scales[i])), acc[r]);
+      if constexpr (kTwo) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot2[r]),
+                                 _mm512_mul_ps(s, _mm512_set1_ps(x.scales2[i])), acc[r]);
+      }
       acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(x.sums[i]), acc[r]);
       acc[r] = _mm512_fmadd_ps(s, _mm512_set1_ps(x.offsets[i]), acc[r]);
     }
@@ -155,24 +185,30 @@ void int4_block(const uint8_t* w, const at::Half* sh, const at::Half* mh,
 #elif defined(__AVX2__)
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
+  // u8 (0..15) x s8 pairs stay within int16: no saturation
+  const auto madd = [&](__m256i lo, __m256i hi, const int8_t* xc) {
+    return _mm256_madd_epi16(
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(xc))),
+                         _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(xc + 16)))),
+        ones);
+  };
   for (int64_t half = 0; half < 2; ++half) {  // rows 0-7, then 8-15 of the block
     __m256 acc[kMaxRows];
     for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* wg = w + g * 256 + half * 32;
-      __m256i dot[kMaxRows];
-      for (int64_t r = 0; r < rows; ++r) dot[r] = _mm256_setzero_si256();
+      __m256i dot[kMaxRows], dot2[kMaxRows];
+      for (int64_t r = 0; r < rows; ++r) dot[r] = dot2[r] = _mm256_setzero_si256();
       for (int64_t c = 0; c < 4; ++c) {
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64));
         const __m256i lo = _mm256_and_si256(b, low4);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
         for (int64_t r = 0; r < rows; ++r) {
-          const int8_t* xg = x.values.data() + (m0 + r) * k + g * kGroup;
-          // u8 (0..15) x s8 pairs stay within int16: no saturation
-          const __m256i p = _mm256_add_epi16(
-              _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load4(xg + 4 * c))),
-              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load4(xg + 16 + 4 * c))));
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(p, ones));
+          const int64_t at = (m0 + r) * k + g * kGroup + 4 * c;
+          dot[r] = _mm256_add_epi32(dot[r], madd(lo, hi, x.values.data() + at));
+          if constexpr (kTwo) {
+            dot2[r] = _mm256_add_epi32(dot2[r], madd(lo, hi, x.values2.data() + at));
+          }
         }
       }
       const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(
@@ -183,6 +219,10 @@ void int4_block(const uint8_t* w, const at::Half* sh, const at::Half* mh,
         const int64_t i = (m0 + r) * groups + g;
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
                                  _mm256_mul_ps(s, _mm256_set1_ps(x.scales[i])), acc[r]);
+        if constexpr (kTwo) {
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2[r]),
+                                   _mm256_mul_ps(s, _mm256_set1_ps(x.scales2[i])), acc[r]);
+        }
         acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x.sums[i]), acc[r]);
         acc[r] = _mm256_fmadd_ps(s, _mm256_set1_ps(x.offsets[i]), acc[r]);
       }
@@ -199,20 +239,22 @@ void int4_block(const uint8_t* w, const at::Half* sh, const at::Half* mh,
   for (int64_t r = 0; r < rows; ++r) {
     float acc[kRows] = {};
     for (int64_t g = 0; g < groups; ++g) {
-      const int64_t i = (m0 + r) * groups + g;
-      const int8_t* xg = x.values.data() + (m0 + r) * k + g * kGroup;
+      const int64_t i = (m0 + r) * groups + g, at = (m0 + r) * k + g * kGroup;
       for (int64_t row = 0; row < kRows; ++row) {
-        int32_t dot = 0;
+        int32_t dot = 0, dot2 = 0;
         for (int64_t c = 0; c < 4; ++c) {
           for (int64_t j = 0; j < 4; ++j) {
             const uint8_t b = w[g * 256 + c * 64 + row * 4 + j];
-            dot += (b & 0x0F) * xg[4 * c + j] + (b >> 4) * xg[16 + 4 * c + j];
+            const int64_t l = at + 4 * c + j, h = l + 16;
+            dot += (b & 0x0F) * x.values[l] + (b >> 4) * x.values[h];
+            if constexpr (kTwo) dot2 += (b & 0x0F) * x.values2[l] + (b >> 4) * x.values2[h];
           }
         }
         const float s = half_to_float(sh[g * kRows + row]);
         const float mn = half_to_float(mh[g * kRows + row]);
-        acc[row] += static_cast<float>(dot) * (s * x.scales[i]) + mn * x.sums[i] +
-                    s * x.offsets[i];
+        float term = static_cast<float>(dot) * (s * x.scales[i]);
+        if constexpr (kTwo) term += static_cast<float>(dot2) * (s * x.scales2[i]);
+        acc[row] += term + mn * x.sums[i] + s * x.offsets[i];
       }
     }
     for (int64_t i = 0; i < valid; ++i) out[r * ld + i] = acc[i];
@@ -220,7 +262,9 @@ void int4_block(const uint8_t* w, const at::Half* sh, const at::Half* mh,
 #endif
 }
 
-float int8_row(const int8_t* w, float s, const int8_t* xq, const float* dx, int64_t groups) {
+// sum_g dx[g] * (w . xq) over one int8 weight row's groups (times nothing: the caller
+// scales by the row's scale).
+float int8_dot(const int8_t* w, const int8_t* xq, const float* dx, int64_t groups) {
 #if defined(__AVX2__)
   __m256 acc = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -232,7 +276,7 @@ float int8_row(const int8_t* w, float s, const int8_t* xq, const float* dx, int6
         _mm256_set1_epi16(1));
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dx[g]), acc);
   }
-  return s * hsum(acc);
+  return hsum(acc);
 #else
   float total = 0.f;
   for (int64_t g = 0; g < groups; ++g) {
@@ -240,8 +284,18 @@ float int8_row(const int8_t* w, float s, const int8_t* xq, const float* dx, int6
     for (int64_t k = 0; k < kGroup; ++k) dot += w[g * kGroup + k] * xq[g * kGroup + k];
     total += dx[g] * static_cast<float>(dot);
   }
-  return s * total;
+  return total;
 #endif
+}
+
+// Row m of the activations times int8 weight row `w` (scale `s`).
+float int8_row(const int8_t* w, float s, const QuantizedRows& x, int64_t m, int64_t k) {
+  const int64_t groups = k / kGroup;
+  float total = int8_dot(w, x.values.data() + m * k, x.scales.data() + m * groups, groups);
+  if (x.precise) {
+    total += int8_dot(w, x.values2.data() + m * k, x.scales2.data() + m * groups, groups);
+  }
+  return s * total;
 }
 
 void check_rows(const torch::Tensor& x, int64_t cols, const char* what) {
@@ -304,19 +358,20 @@ Projection projection(const torch::Tensor& w, const torch::Tensor& s, const torc
 // Output rows 16b..16b+15 of `p` for every activation row: out is [rows, p.n].
 void project_block(const Projection& p, const QuantizedRows& xq, int64_t rows, int64_t b,
                    float* out) {
-  const int64_t k = p.k, groups = k / kGroup, first = b * kRows;
+  const int64_t k = p.k, first = b * kRows;
   const int64_t valid = std::min(kRows, p.n - first);
   if (p.int4) {
+    const auto block = xq.precise ? int4_block<true> : int4_block<false>;
+    const int64_t groups = k / kGroup;
     for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-      int4_block(p.w4 + b * groups * 256, p.s4 + b * groups * kRows,
-                 p.mn4 + b * groups * kRows, xq, m0, std::min(kMaxRows, rows - m0), groups,
-                 out + m0 * p.n + first, p.n, valid);
+      block(p.w4 + b * groups * 256, p.s4 + b * groups * kRows, p.mn4 + b * groups * kRows,
+            xq, m0, std::min(kMaxRows, rows - m0), groups, out + m0 * p.n + first, p.n,
+            valid);
     }
   } else {
     for (int64_t j = first; j < first + valid; ++j) {
       for (int64_t m = 0; m < rows; ++m) {
-        out[m * p.n + j] = int8_row(p.w8 + j * k, p.s8[j], xq.values.data() + m * k,
-                                    xq.scales.data() + m * groups, groups);
+        out[m * p.n + j] = int8_row(p.w8 + j * k, p.s8[j], xq, m, k);
       }
     }
   }
@@ -341,7 +396,25 @@ void parallel_items(int64_t items, const std::function<void(int64_t)>& body) {
 // a few blocks an item.
 void project(const Projection* projs, int count, const float* x, int64_t rows,
              QuantizedRows& xq, float* const* outs, const ForEach& for_each = parallel_items) {
-  quantize_into(x, rows, projs[0].k, xq);
+  const int64_t groups = rows * (projs[0].k / kGroup);
+  xq.values.resize(groups * kGroup);
+  xq.scales.resize(groups);
+  if (xq.precise) {
+    xq.values2.resize(groups * kGroup);
+    xq.scales2.resize(groups);
+  }
+  xq.sums.resize(groups);
+  xq.offsets.resize(groups);
+  // Activations as int8 once (shared out only where a step has many rows: a prefill chunk)
+  constexpr int64_t kQuantizeChunk = 512;  // groups an item
+  if (groups <= kQuantizeChunk) {
+    for (int64_t i = 0; i < groups; ++i) quantize_group(x, i, xq);
+  } else {
+    for_each((groups + kQuantizeChunk - 1) / kQuantizeChunk, [&](int64_t item) {
+      const int64_t end = std::min(groups, (item + 1) * kQuantizeChunk);
+      for (int64_t i = item * kQuantizeChunk; i < end; ++i) quantize_group(x, i, xq);
+    });
+  }
   int64_t starts[8], total = 0;  // the first block of each projection, in the joint count
   TORCH_CHECK(count <= 7, "project: at most 7 projections at once");
   for (int i = 0; i < count; ++i) {
@@ -361,24 +434,28 @@ void project(const Projection* projs, int count, const float* x, int64_t rows,
 
 }  // namespace
 
+// `precise`: activations in two int8 terms (QuantizedRows).
 torch::Tensor int4_matvec(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
-                          torch::Tensor mins, int64_t n) {
+                          torch::Tensor mins, int64_t n, bool precise) {
   const Projection p = projection(weight, scales, mins, torch::Tensor(), n, "int4_matvec");
   TORCH_CHECK(p.int4, "int4_matvec: uint8 int4 weights");
   check_rows(x, p.k, "int4_matvec");
   QuantizedRows xq;
+  xq.precise = precise;
   auto out = torch::empty({x.size(0), n}, x.options());
   float* o = out.data_ptr<float>();
   project(&p, 1, x.data_ptr<float>(), x.size(0), xq, &o);
   return out;
 }
 
-torch::Tensor int8_matvec(torch::Tensor x, torch::Tensor weight, torch::Tensor scales) {
+torch::Tensor int8_matvec(torch::Tensor x, torch::Tensor weight, torch::Tensor scales,
+                          bool precise) {
   const Projection p = projection(weight, scales, torch::Tensor(), torch::Tensor(),
                                   weight.size(0), "int8_matvec");
   TORCH_CHECK(!p.int4, "int8_matvec: int8 weights");
   check_rows(x, p.k, "int8_matvec");
   QuantizedRows xq;
+  xq.precise = precise;
   auto out = torch::empty({x.size(0), p.n}, x.options());
   float* o = out.data_ptr<float>();
   project(&p, 1, x.data_ptr<float>(), x.size(0), xq, &o);
@@ -399,55 +476,6 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       norm_row(xp + r * d, wp, d, static_cast<float>(eps), op + r * d);
-    }
-  });
-  return out;
-}
-
-// The float32 weight [N, K] of packed int4 rows (for a step with many rows: one
-// dequantization, then oneDNN's float32 matmul, beats decoding the weights per row).
-torch::Tensor int4_dequantize(torch::Tensor weight, torch::Tensor scales, torch::Tensor mins,
-                              int64_t n) {
-  const Projection p = projection(weight, scales, mins, torch::Tensor(), n,
-                                  "int4_dequantize");
-  TORCH_CHECK(p.int4, "int4_dequantize: uint8 int4 weights");
-  const int64_t k = p.k, groups = k / kGroup, blocks = (n + kRows - 1) / kRows;
-  auto out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const uint8_t* wg = p.w4 + (b * groups + g) * 256;
-        for (int64_t r = 0; r < kRows && b * kRows + r < n; ++r) {
-          const float sc = half_to_float(p.s4[(b * groups + g) * kRows + r]);
-          const float lo = half_to_float(p.mn4[(b * groups + g) * kRows + r]);
-          float* row = o + (b * kRows + r) * k + g * kGroup;
-          for (int64_t c = 0; c < 4; ++c) {
-            for (int64_t j = 0; j < 4; ++j) {
-              const uint8_t byte = wg[c * 64 + r * 4 + j];
-              row[4 * c + j] = (byte & 0x0F) * sc + lo;
-              row[16 + 4 * c + j] = (byte >> 4) * sc + lo;
-            }
-          }
-        }
-      }
-    }
-  });
-  return out;
-}
-
-torch::Tensor int8_dequantize(torch::Tensor weight, torch::Tensor scales) {
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.is_contiguous() &&
-                  scales.scalar_type() == torch::kFloat32 && scales.size(0) == n,
-              "int8_dequantize: weight [N, K] int8, scales [N] float32");
-  auto out = torch::empty({n, k}, torch::dtype(torch::kFloat32));
-  const int8_t* w = weight.data_ptr<int8_t>();
-  const float* s = scales.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      for (int64_t i = 0; i < k; ++i) o[j * k + i] = w[j * k + i] * s[j];
     }
   });
   return out;
