@@ -10,9 +10,9 @@ router and compares greedy output with the offline engine token for token.
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
 import time
 from collections.abc import Callable, Iterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
