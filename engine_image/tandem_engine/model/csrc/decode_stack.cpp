@@ -120,6 +120,26 @@ class WorkPool {
   std::atomic<int> sleeping_{0};
 };
 
+// e^x for x <= 0 (a softmax's shifted scores), within 1e-7 relative in float: 2^(x log2 e) as a
+// power of two times a degree-6 polynomial of the fraction; plain arithmetic, so a loop
+// of it vectorizes. Below -87 it is 0 (float's smallest normal is e^-87.3).
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504088896341f;
+  const float whole = std::floor(t);
+  const float f = t - whole;  // [0, 1)
+  float p = 2.169062089e-4f;  // least squares of the relative error on [0, 1]
+  p = p * f + 1.244309150e-3f;
+  p = p * f + 9.678469698e-3f;
+  p = p * f + 5.548352731e-2f;
+  p = p * f + 2.402297948e-1f;
+  p = p * f + 6.931469872e-1f;
+  p = p * f + 1.000000002f;
+  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+  float power;
+  std::memcpy(&power, &bits, sizeof power);
+  return x < -87.f ? 0.f : p * power;
+}
+
 // x * cos + rotate_half(x) * sin over one head of `d` values (transformers' RoPE).
 inline void rope_head(float* x, const float* cos, const float* sin, int64_t d) {
   const int64_t half = d / 2;
@@ -315,44 +335,63 @@ class DecodeStack {
   static constexpr int64_t kSharedRows = 8;
 
   // attn_ = softmax(q k^T * scale) v per (row, query head), keys and values read in
-  // place from their blocks.
+  // place from their blocks, once each: a work item is a row (with 4 rows or more; a
+  // position's keys for all KV heads are one contiguous run, read whole), or a row and a
+  // KV head (fewer rows: the heads share the threads out). The softmax's exponentials
+  // are `exp_nonpositive`, which the compiler vectorizes (std::exp is a call per score).
   void attend(const float* k_cache, const float* v_cache, const torch::Tensor& tables,
               const torch::Tensor& lens, int64_t block_size, float scale, int64_t rows) {
     const int64_t d = head_dim_, group = heads_ / kv_heads_, kv_width = kv_heads_ * d;
     const int64_t width = tables.size(1);
     const int64_t* table_p = tables.data_ptr<int64_t>();
     const int64_t* len_p = lens.data_ptr<int64_t>();
-    pool_->run(rows * heads_, [&](int64_t item) {
+    const int64_t split = rows >= 4 ? 1 : kv_heads_;  // items a row
+    const int64_t per_item = kv_heads_ / split;       // KV heads an item
+    pool_->run(rows * split, [&](int64_t item) {
       thread_local std::vector<float> scores;
-      const int64_t m = item / heads_, hd = item % heads_, len = len_p[m];
+      const int64_t m = item / split, kv0 = (item % split) * per_item, len = len_p[m];
       const int64_t* table = table_p + m * width;
-      const float* q = q_.data() + item * d;
-      const int64_t kv_offset = (hd / group) * d;
-      scores.resize(len);
-      float top = -std::numeric_limits<float>::infinity();
+      const int64_t nq = per_item * group;  // query heads of this item
+      const float* q = q_.data() + (m * heads_ + kv0 * group) * d;
+      scores.resize(nq * len);
       for (int64_t pos = 0; pos < len; ++pos) {
-        const float* key = k_cache + (table[pos / block_size] * block_size +
-                                      pos % block_size) * kv_width + kv_offset;
-        float s = 0.f;
+        const float* keys = k_cache + (table[pos / block_size] * block_size +
+                                       pos % block_size) * kv_width + kv0 * d;
+        for (int64_t j = 0; j < nq; ++j) {
+          const float* qh = q + j * d;
+          const float* key = keys + (j / group) * d;
+          float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < d; ++i) s += q[i] * key[i];
-        scores[pos] = s * scale;
-        top = std::max(top, scores[pos]);
+          for (int64_t i = 0; i < d; ++i) s += qh[i] * key[i];
+          scores[j * len + pos] = s * scale;
+        }
       }
-      float total = 0.f;
-      for (int64_t pos = 0; pos < len; ++pos) {
-        scores[pos] = std::exp(scores[pos] - top);
-        total += scores[pos];
-      }
-      float* o = attn_.data() + item * d;
-      std::fill_n(o, d, 0.f);
-      const float inv = 1.f / total;
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const float* value = v_cache + (table[pos / block_size] * block_size +
-                                        pos % block_size) * kv_width + kv_offset;
-        const float p = scores[pos] * inv;
+      for (int64_t j = 0; j < nq; ++j) {
+        float* sj = scores.data() + j * len;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t pos = 0; pos < len; ++pos) top = std::max(top, sj[pos]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t pos = 0; pos < len; ++pos) {
+          sj[pos] = exp_nonpositive(sj[pos] - top);
+          total += sj[pos];
+        }
+        const float inv = 1.f / total;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) o[i] += p * value[i];
+        for (int64_t pos = 0; pos < len; ++pos) sj[pos] *= inv;
+      }
+      float* o = attn_.data() + (m * heads_ + kv0 * group) * d;
+      std::fill_n(o, nq * d, 0.f);
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const float* values = v_cache + (table[pos / block_size] * block_size +
+                                         pos % block_size) * kv_width + kv0 * d;
+        for (int64_t j = 0; j < nq; ++j) {
+          const float p = scores[j * len + pos];
+          const float* value = values + (j / group) * d;
+          float* oj = o + j * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) oj[i] += p * value[i];
+        }
       }
     });
   }

@@ -62,6 +62,27 @@ struct QuantizedRows {
   std::vector<float> offsets;   // [M, K / 32] off = 8 (xsum - dx sum xq - dx2 sum xq2)
 };
 
+#if defined(__AVX512F__)
+// A group's 32 values as two vectors: int8 on the scale of their largest magnitude
+// into `out`; returns the scale, adds the values' sum to `isum`, and leaves the
+// remainders (value - scale * int8) in `lo`, `hi`.
+inline float round_group_avx512(__m512& lo, __m512& hi, int8_t* out, int32_t& isum) {
+  const __m512 amax = _mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi));
+  const float scale = _mm512_reduce_max_ps(amax) / 127.f;
+  const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+  // round to nearest even, as std::nearbyint in the default mode
+  const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+  const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(a));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(b));
+  isum += _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+  const __m512 sv = _mm512_set1_ps(scale);
+  lo = _mm512_fnmadd_ps(sv, _mm512_cvtepi32_ps(a), lo);
+  hi = _mm512_fnmadd_ps(sv, _mm512_cvtepi32_ps(b), hi);
+  return scale;
+}
+#endif
+
 // int8 values of `g` on the scale of its largest magnitude; returns the scale, adds the
 // values' sum to `isum`.
 inline float round_group(const float* g, int8_t* out, int32_t& isum) {
@@ -80,6 +101,21 @@ inline float round_group(const float* g, int8_t* out, int32_t& isum) {
 // its scales, sum and offset.
 inline void quantize_group(const float* x, int64_t i, QuantizedRows& q) {
   const float* g = x + i * kGroup;
+#if defined(__AVX512F__)
+  __m512 lo = _mm512_loadu_ps(g), hi = _mm512_loadu_ps(g + 16);
+  const float total = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+  int32_t n1 = 0, n2 = 0;
+  const float s1 = round_group_avx512(lo, hi, q.values.data() + i * kGroup, n1);
+  float approx = s1 * static_cast<float>(n1);
+  if (q.precise) {
+    const float s2 = round_group_avx512(lo, hi, q.values2.data() + i * kGroup, n2);
+    q.scales2[i] = s2;
+    approx += s2 * static_cast<float>(n2);
+  }
+  q.scales[i] = s1;
+  q.sums[i] = total;
+  q.offsets[i] = 8.f * (total - approx);
+#else
   float sum = 0.f;
   for (int64_t k = 0; k < kGroup; ++k) sum += g[k];
   int32_t isum = 0;
@@ -97,6 +133,7 @@ inline void quantize_group(const float* x, int64_t i, QuantizedRows& q) {
   q.scales[i] = scale;
   q.sums[i] = sum;
   q.offsets[i] = 8.f * (sum - approx);
+#endif
 }
 
 // One row's RMSNorm: out = w * x / sqrt(mean(x^2) + eps), the mean accumulated in double
@@ -133,11 +170,12 @@ inline int32_t load4(const int8_t* p) {
 
 // One block of 16 int4 output rows times activation rows m0..m0+R-1 (R <= kMaxRows):
 // out[r * ld + i] for i < `valid` (the block's real rows). `w`: the block's groups (256
-// bytes each); `sh`, `mh`: its scales and minimums [G, 16]. kTwo: `x` is precise.
-template <bool kTwo>
+// bytes each); `sh`, `mh`: its scales and minimums [G, 16]. kTwo: `x` is precise. The
+// row count is a template argument, so that the per-row sums unroll into registers.
+template <bool kTwo, int64_t rows>
 void int4_block(const uint8_t* w, const at::Half* sh, const at::Half* mh,
-                const QuantizedRows& x, int64_t m0, int64_t rows, int64_t groups,
-                float* out, int64_t ld, int64_t valid) {
+                const QuantizedRows& x, int64_t m0, int64_t groups, float* out, int64_t ld,
+                int64_t valid) {
   const int64_t k = groups * kGroup;
 #if defined(TANDEM_VNNI)
   const __m512i low4 = _mm512_set1_epi8(0x0F);
@@ -361,12 +399,17 @@ void project_block(const Projection& p, const QuantizedRows& xq, int64_t rows, i
   const int64_t k = p.k, first = b * kRows;
   const int64_t valid = std::min(kRows, p.n - first);
   if (p.int4) {
-    const auto block = xq.precise ? int4_block<true> : int4_block<false>;
+    using Block = void (*)(const uint8_t*, const at::Half*, const at::Half*,
+                           const QuantizedRows&, int64_t, int64_t, float*, int64_t, int64_t);
+    static constexpr Block kBlocks[2][kMaxRows] = {
+        {int4_block<false, 1>, int4_block<false, 2>, int4_block<false, 3>,
+         int4_block<false, 4>},
+        {int4_block<true, 1>, int4_block<true, 2>, int4_block<true, 3>, int4_block<true, 4>}};
     const int64_t groups = k / kGroup;
     for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-      block(p.w4 + b * groups * 256, p.s4 + b * groups * kRows, p.mn4 + b * groups * kRows,
-            xq, m0, std::min(kMaxRows, rows - m0), groups, out + m0 * p.n + first, p.n,
-            valid);
+      kBlocks[xq.precise][std::min(kMaxRows, rows - m0) - 1](
+          p.w4 + b * groups * 256, p.s4 + b * groups * kRows, p.mn4 + b * groups * kRows, xq,
+          m0, groups, out + m0 * p.n + first, p.n, valid);
     }
   } else {
     for (int64_t j = first; j < first + valid; ++j) {
