@@ -60,6 +60,14 @@ struct QuantizedRows {
   std::vector<float> scales2;   // [M, K / 32] dx2 (precise only)
   std::vector<float> sums;      // [M, K / 32] xsum: the float values' sum
   std::vector<float> offsets;   // [M, K / 32] off = 8 (xsum - dx sum xq - dx2 sum xq2)
+#if defined(TANDEM_VNNI)
+  // For the int8 kernel (`int8_block`): each group's dx (dx2) in 8 lanes, so a vector of
+  // 16 lanes scales the two groups of 64 bytes; and off8 = 128 (dx sum xq + dx2 sum xq2),
+  // what multiplying weights offset by 128 adds.
+  std::vector<float> lane_scales;   // [M, K / 32 * 8]
+  std::vector<float> lane_scales2;  // [M, K / 32 * 8] (precise only)
+  std::vector<float> offsets8;      // [M, K / 32]
+#endif
 };
 
 #if defined(__AVX512F__)
@@ -115,6 +123,11 @@ inline void quantize_group(const float* x, int64_t i, QuantizedRows& q) {
   q.scales[i] = s1;
   q.sums[i] = total;
   q.offsets[i] = 8.f * (total - approx);
+#if defined(TANDEM_VNNI)
+  _mm256_storeu_ps(q.lane_scales.data() + i * 8, _mm256_set1_ps(s1));
+  if (q.precise) _mm256_storeu_ps(q.lane_scales2.data() + i * 8, _mm256_set1_ps(q.scales2[i]));
+  q.offsets8[i] = 128.f * approx;
+#endif
 #else
   float sum = 0.f;
   for (int64_t k = 0; k < kGroup; ++k) sum += g[k];
@@ -300,6 +313,58 @@ void int4_block(const uint8_t* w, const at::Half* sh, const at::Half* mh,
 #endif
 }
 
+#if defined(TANDEM_VNNI)
+// Output rows j0..j0+valid-1 of int8 weights [N, K] (row scales `s8`) times activation
+// rows m0..m0+R-1: out[r * ld + j]. vpdpbusd takes one unsigned operand, so the weights
+// are offset to unsigned bytes (w ^ 0x80 = w + 128) and 128 times each group's sum comes
+// off again (`offsets8`); a 64-byte chunk is two groups, scaled by `lane_scales`.
+template <bool kTwo, int64_t R>
+void int8_block(const int8_t* w8, const float* s8, const QuantizedRows& x, int64_t m0,
+                int64_t k, int64_t j0, int64_t valid, float* out, int64_t ld) {
+  const int64_t groups = k / kGroup, chunks = (k + 63) / 64;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  float corr[R];
+  for (int64_t r = 0; r < R; ++r) {
+    const float* o = x.offsets8.data() + (m0 + r) * groups;
+    float total = 0.f;
+    for (int64_t g = 0; g < groups; ++g) total += o[g];
+    corr[r] = total;
+  }
+  for (int64_t j = j0; j < j0 + valid; ++j) {
+    const int8_t* wj = w8 + j * k;
+    __m512 acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const bool whole = c * 64 + 64 <= k;  // else the last group alone
+      const __mmask64 bytes = whole ? ~0ull : 0xFFFFFFFFull;
+      const __mmask16 lanes = whole ? 0xFFFF : 0x00FF;
+      const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes, wj + c * 64), flip);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        const __m512i xv = _mm512_maskz_loadu_epi8(bytes, x.values.data() + m * k + c * 64);
+        const __m512 sc = _mm512_maskz_loadu_ps(lanes, x.lane_scales.data() +
+                                                           m * groups * 8 + c * 16);
+        acc[r] = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv)), sc,
+            acc[r]);
+        if constexpr (kTwo) {
+          const __m512i xv2 = _mm512_maskz_loadu_epi8(bytes,
+                                                      x.values2.data() + m * k + c * 64);
+          const __m512 sc2 = _mm512_maskz_loadu_ps(lanes, x.lane_scales2.data() +
+                                                              m * groups * 8 + c * 16);
+          acc[r] = _mm512_fmadd_ps(
+              _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv2)), sc2,
+              acc[r]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      out[r * ld + j] = s8[j] * (_mm512_reduce_add_ps(acc[r]) - corr[r]);
+    }
+  }
+}
+#endif
+
 // sum_g dx[g] * (w . xq) over one int8 weight row's groups (times nothing: the caller
 // scales by the row's scale).
 float int8_dot(const int8_t* w, const int8_t* xq, const float* dx, int64_t groups) {
@@ -412,11 +477,24 @@ void project_block(const Projection& p, const QuantizedRows& xq, int64_t rows, i
           m0, groups, out + m0 * p.n + first, p.n, valid);
     }
   } else {
+#if defined(TANDEM_VNNI)
+    using Block = void (*)(const int8_t*, const float*, const QuantizedRows&, int64_t,
+                           int64_t, int64_t, int64_t, float*, int64_t);
+    static constexpr Block kBlocks[2][kMaxRows] = {
+        {int8_block<false, 1>, int8_block<false, 2>, int8_block<false, 3>,
+         int8_block<false, 4>},
+        {int8_block<true, 1>, int8_block<true, 2>, int8_block<true, 3>, int8_block<true, 4>}};
+    for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
+      kBlocks[xq.precise][std::min(kMaxRows, rows - m0) - 1](
+          p.w8, p.s8, xq, m0, k, first, valid, out + m0 * p.n, p.n);
+    }
+#else
     for (int64_t j = first; j < first + valid; ++j) {
       for (int64_t m = 0; m < rows; ++m) {
         out[m * p.n + j] = int8_row(p.w8 + j * k, p.s8[j], xq, m, k);
       }
     }
+#endif
   }
   if (p.bias != nullptr) {
     for (int64_t m = 0; m < rows; ++m) {
@@ -448,6 +526,11 @@ void project(const Projection* projs, int count, const float* x, int64_t rows,
   }
   xq.sums.resize(groups);
   xq.offsets.resize(groups);
+#if defined(TANDEM_VNNI)
+  xq.lane_scales.resize(groups * 8);
+  if (xq.precise) xq.lane_scales2.resize(groups * 8);
+  xq.offsets8.resize(groups);
+#endif
   // Activations as int8 once (shared out only where a step has many rows: a prefill chunk)
   constexpr int64_t kQuantizeChunk = 512;  // groups an item
   if (groups <= kQuantizeChunk) {
