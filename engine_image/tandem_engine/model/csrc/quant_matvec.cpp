@@ -478,23 +478,27 @@ void project_block(const Projection& p, const QuantizedRows& xq, int64_t rows, i
     }
   } else {
 #if defined(TANDEM_VNNI)
+    // one row: the row kernel below reads a large weight faster (the 49,152-row head:
+    // 0.40 ms against 0.88), several rows: this one, which reads it once for 4 of them
+    const int64_t vnni_rows = rows == 1 ? 0 : rows;
     using Block = void (*)(const int8_t*, const float*, const QuantizedRows&, int64_t,
                            int64_t, int64_t, int64_t, float*, int64_t);
     static constexpr Block kBlocks[2][kMaxRows] = {
         {int8_block<false, 1>, int8_block<false, 2>, int8_block<false, 3>,
          int8_block<false, 4>},
         {int8_block<true, 1>, int8_block<true, 2>, int8_block<true, 3>, int8_block<true, 4>}};
-    for (int64_t m0 = 0; m0 < rows; m0 += kMaxRows) {
-      kBlocks[xq.precise][std::min(kMaxRows, rows - m0) - 1](
+    for (int64_t m0 = 0; m0 < vnni_rows; m0 += kMaxRows) {
+      kBlocks[xq.precise][std::min(kMaxRows, vnni_rows - m0) - 1](
           p.w8, p.s8, xq, m0, k, first, valid, out + m0 * p.n, p.n);
     }
 #else
+    const int64_t vnni_rows = 0;
+#endif
     for (int64_t j = first; j < first + valid; ++j) {
-      for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t m = vnni_rows; m < rows; ++m) {
         out[m * p.n + j] = int8_row(p.w8 + j * k, p.s8[j], xq, m, k);
       }
     }
-#endif
   }
   if (p.bias != nullptr) {
     for (int64_t m = 0; m < rows; ++m) {
