@@ -20,10 +20,10 @@ large batches too (each pass over a weight block serves 4 activation rows). int4
 and minimums are float16 there, as a GGUF's. A decode step of such a model runs as one
 native call (model/fused_decode.py). Measured on the SmolLM2 GGUF, 2 threads, in process
 (Zen 5): a 1536x576 int4 projection takes 36 us at batch 1 with the row-by-row AVX-512
-kernel and 8.7 us interleaved, then 3.5 us a row from 16 to 512 rows, where the float32
-matmul of the dequantized weight takes 9.5 (2.5x; 4.9 ms at 512 rows); int8 takes 9-10
-us a row, at most the float32 matmul's time even before counting the dequantization.
-The 30 layers take 3.1 ms a token fused, 7.1 eagerly (docs/benchmarks.md).
+kernel and 7 us interleaved; at 512 rows 0.92 ms with one int8 term per activation and
+1.52 ms with two (see `one_term_activations`), where the float32 matmul of the
+dequantized weight takes 4.4 ms; int8 weights at 512 rows 2.7 ms (one term). The 30
+layers take 3.1 ms a token fused, 7.1 eagerly (docs/benchmarks.md).
 
 torchao's int8/int4 weight-only layouts call the same aten kernels; this module needs
 no extra package. The scales and zeros are held in the activations' dtype, as the kernels
