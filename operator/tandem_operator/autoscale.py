@@ -32,8 +32,8 @@ The rules, one role at a time, then the two together:
   `maxDecodePerPrefill`; decode moves into the band, and where its bounds forbid that,
   prefill does.
 
-Not yet wired: the CRD's `spec.autoscaling`, the metric reads, status, Events and the
-reconcile that applies a `Decision` (issue 28's next steps).
+`spec.autoscaling` parses into `Autoscaling` (spec.py). Not yet written: the metric reads,
+status, Events and the reconcile that applies a `Decision` (issue 28's next steps).
 """
 
 from __future__ import annotations

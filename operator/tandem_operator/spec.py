@@ -52,6 +52,7 @@ from tandem_engine.refit_policy import (
 )
 from tandem_engine.weights import WeightsRef, WeightsURIError, checkpoint_path
 
+from tandem_operator.autoscale import SLO, Autoscaling, AutoscalingError, Bounds
 from tandem_operator.fields import (
     SpecError,
     absolute_paths,
@@ -288,6 +289,8 @@ class PoolSpec:
     network_policy: NetworkPolicySettings = field(default_factory=NetworkPolicySettings)
     pod_monitor: PodMonitorSettings = field(default_factory=PodMonitorSettings)
     pod: PodSettings = field(default_factory=PodSettings)
+    # spec.autoscaling, validated (the planner, autoscale.py; not yet applied)
+    autoscaling: Autoscaling | None = None
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PoolSpec:
@@ -544,10 +547,59 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
                                       _KVT.ucx_net_devices, 256)),
         network_policy=network_policy_settings(spec),
         pod_monitor=pod_monitor_settings(spec),
-        pod=pod_settings(spec))
+        pod=pod_settings(spec),
+        autoscaling=autoscaling_settings(spec))
     _check_rules(pool)
     _check_engine_config(pool)
     return pool
+
+
+def _positive(value: float) -> str | None:
+    return None if value > 0 else "must be more than 0"
+
+
+def autoscaling_settings(spec: Mapping[str, Any]) -> Autoscaling | None:
+    """spec.autoscaling as the planner's `Autoscaling`, or None when unset. Each bound is
+    the CRD's; `Autoscaling.check` refuses what its CEL rules refuse."""
+    if spec.get("autoscaling") is None:
+        return None
+    path = "spec.autoscaling"
+    a = object_field(spec, "autoscaling", "spec")
+    slo = object_field(a, "slo", path)
+    ratio = object_field(a, "ratio", path)
+
+    def bounds(role: str) -> Bounds:
+        b = object_field(a, role, path)
+        return Bounds(required_int(b, "minReplicas", f"{path}.{role}", 1, 1, 64),
+                      required_int(b, "maxReplicas", f"{path}.{role}", 4, 1, 64))
+
+    def seconds(key: str) -> float:
+        value = decimal_field(slo, key, f"{path}.slo", _positive, "1.5")
+        if value is None:
+            raise SpecError(f"{path}.slo.{key} is required (a decimal string of seconds)")
+        return value
+
+    kv = int_field(slo, "kvUsageCeiling", f"{path}.slo", None, 1, 100)
+    queue = int_field(slo, "queueDepth", f"{path}.slo", None, 0, 100000)
+    scaling = Autoscaling(
+        SLO(seconds("ttftSeconds"), seconds("itlSeconds"),
+            required_int(slo, "percentile", f"{path}.slo", 90, 50, 99) / 100,
+            None if kv is None else kv / 100, None if queue is None else float(queue)),
+        bounds("prefill"), bounds("decode"),
+        window_seconds=required_int(a, "windowSeconds", path, 60, 10, 3600),
+        scale_up_stabilization_seconds=required_int(a, "scaleUpStabilizationSeconds", path,
+                                                    30, 0, 3600),
+        scale_down_stabilization_seconds=required_int(a, "scaleDownStabilizationSeconds",
+                                                      path, 300, 0, 3600),
+        max_step=required_int(a, "maxStep", path, 1, 1, 16),
+        min_decode_per_prefill=decimal_field(ratio, "minDecodePerPrefill", f"{path}.ratio",
+                                             _positive, "1"),
+        max_decode_per_prefill=decimal_field(ratio, "maxDecodePerPrefill", f"{path}.ratio",
+                                             _positive, "4"))
+    try:
+        return scaling.check()
+    except AutoscalingError as exc:
+        raise SpecError(str(exc)) from None
 
 
 def _check_rules(pool: PoolSpec) -> None:
@@ -558,6 +610,13 @@ def _check_rules(pool: PoolSpec) -> None:
         raise SpecError("the pool needs at least one engine")
     if pool.rollout.max_surge + pool.rollout.max_unavailable < 1:
         raise SpecError("rollout.maxSurge and rollout.maxUnavailable must not both be 0")
+    scaling = pool.autoscaling
+    if scaling is not None and not (
+            scaling.prefill.min_replicas <= pool.prefill.replicas <= scaling.prefill.max_replicas
+            and scaling.decode.min_replicas <= pool.decode.replicas
+            <= scaling.decode.max_replicas):
+        raise SpecError("with autoscaling, prefill.replicas and decode.replicas must lie "
+                        "within their autoscaling minReplicas..maxReplicas")
     kv = pool.engine.kv_cache
     if kv.num_blocks is not None and kv.memory_mib is not None:
         raise SpecError("set kvCache.numBlocks or kvCache.memoryMiB, not both")

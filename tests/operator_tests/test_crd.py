@@ -34,6 +34,8 @@ from tandem_engine.config import (
 )
 from tandem_engine.fleet.transaction import Phase
 from tandem_engine.refit_policy import DEFAULT_DRAIN_TIMEOUT_S, InFlight, OnFailure, RefitStrategy
+from tandem_operator.autoscale import SLO as PlannerSLO
+from tandem_operator.autoscale import Autoscaling, Bounds
 from tandem_operator.spec import (
     DEFAULT_STARTUP_TIMEOUT_S,
     ENGINE_IMAGE_ENV,
@@ -325,7 +327,7 @@ def all_cel_rules() -> list[dict[str, str]]:
 
 def test_every_cel_rule_compiles():
     rules = [rule["rule"] for rule in all_cel_rules()]
-    assert len(rules) == 17
+    assert len(rules) == 21
     for rule in rules:
         CEL_ENV.compile(rule)
 
@@ -740,6 +742,9 @@ LOOKUP_ORDER = ("speculative.promptLookupMax must be at least promptLookupMin (d
                 "4): raise it or lower promptLookupMin")
 SPECULATIVE_ARGS = ("engine.args must not set --speculative-* flags: set engine.speculative "
                     "(and model.weights.draft for the draft checkpoint) instead")
+SLO = {"ttftSeconds": "1.5", "itlSeconds": "0.1"}
+AUTOSCALING_BOUNDS = ("with autoscaling, prefill.replicas and decode.replicas must lie within "
+                      "their autoscaling minReplicas..maxReplicas")
 # What the operator's own parser says for the same specs (it re-checks every CEL rule).
 SPEC_PY_SAYS = {
     DRAFT_NEEDED: DRAFT_NEEDED,
@@ -802,6 +807,17 @@ CEL_REJECTS = [
      "spec.engine.speculative.promptLookupMax", LOOKUP_ORDER),
     ({"engine": {"args": ["--kernels", "torch", "--speculative-tokens=8"]}},
      "spec.engine.args", SPECULATIVE_ARGS),
+    ({"autoscaling": {"slo": SLO, "prefill": {"minReplicas": 3, "maxReplicas": 2}},
+      "prefill": {"replicas": 2}},
+     "spec.autoscaling.prefill", "autoscaling.prefill.minReplicas must not exceed maxReplicas"),
+    ({"autoscaling": {"slo": SLO, "decode": {"minReplicas": 5}}},  # maxReplicas' default 4
+     "spec.autoscaling.decode", "autoscaling.decode.minReplicas must not exceed maxReplicas"),
+    ({"autoscaling": {"slo": SLO, "decode": {"maxReplicas": 2}}, "decode": {"replicas": 3}},
+     "spec.autoscaling", AUTOSCALING_BOUNDS),
+    ({"autoscaling": {"slo": SLO, "ratio": {"minDecodePerPrefill": "3",
+                                            "maxDecodePerPrefill": "2.5"}}},
+     "spec.autoscaling.ratio",
+     "autoscaling.ratio.minDecodePerPrefill must not exceed maxDecodePerPrefill"),
 ]
 
 
@@ -855,3 +871,36 @@ def test_speculative_specs_the_schema_accepts_parse_to_the_same_values():
     assert parsed == undefaulted.engine.speculative
     assert parsed is not None and parsed.method is SpeculativeMethod.MTP
     assert parsed.num_speculative_tokens == DEFAULT_SPECULATIVE_TOKENS
+
+
+# --- spec.autoscaling ------------------------------------------------------------------------
+
+
+def test_autoscaling_is_off_unless_set():
+    assert PoolSpec.from_body(minimal_pool()).autoscaling is None
+
+
+def test_autoscaling_parses_to_the_planner_s_settings():
+    body = minimal_pool(prefill={"replicas": 1}, decode={"replicas": 2}, autoscaling={
+        "slo": {"ttftSeconds": "1.5", "itlSeconds": "0.08", "percentile": 95,
+                "kvUsageCeiling": 85, "queueDepth": 4},
+        "prefill": {"maxReplicas": 3}, "decode": {"minReplicas": 2, "maxReplicas": 6},
+        "windowSeconds": 120, "maxStep": 2, "ratio": {"minDecodePerPrefill": "1.5"}})
+    assert validate(body) == []
+    assert PoolSpec.from_body(apply_defaults(SCHEMA, body)).autoscaling == Autoscaling(
+        PlannerSLO(1.5, 0.08, 0.95, 0.85, 4.0), Bounds(1, 3), Bounds(2, 6), window_seconds=120,
+        scale_up_stabilization_seconds=30, scale_down_stabilization_seconds=300, max_step=2,
+        min_decode_per_prefill=1.5)
+    # the parser's defaults are the CRD's, with or without the API server's defaulting
+    assert PoolSpec.from_body(body).autoscaling == PoolSpec.from_body(
+        apply_defaults(SCHEMA, body)).autoscaling
+
+
+@pytest.mark.parametrize(("patch", "field", "message"),
+                         [c for c in CEL_REJECTS if c[1].startswith("spec.autoscaling")])
+def test_the_operator_refuses_what_the_autoscaling_rules_refuse(
+        patch: dict[str, Any], field: str, message: str):
+    said = {AUTOSCALING_BOUNDS: re.escape(AUTOSCALING_BOUNDS)}.get(
+        message, re.escape(field) + r".*must")
+    with pytest.raises(SpecError, match=said):
+        PoolSpec.from_body(apply_defaults(SCHEMA, minimal_pool(**patch)))
