@@ -109,6 +109,18 @@ def common_labels(spec: PoolSpec) -> dict[str, str]:
             POOL_LABEL: spec.name}
 
 
+# The scale subresource (`kubectl scale ipool`, HPA, KEDA) sets spec.decode.replicas: decode
+# engines hold the generation and the KV memory that load grows first, prefill capacity
+# follows prompt rate, which the planner (autoscale.py) sizes apart from it.
+SCALED_GROUP: Group = "decode"
+
+
+def scale_selector(spec: PoolSpec) -> str:
+    """status.selector: the pods the scale subresource counts (the decode engines), as a
+    label selector string, as an HPA reads it."""
+    return f"{POOL_LABEL}={spec.name},{COMPONENT_LABEL}={SCALED_GROUP}"
+
+
 def group_labels(spec: PoolSpec, group: Group) -> dict[str, str]:
     """Labels of the objects of one group: component prefill|decode|router, role as run."""
     role = "router" if group == "router" else str(spec.engine_role(group))

@@ -509,7 +509,7 @@ def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, .
     epoch = pod_epoch(observed, observed.pod_weights or serving_weights(spec, observed))
     out = {"observedGeneration": gen, "conditions": conditions, **groups,
            "weights": {"current": current, "target": target, "epoch": epoch},
-           "routerEndpoint": m.router_endpoint(spec)}
+           "routerEndpoint": m.router_endpoint(spec), "selector": m.scale_selector(spec)}
     if refit is not None and refit.record is not None:
         out["refit"] = dict(refit.record)
     elif "refit" in prev:

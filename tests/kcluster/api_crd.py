@@ -218,6 +218,14 @@ def check_definition(crd: dict[str, Any]) -> None:
         raise InvalidObject(causes)
 
 
+def _scale_paths(version: dict[str, Any]) -> dict[str, Any]:
+    scale = (version.get("subresources") or {}).get("scale")
+    if scale is None:
+        return {}
+    return {"scale_paths": (scale["specReplicasPath"], scale["statusReplicasPath"],
+                            scale.get("labelSelectorPath"))}
+
+
 def served_types(crd: dict[str, Any]) -> list[ResourceType]:
     spec, names = crd["spec"], crd["spec"]["names"]
     served = []
@@ -233,6 +241,7 @@ def served_types(crd: dict[str, Any]) -> list[ResourceType]:
             subresources=frozenset(version.get("subresources") or {}),
             custom=True, schema=CustomSchema(schema) if schema else None,
             printer_columns=tuple(version.get("additionalPrinterColumns") or ()),
+            **_scale_paths(version),
         ))
     return served
 

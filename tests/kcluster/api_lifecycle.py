@@ -117,7 +117,7 @@ class ObjectLifecycle:
         if not isinstance(body, dict):
             raise api_errors.bad_request("the request body must be a JSON object")
         if subresource == "scale":
-            body = self._from_scale(current, body)
+            body = self._from_scale(resource, current, body)
         wanted = body.get("metadata", {}).get("resourceVersion")
         if wanted and wanted != current["metadata"]["resourceVersion"]:
             raise api_errors.conflict(resource, name, api_errors.STALE)
@@ -144,7 +144,7 @@ class ObjectLifecycle:
                 415, "UnsupportedMediaType", "the body of the request was in an unknown format"
                 " - accepted media types include: application/json-patch+json, "
                 "application/merge-patch+json, application/apply-patch+yaml", None)
-        target = self.scale_of(current) if subresource == "scale" else current
+        target = self.scale_of(resource, current) if subresource == "scale" else current
         applied_key = (current["metadata"]["uid"], field_manager)
         try:
             patched = apply_patch(target, content_type, patch, strategic=not resource.custom,
@@ -153,7 +153,7 @@ class ObjectLifecycle:
             raise api_errors.KubernetesError(exc.code, "Invalid" if exc.code == 422 else
                                              "BadRequest", str(exc), None) from exc
         if subresource == "scale":
-            patched = self._from_scale(current, patched)
+            patched = self._from_scale(resource, current, patched)
         elif patched.get("metadata", {}).get("resourceVersion") not in (
                 None, current["metadata"]["resourceVersion"]):
             raise api_errors.conflict(resource, name, api_errors.STALE)
@@ -161,20 +161,29 @@ class ObjectLifecycle:
             self._applied[applied_key] = patch
         return self._replace(resource, current, patched, subresource, dry_run), False
 
-    def scale_of(self, obj: dict[str, Any]) -> dict[str, Any]:
+    def scale_of(self, resource: ResourceType, obj: dict[str, Any]) -> dict[str, Any]:
+        """The object's autoscaling/v1 Scale, read at the resource's scale paths."""
         meta = obj["metadata"]
+        spec_path, status_path, selector_path = resource.scale_paths
+        status = {"replicas": _at(obj, status_path, 0)}
+        if selector_path is not None and _at(obj, selector_path, None) is not None:
+            status["selector"] = _at(obj, selector_path, None)
         return {"kind": "Scale", "apiVersion": "autoscaling/v1",
                 "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion",
                                                   "creationTimestamp") if k in meta},
-                "spec": {"replicas": (obj.get("spec") or {}).get("replicas", 1)},
-                "status": {"replicas": (obj.get("status") or {}).get("replicas", 0)}}
+                "spec": {"replicas": _at(obj, spec_path, 1)}, "status": status}
 
-    def _from_scale(self, current: dict[str, Any], scale: dict[str, Any]) -> dict[str, Any]:
+    def _from_scale(self, resource: ResourceType, current: dict[str, Any],
+                    scale: dict[str, Any]) -> dict[str, Any]:
         replicas = (scale.get("spec") or {}).get("replicas")
         if not isinstance(replicas, int) or replicas < 0:
             raise api_errors.bad_request("spec.replicas must be a non-negative integer")
         obj = copy.deepcopy(current)
-        obj.setdefault("spec", {})["replicas"] = replicas
+        *parents, leaf = resource.scale_paths[0].lstrip(".").split(".")
+        node = obj
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = replicas
         obj["metadata"]["resourceVersion"] = scale.get("metadata", {}).get("resourceVersion")
         return obj
 
@@ -460,3 +469,12 @@ def _fold_string_data(secret: dict[str, Any]) -> None:
         for key, value in string_data.items():
             data[key] = base64.b64encode(str(value).encode()).decode()
 
+
+def _at(obj: dict[str, Any], path: str, default: Any) -> Any:
+    """The value at a JSON path such as .spec.decode.replicas, or `default`."""
+    node: Any = obj
+    for key in path.lstrip(".").split("."):
+        if not isinstance(node, dict) or key not in node:
+            return default
+        node = node[key]
+    return node

@@ -37,6 +37,8 @@ class ResourceType:
     custom: bool = False
     schema: Any = None
     printer_columns: tuple[dict[str, Any], ...] = ()
+    # The scale subresource's paths (a CRD's subresources.scale); built-ins: spec.replicas
+    scale_paths: tuple[str, str, str | None] = (".spec.replicas", ".status.replicas", None)
 
     @property
     def api_version(self) -> str:

@@ -175,7 +175,7 @@ class TestAPIServer(kmock.KubernetesEmulator):
         if method == "GET":
             obj = self.lifecycle.get(resource, namespace, name)
             if sub == "scale":
-                return _json(self.lifecycle.scale_of(obj))
+                return _json(self.lifecycle.scale_of(resource, obj))
             if as_table:
                 return _json(to_table(resource, [obj], obj["metadata"]["resourceVersion"],
                                       params.get("includeObject", "PartialObjectMetadata")))
@@ -190,7 +190,7 @@ class TestAPIServer(kmock.KubernetesEmulator):
         if method == "PUT" and name is not None:
             obj = self.lifecycle.update(resource, namespace, name, _decode(raw, body), sub,
                                         dry_run)
-            return _json(self.lifecycle.scale_of(obj) if sub == "scale" else
+            return _json(self.lifecycle.scale_of(resource, obj) if sub == "scale" else
                          self._out(resource, obj))
         if method == "PATCH" and name is not None:
             content_type = raw.content_type
@@ -200,7 +200,8 @@ class TestAPIServer(kmock.KubernetesEmulator):
                 raise api_errors.bad_request(str(exc)) from exc
             obj, created = self.lifecycle.patch(resource, namespace, name, content_type, patch,
                                                 sub, params.get("fieldManager", ""), dry_run)
-            out = self.lifecycle.scale_of(obj) if sub == "scale" else self._out(resource, obj)
+            out = (self.lifecycle.scale_of(resource, obj) if sub == "scale" else
+                   self._out(resource, obj))
             return _json(out, 201 if created else 200)
         if method == "DELETE" and name is not None and dry_run:
             return _json(self._out(resource, self.lifecycle.get(resource, namespace, name)))

@@ -211,7 +211,10 @@ def test_names_scope_and_version():
     assert [(v["name"], v["served"], v["storage"]) for v in spec["versions"]] == [
         ("v1alpha1", True, True)
     ]
-    assert VERSION["subresources"] == {"status": {}}
+    # scale: kubectl scale, HPA and KEDA set the decode engines (manifests.SCALED_GROUP)
+    assert VERSION["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.decode.replicas",
+        "statusReplicasPath": ".status.decode.replicas", "labelSelectorPath": ".status.selector"}}
 
 
 def test_printer_columns():
@@ -700,6 +703,7 @@ def test_status_is_bounded_too():
         "prefill": {"replicas": 1, "ready": 1, "updated": 1},
         "weights": {"current": "v1", "target": "v1", "epoch": 0},
         "routerEndpoint": "http://demo.default.svc:8000/v1",
+        "selector": "tandem.dev/pool=demo,app.kubernetes.io/component=decode",
         # The operator's transaction record: named fields are checked, the rest is kept.
         "refit": {"phase": "Progressing", "epoch": 2, "wave": 1, "strategy": "Rolling",
                   "target": {"uri": "file:///models/v2", "version": "v2"},

@@ -537,6 +537,26 @@ def test_crd_is_served_with_printer_columns(cluster: TestCluster) -> None:
     assert cluster.kubectl("get", "ipool", check=False).returncode != 0
 
 
+def test_kubectl_scale_sets_a_pool_s_decode_engines(cluster: TestCluster) -> None:
+    """The scale subresource maps to spec.decode.replicas (prefill stays as set) and reports
+    status.decode.replicas and the selector the operator writes, as an HPA reads them."""
+    cluster.kubectl("apply", "-f", str(REPO / "crds" / "inferencepools.tandem.dev.yaml"))
+    cluster.kubectl("apply", "-f", str(REPO / "examples" / "inferencepool.yaml"))
+    name = cluster.kubectl("get", "ipool", "-o", "name").stdout.strip()
+    before = json.loads(cluster.kubectl("get", name, "-o", "json").stdout)["spec"]
+    cluster.kubectl("scale", name, "--replicas=3")
+    after = json.loads(cluster.kubectl("get", name, "-o", "json").stdout)["spec"]
+    assert after["decode"]["replicas"] == 3
+    assert after["prefill"] == before["prefill"]
+    selector = f"tandem.dev/pool={name.split('/')[-1]},app.kubernetes.io/component=decode"
+    cluster.kubectl("patch", name, "--subresource=status", "--type=merge", "-p",
+                    json.dumps({"status": {"decode": {"replicas": 2}, "selector": selector}}))
+    scale = json.loads(cluster.kubectl("get", name, "--subresource=scale", "-o", "json").stdout)
+    assert (scale["kind"], scale["spec"], scale["status"]) == (
+        "Scale", {"replicas": 3}, {"replicas": 2, "selector": selector})
+    cluster.kubectl("delete", "crd", "inferencepools.tandem.dev")
+
+
 def test_crd_schema_prunes_defaults_and_validates(cluster: TestCluster) -> None:
     cluster.create(WIDGET_CRD)
     created = cluster.kubectl("apply", "-f", "-", "-o", "json", input=json.dumps(

@@ -239,6 +239,7 @@ def test_apply_creates_the_pool_with_owned_objects_and_printer_columns(
     status = pool(cluster)["status"]
     assert status["observedGeneration"] == pool(cluster)["metadata"]["generation"]
     assert status["routerEndpoint"] == "http://demo.default.svc:8000/v1"
+    assert status["selector"] == "tandem.dev/pool=demo,app.kubernetes.io/component=decode"
     assert {c["type"] for c in status["conditions"]} == {"Ready", "Progressing", "Degraded",
                                                          "Refitting"}
     described = cluster.kubectl("describe", "ipool", "demo").stdout

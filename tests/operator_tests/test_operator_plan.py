@@ -504,6 +504,8 @@ def test_status_of_a_serving_pool() -> None:
     assert st["router"] == {"replicas": 1, "ready": 1, "updated": 1}
     assert st["weights"] == {"current": "v1", "target": "v1", "epoch": 0}
     assert st["routerEndpoint"] == "http://pool.ns.svc:8000/v1"
+    # what the scale subresource reports as its selector: the decode engines
+    assert st["selector"] == "tandem.dev/pool=pool,app.kubernetes.io/component=decode"
     c = conditions(st)
     assert [x["type"] for x in st["conditions"]] == ["Ready", "Progressing", "Degraded",
                                                      "Refitting"]
