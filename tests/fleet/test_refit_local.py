@@ -343,6 +343,12 @@ def test_refit_lock_takes_over_a_stale_lock_and_supersedes_a_live_holder(
     # A live holder (its command line names refit) gets SIGTERM and is waited for.
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "refit"])
     try:
+        # Until the child has exec'd, its /proc cmdline is still this process's (no "refit"),
+        # and the lock would rightly call the holder stale; a loaded machine showed that.
+        deadline = time.monotonic() + 10
+        while b"refit" not in Path(f"/proc/{holder.pid}/cmdline").read_bytes().split(b"\0"):
+            assert time.monotonic() < deadline, "the holder never started"
+            time.sleep(0.01)
         path.write_text(json.dumps({"pid": holder.pid, "version": "v2", "uri": "file:///v2"}))
         out = io.StringIO()
         RefitLock(port, WeightsRef("file:///v3", "v3"), out, wait=5).acquire()
