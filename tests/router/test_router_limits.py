@@ -274,7 +274,10 @@ def test_healthz_stays_instant_while_a_huge_request_is_refused_or_tokenized(
         long = json.dumps({"model": "tiny", "prompt": "The quick brown fox. " * 45_000})
         took, r, worst = healthz_while("/v1/completions", long.encode())
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        assert worst < min(1.0, took / 4), (worst, took)
+        # Blocked, the first /healthz would wait nearly the whole tokenizing; on a loaded
+        # 2-core machine a free loop still saw one answer take 0.46 s of 0.72 s (the OS
+        # running other work), so the bound separates the two cases, not a latency goal.
+        assert worst < min(1.0, 0.75 * took), (worst, took)
     finally:
         server.should_exit = True
         thread.join(timeout=10)
