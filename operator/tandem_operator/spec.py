@@ -52,7 +52,13 @@ from tandem_engine.refit_policy import (
 )
 from tandem_engine.weights import WeightsRef, WeightsURIError, checkpoint_path
 
-from tandem_operator.autoscale import SLO, Autoscaling, AutoscalingError, Bounds
+from tandem_operator.autoscale import (
+    DEFAULT_PERCENTILE,
+    SLO,
+    Autoscaling,
+    AutoscalingError,
+    Bounds,
+)
 from tandem_operator.fields import (
     SpecError,
     absolute_paths,
@@ -554,6 +560,10 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
     return pool
 
 
+_BOUNDS = Bounds()  # the planner's defaults are the CRD's (tests/operator_tests/test_crd.py)
+_SCALING = Autoscaling(SLO(1.0, 1.0))
+
+
 def _positive(value: float) -> str | None:
     return None if value > 0 else "must be more than 0"
 
@@ -570,8 +580,10 @@ def autoscaling_settings(spec: Mapping[str, Any]) -> Autoscaling | None:
 
     def bounds(role: str) -> Bounds:
         b = object_field(a, role, path)
-        return Bounds(required_int(b, "minReplicas", f"{path}.{role}", 1, 1, 64),
-                      required_int(b, "maxReplicas", f"{path}.{role}", 4, 1, 64))
+        return Bounds(required_int(b, "minReplicas", f"{path}.{role}", _BOUNDS.min_replicas,
+                                   1, 64),
+                      required_int(b, "maxReplicas", f"{path}.{role}", _BOUNDS.max_replicas,
+                                   1, 64))
 
     def seconds(key: str) -> float:
         value = decimal_field(slo, key, f"{path}.slo", _positive, "1.5")
@@ -583,15 +595,19 @@ def autoscaling_settings(spec: Mapping[str, Any]) -> Autoscaling | None:
     queue = int_field(slo, "queueDepth", f"{path}.slo", None, 0, 100000)
     scaling = Autoscaling(
         SLO(seconds("ttftSeconds"), seconds("itlSeconds"),
-            required_int(slo, "percentile", f"{path}.slo", 90, 50, 99) / 100,
+            required_int(slo, "percentile", f"{path}.slo",
+                         round(DEFAULT_PERCENTILE * 100), 50, 99) / 100,
             None if kv is None else kv / 100, None if queue is None else float(queue)),
         bounds("prefill"), bounds("decode"),
-        window_seconds=required_int(a, "windowSeconds", path, 60, 10, 3600),
-        scale_up_stabilization_seconds=required_int(a, "scaleUpStabilizationSeconds", path,
-                                                    30, 0, 3600),
-        scale_down_stabilization_seconds=required_int(a, "scaleDownStabilizationSeconds",
-                                                      path, 300, 0, 3600),
-        max_step=required_int(a, "maxStep", path, 1, 1, 16),
+        window_seconds=required_int(a, "windowSeconds", path, int(_SCALING.window_seconds),
+                                    10, 3600),
+        scale_up_stabilization_seconds=required_int(
+            a, "scaleUpStabilizationSeconds", path,
+            int(_SCALING.scale_up_stabilization_seconds), 0, 3600),
+        scale_down_stabilization_seconds=required_int(
+            a, "scaleDownStabilizationSeconds", path,
+            int(_SCALING.scale_down_stabilization_seconds), 0, 3600),
+        max_step=required_int(a, "maxStep", path, _SCALING.max_step, 1, 16),
         min_decode_per_prefill=decimal_field(ratio, "minDecodePerPrefill", f"{path}.ratio",
                                              _positive, "1"),
         max_decode_per_prefill=decimal_field(ratio, "maxDecodePerPrefill", f"{path}.ratio",
