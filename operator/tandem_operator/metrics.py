@@ -70,8 +70,36 @@ REFIT_SECONDS = Histogram(
              7200.0),
     registry=REGISTRY)
 
+# The pool's conditions as kube-state-metrics writes a Deployment's: one series per
+# condition at 1, its status and reason as labels (alerts: a rollout past its deadline, a
+# refit that does not end).
+POOL_CONDITION = Gauge(
+    "tandem_operator_pool_condition", "The pool's status conditions (value 1): type, status "
+    "(True, False) and reason", ["namespace", "pool", "type", "status", "reason"],
+    registry=REGISTRY)
+# spec.autoscaling, for dashboards and the SLO alert: each bound beside what the planner
+# observed over the window (`metric`: ttft_seconds, itl_seconds at the SLO's percentile;
+# kv_usage 0..1 of the fullest decode engine; queue_depth, waiting requests per engine of
+# `role`). A metric with no traffic in the window has no observed series.
+AUTOSCALING_SLO = Gauge(
+    "tandem_operator_autoscaling_slo", "spec.autoscaling's bounds, by the role each one sizes "
+    "and metric (ttft_seconds, itl_seconds, kv_usage, queue_depth)",
+    ["namespace", "pool", "role", "metric"], registry=REGISTRY)
+AUTOSCALING_OBSERVED = Gauge(
+    "tandem_operator_autoscaling_observed", "What the autoscaling planner observed over its "
+    "window, by role and metric (as tandem_operator_autoscaling_slo)",
+    ["namespace", "pool", "role", "metric"], registry=REGISTRY)
+AUTOSCALING_DECISIONS = Counter(
+    "tandem_operator_autoscaling_decisions", "Replica changes the autoscaling planner made, by "
+    "role and direction (up, down)", ["role", "direction"], registry=REGISTRY)
+for _role in ("prefill", "decode"):
+    for _direction in ("up", "down"):
+        AUTOSCALING_DECISIONS.labels(_role, _direction)
+
 _pod_series: dict[tuple[str, str], set[tuple[str, str]]] = {}
 _engine_series: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
+_condition_series: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
+_slo_series: dict[tuple[str, str], dict[Gauge, set[tuple[str, str]]]] = {}
 
 
 def serve(port: int, address: str = "0.0.0.0") -> None:
@@ -119,8 +147,37 @@ def record_pool_engines(namespace: str, pool: str,
     _engine_series[(namespace, pool)] = set(counts)
 
 
+def record_conditions(namespace: str, pool: str, conditions: Iterable[dict[str, str]]) -> None:
+    """Set one pool's `tandem_operator_pool_condition` from its status conditions."""
+    now = {(c["type"], c["status"], c.get("reason", "")) for c in conditions}
+    for key in _condition_series.get((namespace, pool), set()) - now:
+        POOL_CONDITION.remove(namespace, pool, *key)
+    for key in now:
+        POOL_CONDITION.labels(namespace, pool, *key).set(1)
+    _condition_series[(namespace, pool)] = now
+
+
+def record_autoscaling(namespace: str, pool: str,
+                       slo: dict[tuple[str, str], float],
+                       observed: dict[tuple[str, str], float]) -> None:
+    """Set one pool's autoscaling bounds and observations, (role, metric) -> value; drop
+    the series now gone (autoscaling turned off, a metric with no traffic)."""
+    held = _slo_series.setdefault((namespace, pool), {})
+    for gauge, values in ((AUTOSCALING_SLO, slo), (AUTOSCALING_OBSERVED, observed)):
+        for key in held.get(gauge, set()) - values.keys():
+            gauge.remove(namespace, pool, *key)
+        for (role, metric), value in values.items():
+            gauge.labels(namespace, pool, role, metric).set(value)
+        held[gauge] = set(values)
+
+
 def forget_pool(namespace: str, pool: str) -> None:
     for key in _pod_series.pop((namespace, pool), set()):
         PODS.remove(namespace, pool, *key)
     for key in _engine_series.pop((namespace, pool), set()):
         POOL_ENGINES.remove(namespace, pool, *key)
+    for key in _condition_series.pop((namespace, pool), set()):
+        POOL_CONDITION.remove(namespace, pool, *key)
+    for gauge, keys in _slo_series.pop((namespace, pool), {}).items():
+        for key in keys:
+            gauge.remove(namespace, pool, *key)

@@ -227,6 +227,7 @@ async def reconcile(pool: Mapping[str, Any], ctx: Context, watched: Watched | No
     metrics.record_pods(spec.namespace, spec.name,
                         ((p.group, p.phase) for p in observed.pods if not p.deleting))
     metrics.record_pool_engines(spec.namespace, spec.name, metrics.pool_engines(spec, observed))
+    metrics.record_conditions(spec.namespace, spec.name, new.get("conditions") or ())
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
     return Outcome(tuple(actions), tuple(errors), new,
                    REQUEUE_SECONDS if refit.running else None)
