@@ -10,11 +10,15 @@ clock or a metric endpoint.
 The rules, one role at a time, then the two together:
 
 * SLO violated: TTFT over its bound (or the prefill queue over its bound) scales prefill
-  up; ITL over its bound (or KV usage over its ceiling) scales decode up.
+  up; ITL over its bound (or KV usage over its ceiling) scales decode up. Not while the
+  role's last scale-up is still starting (engines desired, not ready yet): the violation
+  it answers would otherwise add engine after engine (no overshoot).
 * Capacity: once an engine's capacity (tokens/s within the SLO) is measured, the target is
   the demand over it, rounded up; a violated SLO is at least one engine more.
 * Comfortably met: every bound under `DOWN_FRACTION` of itself lets the role shrink
-  towards its demand (one engine at a time without a measured capacity).
+  towards its demand: to the engines that serve it at `DOWN_FRACTION` of their capacity
+  (so that the smaller role is not saturated at once), one engine at a time without a
+  measured capacity.
 * Hysteresis: between `DOWN_FRACTION` and the bound the role stays as it is.
 * Stabilization, as HPA's: a scale-up takes the lowest recommendation of the last
   `scaleUpStabilizationSeconds`, a scale-down the highest of the last
@@ -137,6 +141,7 @@ class RoleLoad:
     queue_depth: float = 0.0  # waiting requests per engine
     kv_usage: float = 0.0  # the fullest engine's KV pool, 0..1
     draining: int = 0  # engines of the role being drained
+    starting: int = 0  # desired engines of the role not ready yet (a scale-up under way)
 
 
 @dataclass(frozen=True)
@@ -221,16 +226,38 @@ def _raw(spec: Autoscaling, obs: Observation, role: str) -> tuple[int, str]:
               if load.capacity and load.capacity > 0 else None)
     violated = _violations(spec, obs, role)
     if violated:
+        if load.starting:  # the last step has not landed yet: wait for it, don't overshoot
+            return max(load.replicas, needed or 0), (
+                f"{'; '.join(violated)}; waiting for {load.starting} starting engine(s)")
         want = max(load.replicas + 1, needed or 0)
         return want, "; ".join(violated)
+    seen = _seen(spec, obs, role)
     if _comfortable(spec, obs, role):
-        if needed is not None:
-            if needed < load.replicas:
-                return needed, (f"SLO met with room; demand {load.demand:.0f} tok/s needs "
-                                f"{needed} at {load.capacity:.0f} tok/s each")
-            return load.replicas, "SLO met"
-        return load.replicas - 1, "SLO met with room"
-    return load.replicas, "SLO met (within the hysteresis band)"
+        if load.capacity and load.capacity > 0:
+            keep = math.ceil(load.demand / (DOWN_FRACTION * load.capacity) - 1e-9)
+            if keep < load.replicas:
+                return keep, (f"SLO met with room ({seen}); demand {load.demand:.0f} tok/s "
+                              f"fits {keep} at {DOWN_FRACTION:.0%} of {load.capacity:.0f} "
+                              "tok/s each")
+            return load.replicas, (f"SLO met ({seen}); demand {load.demand:.0f} tok/s needs "
+                                   f"{keep} engine(s) at {DOWN_FRACTION:.0%} of "
+                                   f"{load.capacity:.0f} tok/s each")
+        return load.replicas - 1, f"SLO met with room ({seen})"
+    return load.replicas, f"SLO met, within the hysteresis band ({seen})"
+
+
+def _seen(spec: Autoscaling, obs: Observation, role: str) -> str:
+    """What the role's SLO was judged on, in words."""
+    slo, load = spec.slo, obs.load(role)
+    pct = f"p{round(slo.percentile * 100)}"
+    name, latency = (("TTFT", obs.ttft_seconds) if role == "prefill"
+                     else ("ITL", obs.itl_seconds))
+    words = [f"no {name} observed" if latency is None else f"{pct} {name} {latency:.3f} s"]
+    if role == "decode" and slo.kv_usage_ceiling is not None:
+        words.append(f"KV usage {load.kv_usage:.0%}")
+    if slo.queue_depth is not None:
+        words.append(f"queue depth {load.queue_depth:g}")
+    return ", ".join(words)
 
 
 def _stabilized(spec: Autoscaling, current: int, raw: int,

@@ -46,6 +46,22 @@ def required_int(d: Mapping[str, Any], key: str, path: str, default: int, lo: in
     return value
 
 
+PERCENT = re.compile(r"(100|[1-9]?[0-9])%")  # the CRD's pattern, without its anchors
+
+
+def int_or_percent_field(d: Mapping[str, Any], key: str, path: str, default: int | str,
+                         lo: int, hi: int) -> int | str:
+    """An integer within lo..hi or a percentage from "0%" to "100%" (an IntOrString, as a
+    Deployment's maxSurge), kept as written: its meaning depends on a replica count."""
+    value = d.get(key, default)
+    if isinstance(value, str):
+        if not PERCENT.fullmatch(value):
+            raise SpecError(f'{path}.{key} = {value!r} is neither an integer nor a percentage '
+                            f'from "0%" to "100%" such as "25%"')
+        return value
+    return required_int({key: value}, key, path, 0, lo, hi)
+
+
 def str_field(d: Mapping[str, Any], key: str, path: str, default: str | None, max_len: int,
               choices: tuple[str, ...] = (), min_len: int = 0) -> str:
     value = d.get(key, default)

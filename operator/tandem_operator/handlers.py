@@ -28,6 +28,7 @@ import kopf
 from tandem_engine.refit_policy import DEFAULT_DRAIN_TIMEOUT_S
 
 from tandem_operator import metrics
+from tandem_operator.autoscaler import Autoscalers, PodReader, PrometheusReader
 from tandem_operator.kube import KINDS, POOL_OBJECT_KINDS, Kube, KubeError, login_credentials
 from tandem_operator.manifests import POOL_LABEL
 from tandem_operator.plan import deletion_deadline
@@ -47,6 +48,7 @@ class Settings:
     debounce_seconds: float = 0.05  # let a burst of events land before reconciling
     check_weights: bool = True
     kubeconfig: str | None = None
+    prometheus_url: str | None = None  # the autoscaling planner's metrics (else the pods')
 
 
 @dataclass
@@ -88,7 +90,9 @@ async def configure(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> Non
         # engine on every pass. Our events say what happened.
         logging.getLogger("httpx").setLevel(logging.WARNING)
     kube = await Kube.connect(ours.kubeconfig)
-    memo.tandem = Runtime(ours, Context(kube=kube, check_weights=ours.check_weights))
+    reader = PrometheusReader(ours.prometheus_url) if ours.prometheus_url else PodReader()
+    memo.tandem = Runtime(ours, Context(kube=kube, check_weights=ours.check_weights,
+                                        autoscalers=Autoscalers(reader=reader)))
 
 
 @kopf.on.cleanup()
@@ -97,6 +101,7 @@ async def close(memo: Any, **_: Any) -> None:
     if rt is not None:
         await rt.ctx.drains.close()
         await rt.ctx.fleet.close()
+        await rt.ctx.autoscalers.close()
         await rt.ctx.kube.close()
 
 
@@ -183,6 +188,7 @@ async def pool_daemon(namespace: str, name: str, body: Any, stopped: Any, memo: 
             await _sleep(waker, stopped, rt.settings, requeue)
     finally:
         await rt.ctx.fleet.forget(namespace, name)
+        rt.ctx.autoscalers.forget(namespace, name)
         metrics.POOLS.dec()
         metrics.forget_pool(namespace, name)
         rt.wakers.pop((namespace, name), None)

@@ -47,6 +47,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "ServiceAccount": ("", "v1", "serviceaccounts"),
     "Event": ("", "v1", "events"),
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+    "ControllerRevision": ("apps", "v1", "controllerrevisions"),  # pod-template history
     "Role": ("rbac.authorization.k8s.io", "v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
@@ -54,10 +55,11 @@ KINDS: dict[str, tuple[str, str, str]] = {
     # prometheus-operator's, present only where its CRDs are: see `Kube.serves`.
     "PodMonitor": ("monitoring.coreos.com", "v1", "podmonitors"),
 }
-# What a pool owns besides its pods (the credentials Secret and `manifests.support_objects`):
-# the operator watches these, labelled with the pool's name.
+# What a pool owns besides its pods (the credentials Secret, `manifests.support_objects` and
+# its pod-template revisions, `rollout`): the operator watches these, labelled with the pool's
+# name.
 POOL_OBJECT_KINDS = ("Secret", "Service", "ServiceAccount", "PodDisruptionBudget", "Role",
-                     "RoleBinding", "NetworkPolicy")
+                     "RoleBinding", "NetworkPolicy", "ControllerRevision")
 MERGE_PATCH = "application/merge-patch+json"
 WRITE_TTL_SECONDS = 60.0  # a write a watch never shows stops holding the watch back
 DISCOVERY_TTL_SECONDS = 60.0  # how long an answer of `Kube.serves` stands

@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not look for <weights>/config.json on the operator's own filesystem "
                         "before a pool's first engines (when the operator cannot see the model "
                         "volume)")
+    p.add_argument("--prometheus-url", default=None, metavar="URL",
+                   help="read the autoscaling planner's metrics (spec.autoscaling) from this "
+                        "Prometheus, e.g. http://prometheus-operated.monitoring:9090, which "
+                        "must scrape the pools' pods with `namespace` and `pool` labels (their "
+                        "PodMonitor does); default: read each pod's own /metrics")
     p.add_argument("--kubeconfig", default=None,
                    help="kubeconfig file (default: $KUBECONFIG, else in-cluster, else "
                         "~/.kube/config)")
@@ -72,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.metrics_port:
         metrics.serve(args.metrics_port)
     settings = Settings(resync_seconds=args.resync_seconds,
-                        check_weights=not args.skip_weights_check, kubeconfig=args.kubeconfig)
+                        check_weights=not args.skip_weights_check, kubeconfig=args.kubeconfig,
+                        prometheus_url=args.prometheus_url)
     priority = args.priority if args.priority is not None else random.randint(1, 2**30)
     kopf.run(
         standalone=True if args.standalone else None,

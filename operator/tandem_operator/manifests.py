@@ -421,10 +421,19 @@ def engines_service(spec: PoolSpec) -> dict[str, Any]:
                                 "targetPort": "metrics", "protocol": "TCP"}]}}
 
 
+def _disruptions(max_unavailable: int | str) -> int | str:
+    """A PDB's maxUnavailable from the rollout's: at least one pod (a node drain must be able
+    to move a pod), a percentage as written (the PDB resolves it against the pods it
+    selects)."""
+    if isinstance(max_unavailable, str) and max_unavailable != "0%":
+        return max_unavailable
+    return max(1, max_unavailable) if isinstance(max_unavailable, int) else 1
+
+
 def pod_disruption_budget(spec: PoolSpec, group: Group) -> dict[str, Any]:
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
             "metadata": _meta(spec, f"{spec.name}-{group}", group_labels(spec, group)),
-            "spec": {"maxUnavailable": max(1, spec.rollout.max_unavailable),
+            "spec": {"maxUnavailable": _disruptions(spec.rollout.max_unavailable),
                      "selector": {"matchLabels": {POOL_LABEL: spec.name,
                                                   COMPONENT_LABEL: group}}}}
 

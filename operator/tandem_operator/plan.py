@@ -11,7 +11,8 @@ serving live here, where they are tested exhaustively without an API server:
   those weights;
 * scale-down drains first, picking not-ready pods, then the newest;
 * a pod whose template hash differs from the spec's is rolled within maxSurge/maxUnavailable
-  (per role, counted in pods; draining pods still count towards the surge), both engine roles
+  (per role, in pods: a percentage resolves against the role's replicas as a Deployment's
+  does, `Rollout.budget`; draining pods still count towards the surge), both engine roles
   progressing in the same steps; the last ready pod of a role is never taken — when maxSurge is
   0 and that rule would stall a rollout, one pod is surged anyway;
 * decode pods leave only while a prefill pod is ready (new decode engines need one), and
@@ -107,6 +108,7 @@ class Observed:
     weights_error: str | None = None
     pod_weights: WeightsRef | None = None
     monitoring_served: bool = False  # the cluster serves PodMonitors (prometheus-operator)
+    revisions: tuple[Mapping[str, Any], ...] = ()  # its ControllerRevisions (rollout.py)
 
     def group(self, group: Group) -> list[PodView]:
         return [p for p in self.pods if p.group == group and not p.deleting]
@@ -341,7 +343,7 @@ def _create_reason(spec: PoolSpec, group: Group, observed: Observed, failed: boo
 def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: WeightsRef,
                 epoch: int) -> list[Action]:
     replicas = spec.replicas(group)
-    surge, unavailable = spec.rollout.max_surge, spec.rollout.max_unavailable
+    surge, unavailable = spec.rollout.budget(replicas)
     want = m.template_hash(spec, group)
     mine = observed.group(group)
     failed = [p for p in mine if p.failed]
@@ -407,6 +409,16 @@ class RefitReport:
     current: str | None = None
 
 
+@dataclass(frozen=True)
+class RolloutReport:
+    """What the pod-template rollout says for status (built by `rollout`): its record
+    (`status.rollout`) and, once it missed its progress deadline, the Progressing
+    condition."""
+
+    record: Mapping[str, Any]
+    progressing: Condition | None = None  # None: as the pods say
+
+
 def condition(previous: Mapping[str, Any], type_: str, status: bool, reason: str,
               message: str, generation: int, now: str) -> dict[str, Any]:
     """A condition whose lastTransitionTime moves only when its status does."""
@@ -426,6 +438,14 @@ def group_status(spec: PoolSpec, group: Group, observed: Observed) -> dict[str, 
             "updated": sum(p.template_hash == want for p in pods)}
 
 
+def updated_ready(spec: PoolSpec, observed: Observed) -> dict[Group, int]:
+    """Per group, the pods on the spec's template that are ready and staying: a rollout's
+    progress."""
+    want = {g: m.template_hash(spec, g) for g in GROUPS}
+    return {g: sum(p.ready and p.live and p.template_hash == want[g] for p in observed.group(g))
+            for g in GROUPS}
+
+
 def current_version(observed: Observed) -> str:
     """The weights version every engine serves; empty when they differ or none runs."""
     versions = {p.weights.version if p.weights else "" for p in observed.engine_pods()}
@@ -437,9 +457,10 @@ def _counts(groups: Mapping[str, Mapping[str, int]], spec: PoolSpec, key: str) -
 
 
 def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, ...] = (),
-           refit: RefitReport | None = None) -> dict[str, Any]:
+           refit: RefitReport | None = None, rollout: RolloutReport | None = None
+           ) -> dict[str, Any]:
     """The status block for this observation (plus the errors met acting on it, and what the
-    refit transaction, if any, reports)."""
+    refit transaction and the rollout, if any, report)."""
     prev, gen = observed.previous, spec.generation
     groups = {g: group_status(spec, g, observed) for g in GROUPS}
     current = current_version(observed)
@@ -490,6 +511,9 @@ def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, .
     else:
         progressing = (False, "Complete", f"every pod is updated and ready: "
                                           f"{_counts(groups, spec, 'ready')}")
+    if rollout is not None and rollout.progressing is not None \
+            and observed.weights_error is None:
+        progressing = rollout.progressing  # past its deadline: failed, rolled back or halted
 
     target = spec.weights.version
     refitting: Condition
@@ -514,6 +538,10 @@ def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, .
         out["refit"] = dict(refit.record)
     elif "refit" in prev:
         out["refit"] = prev["refit"]
+    if rollout is not None:
+        out["rollout"] = dict(rollout.record)
+    elif "rollout" in prev:
+        out["rollout"] = prev["rollout"]
     return out
 
 

@@ -32,7 +32,8 @@ from tandem_engine.fleet import AdminError, EngineAdmin, admin_url
 from tandem_engine.weights import CHECKPOINT_FORMS, WeightsRef, checkpoint_problem
 
 from tandem_operator import manifests as m
-from tandem_operator import metrics
+from tandem_operator import metrics, rollout
+from tandem_operator.autoscaler import Autoscalers, ScalePass
 from tandem_operator.kube import POOL_OBJECT_KINDS, Kube, KubeError, now, parse_time
 from tandem_operator.plan import (
     OBJECT_ACTIONS,
@@ -54,6 +55,7 @@ from tandem_operator.plan import (
     status,
 )
 from tandem_operator.refit import REQUEUE_SECONDS, FleetClients, RefitPass, refit_pass
+from tandem_operator.rollout import REVISION_KIND, RolloutStep
 from tandem_operator.spec import ENGINE_GROUPS, PoolSpec, SpecError
 
 log = logging.getLogger("tandem_operator.reconcile")
@@ -94,6 +96,7 @@ class Context:
     check_weights: bool = True  # look for the weights (folder or .gguf) before the first pods
     drains: Drains = field(default_factory=Drains)
     fleet: FleetClients = field(default_factory=FleetClients)  # admin calls to the engines
+    autoscalers: Autoscalers = field(default_factory=Autoscalers)  # spec.autoscaling's planner
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,10 @@ async def observe(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any],
     if pods is None:
         pods = await ctx.kube.list("Pod", ns, {m.POOL_LABEL: spec.name})
         found = await asyncio.gather(*(ctx.kube.get(kind, ns, name) for kind, name in wanted))
-        bodies = {key: body for key, body in zip(wanted, found, strict=True) if body is not None}
+        revisions = await ctx.kube.list(REVISION_KIND, ns, {m.POOL_LABEL: spec.name})
+        bodies = {**{key: body for key, body in zip(wanted, found, strict=True)
+                     if body is not None},
+                  **{(REVISION_KIND, _name(r)): r for r in revisions}}
         if watched is not None:
             ctx.kube.writes.forget_gone(ns, spec.name, kinds,
                                         {**{("Pod", _name(p)): p for p in pods}, **bodies})
@@ -182,7 +188,9 @@ async def observe(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any],
     if ctx.check_weights and not engines_run:
         problem = await asyncio.to_thread(weights_problem, spec.weights)
     return Observed(pods=views, objects=objects, previous=pool.get("status") or {},
-                    weights_error=problem, monitoring_served=monitoring)
+                    weights_error=problem, monitoring_served=monitoring,
+                    revisions=tuple(body for (kind, _), body in bodies.items()
+                                    if kind == REVISION_KIND and _owned(body, spec.uid)))
 
 
 async def reconcile(pool: Mapping[str, Any], ctx: Context, watched: Watched | None = None
@@ -214,10 +222,24 @@ async def reconcile(pool: Mapping[str, Any], ctx: Context, watched: Watched | No
     refit = await _refit(ctx, spec, pool, observed)
     if refit.pod_weights is not None:
         observed = dataclasses.replace(observed, pod_weights=refit.pod_weights)
-    actions = plan(spec, observed)
-    errors = await act(ctx, spec, pool, actions)
-    errors += refit.errors
-    new = status(spec, observed, now=now(), errors=tuple(errors), refit=refit.report)
+    scaled, scale_errors = await _autoscale(ctx, spec, observed, refit.running)
+    if scaled.targets and not scale_errors:
+        try:
+            pool, spec = await _rescale(ctx, spec, pool, scaled)
+        except (KubeError, SpecError) as exc:
+            scale_errors = [f"autoscaling: replicas not written: {exc}"]
+    # While a failed rollout is rolled back, pods follow the last good template (rollout.py).
+    rolled, rollout_errors = await _rollout(ctx, spec, pool, observed)
+    effective = rolled.effective
+    actions = plan(effective, observed)
+    errors = await act(ctx, effective, pool, actions) + rollout_errors
+    errors += refit.errors + scale_errors
+    new = status(effective, observed, now=now(), errors=tuple(errors), refit=refit.report,
+                 rollout=rolled.report)
+    if spec.autoscaling is not None:
+        block = scaled.status if scaled.status is not None else previous.get("autoscaling")
+        if block is not None:
+            new["autoscaling"] = block
     try:
         await _write_status(ctx, pool, previous, new)
     except KubeError as exc:
@@ -229,8 +251,56 @@ async def reconcile(pool: Mapping[str, Any], ctx: Context, watched: Watched | No
     metrics.record_pool_engines(spec.namespace, spec.name, metrics.pool_engines(spec, observed))
     metrics.record_conditions(spec.namespace, spec.name, new.get("conditions") or ())
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-    return Outcome(tuple(actions), tuple(errors), new,
-                   REQUEUE_SECONDS if refit.running else None)
+    soon = [t for t in (REQUEUE_SECONDS if refit.running else None, scaled.next_in)
+            if t is not None]
+    return Outcome(tuple(actions), tuple(errors), new, min(soon) if soon else None)
+
+
+async def _autoscale(ctx: Context, spec: PoolSpec, observed: Observed, refit: bool
+                     ) -> tuple[ScalePass, list[str]]:
+    """One pass of the pool's planner (reads its metrics when due); never raises."""
+    try:
+        return await ctx.autoscalers.run(spec, observed, refit), []
+    except Exception as exc:  # a bug in the planner must not stop the pool's other steps
+        log.exception("%s/%s: autoscaling pass failed", spec.namespace, spec.name)
+        return ScalePass(), [f"autoscaling: {type(exc).__name__}: {exc}"]
+
+
+async def _rescale(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], scaled: ScalePass
+                   ) -> tuple[Mapping[str, Any], PoolSpec]:
+    """Write the planner's replicas into the pool's spec (as an HPA writes a Deployment's)
+    and post its events; the pool as it is now and its spec."""
+    patch = {"spec": {role: {"replicas": n} for role, n in scaled.targets.items()}}
+    patched = await ctx.kube.patch("InferencePool", spec.namespace, spec.name, patch)
+    for reason, message in scaled.events:
+        await _event(ctx, patched, reason, message)
+    return patched, PoolSpec.from_body(patched)
+
+
+async def _rollout(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], observed: Observed
+                   ) -> tuple[RolloutStep, list[str]]:
+    """The rollout's pass (`rollout.step`): its revisions written (the spec's template as
+    the newest, the oldest past the history limit deleted) and its Event posted; what failed
+    is retried by the next pass."""
+    decided = rollout.step(spec, pool, observed, now())
+    kept, ns, errors = decided.history, spec.namespace, []
+    try:
+        if kept.create is not None:
+            try:
+                await ctx.kube.create(kept.create)
+            except KubeError as exc:
+                if exc.status != 409:  # 409: written already (a watch behind our writes)
+                    raise
+        if kept.renumber is not None:
+            name, number = kept.renumber
+            await ctx.kube.patch(REVISION_KIND, ns, name, {"revision": number})
+        for name in kept.trim:
+            await ctx.kube.delete(REVISION_KIND, ns, name)
+    except KubeError as exc:
+        errors.append(f"revision history: {exc}")
+    if decided.event is not None:
+        await _event(ctx, pool, *decided.event, "Warning")
+    return decided, errors
 
 
 async def _refit(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], observed: Observed

@@ -45,7 +45,7 @@ from tandem_operator import manifests as m
 from tandem_operator import metrics
 from tandem_operator.kube import Kube, KubeError
 from tandem_operator.plan import Condition, Observed, PodView, RefitReport
-from tandem_operator.spec import PoolSpec
+from tandem_operator.spec import ENGINE_GROUPS, PoolSpec
 
 log = logging.getLogger("tandem_operator.refit")
 
@@ -145,7 +145,9 @@ def configure(tx: Transaction, spec: PoolSpec) -> None:
     tx.min_uncertainty_ratio = spec.refit.min_uncertainty_ratio
     tx.low_memory = spec.refit.low_memory
     tx.drain_timeout = float(spec.refit.drain_timeout_seconds)
-    tx.max_unavailable = max(1, spec.rollout.max_unavailable)
+    # one number for both roles: the smaller role's budget (a percentage resolves per role)
+    tx.max_unavailable = max(1, min((spec.rollout.budget(spec.replicas(g))[1]
+                                     for g in ENGINE_GROUPS if spec.replicas(g) > 0), default=1))
 
 
 def settled_weights(old: Transaction | None, observed: Observed,

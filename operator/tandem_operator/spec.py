@@ -65,6 +65,7 @@ from tandem_operator.fields import (
     bool_field,
     decimal_field,
     int_field,
+    int_or_percent_field,
     list_field,
     object_field,
     required_int,
@@ -246,10 +247,44 @@ class RouterSettings:
     placement: Placement = field(default_factory=Placement)
 
 
+DEFAULT_REVISION_HISTORY_LIMIT = 10  # as a Deployment's revisionHistoryLimit
+DEFAULT_PROGRESS_DEADLINE_S = 600  # as a Deployment's progressDeadlineSeconds
+
+
 @dataclass(frozen=True)
 class Rollout:
-    max_surge: int = 1
-    max_unavailable: int = 0
+    """spec.rollout: how pod-template changes replace pods (rollout.py keeps the revisions
+    and the deadline). maxSurge and maxUnavailable stay as written, a pod count or a
+    percentage such as "25%": `budget` resolves them for one role's replicas."""
+
+    max_surge: int | str = 1
+    max_unavailable: int | str = 0
+    revision_history_limit: int = DEFAULT_REVISION_HISTORY_LIMIT  # besides the live ones
+    progress_deadline_seconds: int = DEFAULT_PROGRESS_DEADLINE_S
+    on_failure: OnFailure = OnFailure.ROLLBACK  # a rollout past its deadline: Rollback|Halt
+
+    def budget(self, replicas: int) -> tuple[int, int]:
+        """(surge, unavailable) in pods for a role of `replicas`, as a Deployment resolves
+        them: a percentage of the replicas, surge rounded up and unavailable down; when both
+        come to 0, one pod may be unavailable (plan.py still never takes a role's last
+        ready pod: it surges one instead)."""
+        surge = _pods(self.max_surge, replicas, round_up=True)
+        unavailable = _pods(self.max_unavailable, replicas, round_up=False)
+        if surge == 0 and unavailable == 0:
+            unavailable = 1
+        return surge, unavailable
+
+
+def _pods(value: int | str, replicas: int, round_up: bool) -> int:
+    """A rollout budget in pods: an integer as it is, "N%" of `replicas`."""
+    if isinstance(value, int):
+        return value
+    share = int(value.removesuffix("%")) * replicas
+    return -(-share // 100) if round_up else share // 100
+
+
+def _zero(value: int | str) -> bool:
+    return value in (0, "0%")
 
 
 @dataclass(frozen=True)
@@ -295,7 +330,7 @@ class PoolSpec:
     network_policy: NetworkPolicySettings = field(default_factory=NetworkPolicySettings)
     pod_monitor: PodMonitorSettings = field(default_factory=PodMonitorSettings)
     pod: PodSettings = field(default_factory=PodSettings)
-    # spec.autoscaling, validated (the planner, autoscale.py; not yet applied)
+    # spec.autoscaling, validated: the planner (autoscale.py) the operator runs (autoscaler.py)
     autoscaling: Autoscaling | None = None
 
     @classmethod
@@ -524,9 +559,18 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
             api_key_secret=secret_key(r, "apiKeySecret", "spec.router"),
             placement=placement(r, "spec.router")),
         rollout=Rollout(
-            max_surge=required_int(ro, "maxSurge", "spec.rollout", _ROLLOUT.max_surge, 0, 64),
-            max_unavailable=required_int(ro, "maxUnavailable", "spec.rollout",
-                                         _ROLLOUT.max_unavailable, 0, 64)),
+            max_surge=int_or_percent_field(ro, "maxSurge", "spec.rollout",
+                                           _ROLLOUT.max_surge, 0, 64),
+            max_unavailable=int_or_percent_field(ro, "maxUnavailable", "spec.rollout",
+                                                 _ROLLOUT.max_unavailable, 0, 64),
+            revision_history_limit=required_int(ro, "revisionHistoryLimit", "spec.rollout",
+                                                _ROLLOUT.revision_history_limit, 0, 100),
+            progress_deadline_seconds=required_int(ro, "progressDeadlineSeconds",
+                                                   "spec.rollout",
+                                                   _ROLLOUT.progress_deadline_seconds, 1,
+                                                   86400),
+            on_failure=OnFailure(str_field(ro, "onFailure", "spec.rollout",
+                                           _ROLLOUT.on_failure, 32, choices(OnFailure)))),
         refit=RefitSettings(
             strategy=RefitStrategy(str_field(rf, "strategy", "spec.refit", _REFIT.strategy,
                                              32, choices(RefitStrategy))),
@@ -624,7 +668,7 @@ def _check_rules(pool: PoolSpec) -> None:
         raise SpecError("decode.replicas must be at least 1 when prefill.replicas > 0")
     if pool.prefill.replicas + pool.decode.replicas < 1:
         raise SpecError("the pool needs at least one engine")
-    if pool.rollout.max_surge + pool.rollout.max_unavailable < 1:
+    if _zero(pool.rollout.max_surge) and _zero(pool.rollout.max_unavailable):
         raise SpecError("rollout.maxSurge and rollout.maxUnavailable must not both be 0")
     scaling = pool.autoscaling
     if scaling is not None and not (

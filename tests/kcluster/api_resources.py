@@ -86,6 +86,7 @@ BUILTIN_RESOURCES = (
     _builtin("apps/v1/statefulsets", "StatefulSet", short="sts", sub="status scale", cats="all"),
     _builtin("apps/v1/replicasets", "ReplicaSet", short="rs", sub="status scale", cats="all"),
     _builtin("apps/v1/daemonsets", "DaemonSet", short="ds", sub="status", cats="all"),
+    _builtin("apps/v1/controllerrevisions", "ControllerRevision"),
     _builtin("batch/v1/jobs", "Job", sub="status", cats="all"),
     _builtin("policy/v1/poddisruptionbudgets", "PodDisruptionBudget", short="pdb", sub="status"),
     _builtin("rbac.authorization.k8s.io/v1/roles", "Role"),

@@ -103,6 +103,19 @@ def _deployment_cells(deployment: dict[str, Any]) -> list[Any]:
             status.get("availableReplicas", 0)]
 
 
+def _revision_cells(revision: dict[str, Any]) -> list[Any]:
+    """kubectl's: the controller as `kind.group/name`, and the revision number."""
+    owner = next((r for r in revision["metadata"].get("ownerReferences") or ()
+                  if r.get("controller")), None)
+    controller = "<none>"
+    if owner is not None:
+        group = owner.get("apiVersion", "").rpartition("/")[0]
+        kind = owner.get("kind", "").lower()
+        controller = f"{kind}.{group}/{owner.get('name')}" if group else \
+            f"{kind}/{owner.get('name')}"
+    return [controller, revision.get("revision", 0)]
+
+
 def _string_columns(*names: str) -> list[dict[str, Any]]:
     return [{"name": name, "type": "string", "priority": 0, "description": ""} for name in names]
 
@@ -114,6 +127,9 @@ _BUILTIN_COLUMNS = {
                        _service_cells),
     ("apps", "deployments"): (_string_columns("Ready", "Up-to-date", "Available"),
                               _deployment_cells),
+    ("apps", "controllerrevisions"): ([*_string_columns("Controller"), {
+        "name": "Revision", "type": "integer", "priority": 0, "description": ""}],
+        _revision_cells),
     ("", "namespaces"): (_string_columns("Status"),
                          lambda ns: [(ns.get("status") or {}).get("phase", "Active")]),
 }

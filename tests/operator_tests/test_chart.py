@@ -273,6 +273,8 @@ NAMESPACED_RULES = {
     ("", "serviceaccounts"): {"create", "get", "list", "watch", "patch", "update", "delete"},
     ("policy", "poddisruptionbudgets"): {"create", "get", "list", "watch", "patch", "update",
                                          "delete"},
+    # the pools' pod-template revisions (rollout.py)
+    ("apps", "controllerrevisions"): {"create", "get", "list", "watch", "patch", "delete"},
     ("rbac.authorization.k8s.io", "roles"): {"create", "get", "list", "watch", "patch", "update",
                                              "delete"},
     ("rbac.authorization.k8s.io", "rolebindings"): {"create", "get", "list", "watch", "patch",

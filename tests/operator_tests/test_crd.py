@@ -37,6 +37,8 @@ from tandem_engine.refit_policy import DEFAULT_DRAIN_TIMEOUT_S, InFlight, OnFail
 from tandem_operator.autoscale import SLO as PlannerSLO
 from tandem_operator.autoscale import Autoscaling, Bounds
 from tandem_operator.spec import (
+    DEFAULT_PROGRESS_DEADLINE_S,
+    DEFAULT_REVISION_HISTORY_LIMIT,
     DEFAULT_STARTUP_TIMEOUT_S,
     ENGINE_IMAGE_ENV,
     EngineDevice,
@@ -352,7 +354,8 @@ DOCUMENTED_DEFAULTS = {
     "prefill": {"replicas": 1},
     "decode": {"replicas": 1},
     "router": {"replicas": 1, "service": {"type": "ClusterIP", "port": 8000}},
-    "rollout": {"maxSurge": 1, "maxUnavailable": 0},
+    "rollout": {"maxSurge": 1, "maxUnavailable": 0, "revisionHistoryLimit": 10,
+                "progressDeadlineSeconds": 600, "onFailure": "Rollback"},
     "refit": {
         "strategy": "Rolling",
         "inflight": "Drain",
@@ -417,6 +420,9 @@ OWNED_DEFAULTS = [
     ("spec.refit.inflight", InFlight.DRAIN.value),
     ("spec.refit.onFailure", OnFailure.ROLLBACK.value),
     ("spec.engine.speculative.numSpeculativeTokens", DEFAULT_SPECULATIVE_TOKENS),
+    ("spec.rollout.revisionHistoryLimit", DEFAULT_REVISION_HISTORY_LIMIT),
+    ("spec.rollout.progressDeadlineSeconds", DEFAULT_PROGRESS_DEADLINE_S),
+    ("spec.rollout.onFailure", OnFailure.ROLLBACK.value),
 ]
 OWNED_ENUMS = [
     ("spec.engine.device", EngineDevice),
@@ -424,6 +430,7 @@ OWNED_ENUMS = [
     ("spec.refit.strategy", RefitStrategy),
     ("spec.refit.inflight", InFlight),
     ("spec.refit.onFailure", OnFailure),
+    ("spec.rollout.onFailure", OnFailure),  # a failed rollout's words are a failed refit's
     ("status.refit.strategy", RefitStrategy),
     ("status.refit.inflight", InFlight),
     ("status.refit.phase", Phase),
@@ -480,7 +487,8 @@ def load_example(name: str) -> dict[str, Any]:
 
 def test_examples_exist():
     assert [p.name for p in EXAMPLES] == [
-        "inferencepool-mixed.yaml", "inferencepool-rl.yaml", "inferencepool.yaml",
+        "inferencepool-autoscaling.yaml", "inferencepool-mixed.yaml", "inferencepool-rl.yaml",
+        "inferencepool.yaml",
     ]
 
 
@@ -503,6 +511,26 @@ def test_disaggregated_example():
                                "/models/smollm2-135m-instruct.gguf"]
     assert [v["name"] for v in spec["engine"]["volumes"]] == ["models"]
     assert "emptyDir" in spec["engine"]["volumes"][0]
+
+
+def test_autoscaling_example_leaves_replicas_to_the_planner():
+    manifest = load_example("inferencepool-autoscaling.yaml")
+    assert "replicas" not in manifest["spec"].get("prefill", {})
+    assert "replicas" not in manifest["spec"].get("decode", {})
+    pool = PoolSpec.from_body({**manifest, "metadata": {**manifest["metadata"],
+                                                        "namespace": "default"}})
+    assert pool.autoscaling is not None and pool.autoscaling.decode.max_replicas == 8
+    assert pool.autoscaling.slo.ttft_seconds == 0.5
+
+
+@pytest.mark.parametrize("name", ["hpa.yaml", "keda-scaledobject.yaml"])
+def test_hpa_and_keda_examples_drive_the_pools_scale_subresource(name: str):
+    target = load_example(name)["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"]) == ("tandem.dev/v1alpha1", "InferencePool")
+    version = next(v for v in CRD["spec"]["versions"] if v["name"] == "v1alpha1")
+    scale = version["subresources"]["scale"]
+    assert scale["specReplicasPath"] == ".spec.decode.replicas"
+    assert scale["labelSelectorPath"] == ".status.selector"
 
 
 def test_mixed_example_is_colocated():
@@ -531,6 +559,15 @@ SCHEMA_REJECTS = [
     ({"refit": {"drainTimeoutSeconds": 0}}, "spec.refit.drainTimeoutSeconds", "minimum of 1"),
     ({"kvTransfer": {"pinTTLSeconds": 3601}}, "spec.kvTransfer.pinTTLSeconds", "maximum"),
     ({"rollout": {"maxSurge": 65}}, "spec.rollout.maxSurge", "maximum of 64"),
+    ({"rollout": {"maxSurge": "150x"}}, "spec.rollout.maxSurge", "does not match"),
+    ({"rollout": {"maxUnavailable": "101%"}}, "spec.rollout.maxUnavailable", "does not match"),
+    ({"rollout": {"maxUnavailable": "05%"}}, "spec.rollout.maxUnavailable", "does not match"),
+    ({"rollout": {"maxSurge": "1000%"}}, "spec.rollout.maxSurge", "is too long"),
+    ({"rollout": {"revisionHistoryLimit": 101}}, "spec.rollout.revisionHistoryLimit",
+     "maximum of 100"),
+    ({"rollout": {"progressDeadlineSeconds": 0}}, "spec.rollout.progressDeadlineSeconds",
+     "minimum of 1"),
+    ({"rollout": {"onFailure": "Pause"}}, "spec.rollout.onFailure", "is not one of"),
     # no floats
     ({"prefill": {"replicas": 1.5}}, "spec.prefill.replicas", "is not of type 'integer'"),
     # bad enums (CamelCase is part of the value)
@@ -665,6 +702,9 @@ def test_schema_accepts_what_it_should():
                     "tolerations": [{"key": "cpu", "operator": "Exists"}]}},
         {"prefill": {"replicas": 0}, "decode": {"replicas": 1}},
         {"rollout": {"maxSurge": 0, "maxUnavailable": 1}},
+        {"rollout": {"maxSurge": "25%", "maxUnavailable": "0%"}},
+        {"rollout": {"maxSurge": 0, "maxUnavailable": "100%", "revisionHistoryLimit": 0,
+                     "progressDeadlineSeconds": 86400, "onFailure": "Halt"}},
         {"engine": {"speculative": {"method": "Ngram"}}},
         {"engine": {"speculative": {"method": "Ngram", "numSpeculativeTokens": 16,
                                     "promptLookupMin": 1, "promptLookupMax": 64}}},
@@ -766,6 +806,10 @@ CEL_REJECTS = [
     ({"prefill": {"replicas": 0}, "decode": {"replicas": 0}},
      "spec.decode.replicas", "the pool needs at least one engine"),
     ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}},
+     "spec.rollout", "rollout.maxSurge and rollout.maxUnavailable must not both be 0"),
+    ({"rollout": {"maxSurge": "0%", "maxUnavailable": 0}},
+     "spec.rollout", "rollout.maxSurge and rollout.maxUnavailable must not both be 0"),
+    ({"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}},
      "spec.rollout", "rollout.maxSurge and rollout.maxUnavailable must not both be 0"),
     ({"engine": {"kvCache": {"numBlocks": 1024, "memoryMiB": 512}}},
      "spec.engine.kvCache", "set kvCache.numBlocks or kvCache.memoryMiB, not both"),
@@ -908,3 +952,26 @@ def test_the_operator_refuses_what_the_autoscaling_rules_refuse(
         message, re.escape(field) + r".*must")
     with pytest.raises(SpecError, match=said):
         PoolSpec.from_body(apply_defaults(SCHEMA, minimal_pool(**patch)))
+
+
+# --- spec.rollout --------------------------------------------------------------------------------
+
+ROLLOUT_REJECTS = [c for c in SCHEMA_REJECTS + CEL_REJECTS if c[1].startswith("spec.rollout")]
+
+
+def test_rollout_parses_to_the_crds_defaults():
+    body = minimal_pool(rollout={"maxSurge": "25%", "onFailure": "Halt"})
+    assert validate(body) == []
+    assert PoolSpec.from_body(body).rollout == PoolSpec.from_body(
+        apply_defaults(SCHEMA, body)).rollout
+    rollout = PoolSpec.from_body(body).rollout
+    assert (rollout.max_surge, rollout.max_unavailable, rollout.on_failure) == (
+        "25%", 0, OnFailure.HALT)
+
+
+@pytest.mark.parametrize(("patch", "field", "message"), ROLLOUT_REJECTS)
+def test_the_operator_refuses_what_the_rollout_schema_and_rule_refuse(
+        patch: dict[str, Any], field: str, message: str):
+    said = re.escape(message) if field == "spec.rollout" else re.escape(field)
+    with pytest.raises(SpecError, match=said):
+        PoolSpec.from_body(minimal_pool(**patch))

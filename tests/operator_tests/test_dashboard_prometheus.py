@@ -109,19 +109,24 @@ def test_metric_names_of_an_expression() -> None:
 
 
 class Prometheus:
-    """A real Prometheus on 127.0.0.1:port with a 1 s scrape interval and static targets."""
+    """A real Prometheus on 127.0.0.1:port with a 1 s scrape and rule evaluation interval,
+    static targets (each job's series get `labels`, as a PodMonitor's relabelling gives a
+    pool's pods theirs) and rule files."""
 
-    def __init__(self, tmp: Path, targets: dict[str, list[str]]) -> None:
+    def __init__(self, tmp: Path, targets: dict[str, list[str]],
+                 labels: dict[str, str] | None = None, rules: tuple[Path, ...] = ()) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
             pytest.fail("no prometheus binary: `make test-tools` (apt-get install prometheus)")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        static = {"labels": labels} if labels else {}
         config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s",
                              "evaluation_interval": "1s"},
+                  "rule_files": [str(r) for r in rules],
                   "scrape_configs": [
                       {"job_name": job, "honor_labels": True,
-                       "static_configs": [{"targets": hosts}]}
+                       "static_configs": [{"targets": hosts, **static}]}
                       for job, hosts in targets.items()]}
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = tmp / "prometheus.log"
