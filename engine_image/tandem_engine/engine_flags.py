@@ -21,12 +21,17 @@ from typing import Any, Literal
 # Which object carries the flag's value: EngineConfig, its SpeculativeConfig, or the engine
 # process itself (a flag no config holds, such as torch's thread count).
 Scope = Literal["engine", "speculative", "process"]
+# How an InferencePool field spells a flag's value: an integer within the field's range; a
+# CamelCase enum word (the flag's value, lowercased); a string; a decimal string ("0.9":
+# the Kubernetes API has no floats); a Kubernetes quantity ("2Gi") of the flag's unit.
+PoolKind = Literal["integer", "enum", "string", "decimal", "quantity"]
 
 
 @dataclass(frozen=True)
 class PoolField:
     """The InferencePool field that sets a flag: `path` under `spec`, as the CRD spells
-    it, and for a number the range the CRD allows. The CRD bounds every field, so where the
+    it, `kind` how it spells the value, and for an integer or a quantity the range the CRD
+    allows (a quantity's in the flag's unit). The CRD bounds every field, so where the
     engine sets no limit the pool's range is the narrower one. `scale` turns the field's
     unit into the flag's (MiB into bytes); `defaulted` says whether the CRD states the
     table's default (a CEL rule fills it in where the field is refused for some specs)."""
@@ -36,6 +41,7 @@ class PoolField:
     maximum: int | None = None
     scale: int = 1
     defaulted: bool = True
+    kind: PoolKind = "integer"
 
     @property
     def key(self) -> str:
@@ -96,6 +102,7 @@ class EngineFlag:
     metavar: str | None = None
     serve: bool = False  # `tandem serve` takes it and gives it to every engine it starts
     ngram_only: bool = False  # means something to speculative method ngram only
+    cuda_only: bool = False  # means nothing to an engine on the CPU: not rendered for one
     pool: PoolField | None = None  # the InferencePool field the operator renders it from
 
     @property
@@ -104,11 +111,11 @@ class EngineFlag:
         return self.flag.removeprefix("--").replace("-", "_")
 
     @property
-    def pool_default(self) -> int | str | None:
+    def pool_default(self) -> int | float | str | None:
         """The flag's default in the pool field's unit (None: the flag has none)."""
         if self.pool is None or self.default is None:
             return None
-        if isinstance(self.default, float | int):
+        if self.pool.kind in ("integer", "quantity"):
             return int(self.default) // self.pool.scale
         return self.default
 
@@ -157,9 +164,12 @@ class EngineFlag:
 
     def applies(self, values: Mapping[str, Any]) -> bool:
         """Whether the flag means something among `values` (field -> value): speculative
-        flags only with a method, the prompt-lookup ones only with method ngram."""
+        flags only with a method, the prompt-lookup ones only with method ngram, CUDA-only
+        ones unless the device is the CPU."""
         if (self.scope == "speculative" and self.field != "method"
                 and values.get("method") is None):
+            return False
+        if self.cuda_only and str(values.get("device", "")).strip().lower() == "cpu":
             return False
         return not self.ngram_only or values.get("method") == "ngram"
 

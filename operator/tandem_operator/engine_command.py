@@ -14,7 +14,7 @@ from typing import Any
 
 from tandem_engine.config import POOL_FLAGS, flag_values
 from tandem_engine.engine_flags import flag_args
-from tandem_engine.weights import WeightsRef, checkpoint_path
+from tandem_engine.weights import WeightsRef, checkpoint_path, weights_source
 
 from tandem_operator.spec import GPU_RESOURCE, EngineDevice, Group, PoolSpec, engine_config
 
@@ -27,13 +27,15 @@ def weights_roots(spec: PoolSpec, weights: WeightsRef, draft_uri: str | None = N
                   ) -> list[str]:
     """The folders an engine on `weights` (and the draft checkpoint `draft_uri`) may refit
     from (`--weights-root`; the engine refuses any other): `spec.engine.weightsRoots`, and
-    the engine volume mounts that hold those checkpoints. None (weights baked into the
+    the engine volume mounts that hold those checkpoints, and the weights' own volume (a
+    `pvc://` claim, a model image's copy). None (weights baked into the
     image, or outside every mount, and no weightsRoots) leaves the engine's default, the
     folder holding its start-up checkpoint."""
     paths = [PurePosixPath(weights.path)]
     if draft_uri is not None:
         paths.append(PurePosixPath(checkpoint_path(draft_uri)))
-    roots = [*spec.engine.weights_roots,
+    mounted = weights_source(weights.uri).mount_path  # a claim: refits within it
+    roots = [*spec.engine.weights_roots, *([mounted] if mounted else []),
              *(str(mount["mountPath"]) for path in paths for mount in spec.engine.volume_mounts
                if mount.get("mountPath") and path.is_relative_to(str(mount["mountPath"])))]
     return list(dict.fromkeys(roots))

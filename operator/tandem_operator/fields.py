@@ -7,8 +7,10 @@ rule, as the API server's own message would.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping
+from fractions import Fraction
 from typing import Any
 
 _DECIMAL = re.compile(r"[0-9]{1,7}(\.[0-9]{1,6})?")
@@ -90,6 +92,58 @@ def decimal_field(d: Mapping[str, Any], key: str, path: str,
     if (why := problem(value)) is not None:
         raise SpecError(f"{path}.{key}: {why}")
     return value
+
+
+# A Kubernetes quantity without a sign (resource.Quantity's syntax): a decimal number and a
+# binary (Ki..Ei) or decimal (n, u, m, k..E) suffix or an exponent. The CRD's pattern too.
+QUANTITY = re.compile(r"(?P<number>[0-9]+(\.[0-9]*)?|\.[0-9]+)"
+                      r"(?P<suffix>[KMGTPE]i|[numkMGTPE]|[eE][+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+))?")
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL_POWER = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15,
+                  "E": 18}
+
+
+def quantity_value(text: str) -> int | None:
+    """A quantity's value as a whole number, a fraction rounded up as Kubernetes'
+    Quantity.Value() rounds a pod's memory ("1.5" -> 2); None when `text` is no quantity."""
+    match = QUANTITY.fullmatch(text)
+    if match is None:
+        return None
+    value = Fraction(match["number"])
+    suffix = match["suffix"] or ""
+    if suffix in _BINARY:
+        value *= 1024 ** _BINARY[suffix]
+    elif suffix in _DECIMAL_POWER:
+        value *= Fraction(10) ** _DECIMAL_POWER[suffix]
+    else:  # an exponent, e.g. 5e9
+        value *= Fraction(10) ** int(Fraction(suffix[1:]))
+    return math.ceil(value)
+
+
+def binary_quantity(value: int) -> str:
+    """A byte count as the largest binary suffix that writes it whole: 16777216 -> 16Mi."""
+    for suffix, power in reversed(_BINARY.items()):
+        if value and value % 1024**power == 0:
+            return f"{value // 1024**power}{suffix}"
+    return str(value)
+
+
+def quantity_field(d: Mapping[str, Any], key: str, path: str, lo: int, hi: int) -> int | None:
+    """A Kubernetes quantity (an IntOrString: "512Mi", "8Gi", 1073741824) as a whole number
+    within lo..hi (bytes, for memory); None when unset."""
+    value = d.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise SpecError(f'{path}.{key} must be a quantity such as "512Mi", not {value!r}')
+    number = value if isinstance(value, int) else quantity_value(value)
+    if number is None or (isinstance(value, str) and len(value) > 32):
+        raise SpecError(f'{path}.{key} = {value!r} is not a Kubernetes quantity such as '
+                        '"512Mi", "8Gi" or "1G"')
+    if not lo <= number <= hi:
+        raise SpecError(f"{path}.{key} = {value!r} ({number} bytes) is outside "
+                        f"{binary_quantity(lo)}..{binary_quantity(hi)}")
+    return number
 
 
 def list_field(d: Mapping[str, Any], key: str, path: str, max_items: int) -> tuple[Any, ...]:

@@ -16,7 +16,7 @@ import json
 import re
 from typing import Any
 
-from tandem_engine.weights import WeightsRef
+from tandem_engine.weights import WeightsRef, weights_source
 
 from tandem_operator.engine_command import (
     ENGINE_ADMIN_PORT,
@@ -29,6 +29,7 @@ from tandem_operator.engine_command import (
 # Part of this module's surface too (m.engine_device, m.weights_roots), though rendered there.
 from tandem_operator.engine_command import engine_device as engine_device
 from tandem_operator.engine_command import weights_roots as weights_roots
+from tandem_operator.pod_overrides import apply_overrides
 from tandem_operator.spec import (
     API_VERSION,
     KIND,
@@ -222,6 +223,8 @@ def _probes(port: str, startup_timeout_s: int) -> dict[str, Any]:
 
 def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: int,
               epoch: int | None = None, draft_uri: str | None = None) -> dict[str, Any]:
+    """The group's pod spec; spec.pod.overrides is merged in last (it may not touch the
+    weights' volume, which `_with_weights` adds after)."""
     e = spec.engine
     if group == "router":
         container: dict[str, Any] = {
@@ -234,9 +237,12 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: 
             "ports": [{"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}],
             **_probes("http", ROUTER_STARTUP_TIMEOUT_S),
             "securityContext": _container_security()}
-        return _pod_fields(spec, group, spec.router.placement, {
+        resources = {k: dict(v) for k, v in spec.router.resources.items() if v}
+        if resources:
+            container["resources"] = resources
+        return apply_overrides(_pod_fields(spec, group, spec.router.placement, {
             "restartPolicy": "Always", "serviceAccountName": router_account_name(spec.name),
-            "containers": [container]})
+            "containers": [container]}), spec.pod.overrides, "router")
     role = spec.role(group)
     container = {
         "name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy,
@@ -251,9 +257,9 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: 
     resources = engine_resources(spec, group)
     if resources:
         container["resources"] = {k: dict(v) for k, v in resources.items()}
-    return _pod_fields(spec, group, role.placement, {
+    return apply_overrides(_pod_fields(spec, group, role.placement, {
         "restartPolicy": "Always", "terminationGracePeriodSeconds": drain_seconds + 10,
-        "containers": [container]})
+        "containers": [container]}), spec.pod.overrides, "engine")
 
 
 def _pod_fields(spec: PoolSpec, group: Group, placement: Placement, pod: dict[str, Any]
@@ -322,11 +328,16 @@ def _pod_labels(spec: PoolSpec, group: Group) -> dict[str, str]:
 def template_hash(spec: PoolSpec, group: Group) -> str:
     """A stable name for what defines the group's pods (image, pull policy, resources, env,
     args, volumes and init containers, KV cache and limits, threads, role, placement, probes,
-    security context and spec.pod's labels, annotations and fields); never the weights."""
+    security context and spec.pod's labels, annotations and fields); never the weights, but
+    for engines the volume they come from (a PVC, a model image): weights on the same volume
+    refit in place, weights on another need new engine pods. Routers keep theirs (they read
+    the tokenizer at start, and a refit never restarts them either)."""
+    weights = _hash_weights(spec.weights) if group != "router" else _HASH_WEIGHTS
     template = {"labels": _pod_labels(spec, group),
                 "annotations": dict(spec.pod.annotations or {}),
-                "spec": _pod_spec(spec, group, _HASH_WEIGHTS, _HASH_DRAIN_SECONDS,
-                                  draft_uri=_HASH_DRAFT if spec.draft_uri else None)}
+                "spec": _with_weights(_pod_spec(spec, group, weights, _HASH_DRAIN_SECONDS,
+                                                draft_uri=_HASH_DRAFT if spec.draft_uri
+                                                else None), weights)}
     canonical = json.dumps(template, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
@@ -356,8 +367,55 @@ def pod(spec: PoolSpec, group: Group, weights: WeightsRef, epoch: int = 0) -> di
         if spec.draft_uri is not None:
             meta["annotations"][DRAFT_URI] = spec.draft_uri
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-            "spec": _pod_spec(spec, group, weights, spec.refit.drain_timeout_seconds,
-                              None if group == "router" else epoch, spec.draft_uri)}
+            "spec": _with_weights(_pod_spec(spec, group, weights,
+                                            spec.refit.drain_timeout_seconds,
+                                            None if group == "router" else epoch,
+                                            spec.draft_uri), weights)}
+
+
+# ---- the weights' volume ------------------------------------------------------------------------
+
+WEIGHTS_VOLUME = "tandem-weights"
+
+
+def _hash_weights(weights: WeightsRef) -> WeightsRef:
+    """What of the weights the template hash sees: their volume, never their path."""
+    source = weights_source(weights.uri)
+    if source.claim is not None:
+        return WeightsRef(uri=f"pvc://{source.claim}/weights", version="weights")
+    if source.image is not None:
+        return WeightsRef(uri=weights.uri, version="weights")
+    return _HASH_WEIGHTS
+
+
+def _with_weights(pod: dict[str, Any], weights: WeightsRef) -> dict[str, Any]:
+    """The volume a `pvc://` or `oci://` checkpoint comes from, mounted read-only where the
+    URI's path points (`tandem_engine.weights.WeightsSource`) in the pod's container: the
+    claim itself; or an emptyDir that an init container running the model image fills with
+    its /model (`cp -R`: a non-root copy keeps no owner or times), first of the pod's init
+    containers. Chosen over an `image` volume, which needs Kubernetes 1.31+ with a feature
+    gate off by default before 1.33: the copy works on every cluster, at the cost of the
+    pod's disk and the copy's time. file:// adds nothing (its volume is the spec's)."""
+    source = weights_source(weights.uri)
+    mount = source.mount_path
+    if mount is None:
+        return pod
+    if source.claim is not None:
+        volume = {"name": WEIGHTS_VOLUME,
+                  "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}}
+    else:
+        volume = {"name": WEIGHTS_VOLUME, "emptyDir": {}}
+        copy = {"name": "tandem-weights", "image": source.image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": ["cp", "-R", "/model/.", f"{mount}/"],
+                "volumeMounts": [{"name": WEIGHTS_VOLUME, "mountPath": mount}],
+                "securityContext": _container_security()}
+        pod["initContainers"] = [copy, *pod.get("initContainers", ())]
+    pod["volumes"] = [*pod.get("volumes", ()), volume]
+    pod["containers"][0]["volumeMounts"] = [
+        *pod["containers"][0].get("volumeMounts", ()),
+        {"name": WEIGHTS_VOLUME, "mountPath": mount, "readOnly": True}]
+    return pod
 
 
 # ---- the pool's other objects -------------------------------------------------------------------
@@ -482,8 +540,9 @@ def network_policies(spec: PoolSpec) -> list[dict[str, Any]]:
 
     * engines: ZMQ (5555) from the pool's routers; admin (8080) from the pool's routers and
       the operator's pods (chart labels, any namespace: the admin API also wants the
-      token); every TCP port from the pool's engines (NIXL over UCX listens on ephemeral
-      ports); metrics (9100) from `metricsFrom`;
+      token), metrics (9100) from those pods too (the autoscaler reads them); every TCP
+      port from the pool's engines (NIXL over UCX listens on ephemeral ports); metrics
+      from `metricsFrom`;
     * routers: their HTTP port (8000: API and /metrics) from `apiFrom`.
     """
     if not spec.network_policy.enabled:
@@ -504,7 +563,7 @@ def network_policies(spec: PoolSpec) -> list[dict[str, Any]]:
     return [
         policy(engines_name, {**common_labels(spec), COMPONENT_LABEL: "engine"}, engines, [
             _rule([routers], [_tcp(ENGINE_ZMQ_PORT), _tcp(ENGINE_ADMIN_PORT)]),
-            _rule([operator], [_tcp(ENGINE_ADMIN_PORT)]),
+            _rule([operator], [_tcp(ENGINE_ADMIN_PORT), _tcp(ENGINE_METRICS_PORT)]),
             _rule([engines], [_tcp()]),
             _rule([dict(p) for p in np.metrics_from], [_tcp(ENGINE_METRICS_PORT)])]),
         policy(router_name, group_labels(spec, "router"), routers, [

@@ -53,6 +53,7 @@ class PodView:
     ready: bool = False
     deleting: bool = False
     draining_since: str | None = None
+    ready_since: str = ""  # the Ready condition's lastTransitionTime, while ready
     created: str = ""
     ip: str | None = None
     uid: str = ""
@@ -76,8 +77,9 @@ class PodView:
             return None
         ann = meta.get("annotations") or {}
         status = body.get("status") or {}
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
-                    for c in status.get("conditions") or ())
+        condition = next((c for c in status.get("conditions") or ()
+                          if c.get("type") == "Ready" and c.get("status") == "True"), None)
+        ready = condition is not None
         weights = None
         if ann.get(m.WEIGHTS_VERSION) and ann.get(m.WEIGHTS_URI):
             weights = WeightsRef(uri=ann[m.WEIGHTS_URI], version=ann[m.WEIGHTS_VERSION])
@@ -93,6 +95,7 @@ class PodView:
                    ready=ready and phase == "Running",
                    deleting=bool(meta.get("deletionTimestamp")),
                    draining_since=ann.get(m.DRAINING_SINCE) or None,
+                   ready_since=str((condition or {}).get("lastTransitionTime") or ""),
                    created=meta.get("creationTimestamp") or "", ip=status.get("podIP") or None)
 
 
@@ -108,6 +111,8 @@ class Observed:
     weights_error: str | None = None
     pod_weights: WeightsRef | None = None
     monitoring_served: bool = False  # the cluster serves PodMonitors (prometheus-operator)
+    now: float | None = None  # when it was observed (wall clock); None: every Ready pod counts
+    # as available at once (rollout.minReadySeconds needs the clock)
     revisions: tuple[Mapping[str, Any], ...] = ()  # its ControllerRevisions (rollout.py)
 
     def group(self, group: Group) -> list[PodView]:
@@ -197,8 +202,10 @@ OBJECT_ACTIONS = (CreateObject, CreateAdminSecret, AddCurveKeys, PatchObject, De
 
 def serving_weights(spec: PoolSpec, observed: Observed) -> WeightsRef:
     """The weights new pods load: what most engines serve now; the spec's when none runs (or
-    when the spec's ties for most)."""
-    counts = Counter(p.weights for p in observed.engine_pods() if p.weights is not None)
+    when the spec's ties for most), and when the spec's come from another volume (a new claim
+    or model image: new pods mount it, and the pods roll instead of refitting)."""
+    counts = Counter(p.weights for p in observed.engine_pods()
+                     if p.weights is not None and p.weights.volume == spec.weights.volume)
     if not counts:
         return spec.weights
     most = max(counts.values())
@@ -311,6 +318,23 @@ def _ready(pods: list[PodView]) -> int:
     return sum(p.ready for p in pods)
 
 
+def _available(pods: list[PodView], spec: PoolSpec, observed: Observed) -> int:
+    """Ready pods that have been Ready for spec.rollout.minReadySeconds (one whose Ready
+    time is unknown counts: it was ready before this operator looked)."""
+    wait = spec.rollout.min_ready_seconds
+    if observed.now is None or wait <= 0:
+        return _ready(pods)
+
+    def available(p: PodView) -> bool:
+        if not p.ready or not p.ready_since:
+            return p.ready
+        try:
+            return observed.now - parse_time(p.ready_since).timestamp() >= wait
+        except ValueError:
+            return True
+    return sum(available(p) for p in pods)
+
+
 def _partner_allows(spec: PoolSpec, group: Group, observed: Observed, old: list[PodView]
                     ) -> bool:
     """May ready pods of `group` leave now, as far as the other engine role is concerned?
@@ -375,7 +399,7 @@ def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: Weigh
     creates = max(0, min(replicas - len(new), replicas + surge - total))
     leaving = [p for p in old if not p.ready]  # costs no availability
     extra_new = scale_down_order(new, refitting(observed))[:max(0, len(new) - replicas)]
-    budget = max(0, _ready(live) - floor) if partner_ok else 0
+    budget = max(0, _available(live, spec, observed) - floor) if partner_ok else 0
     extra_new_ready = [p for p in extra_new if p.ready][:budget]
     budget -= len(extra_new_ready)
     leaving += [p for p in scale_down_order(old, refitting(observed)) if p.ready][:budget]

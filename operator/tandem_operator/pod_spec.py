@@ -19,6 +19,7 @@ from tandem_operator.fields import (
     object_field,
     str_field,
 )
+from tandem_operator.pod_overrides import check_overrides
 
 _DURATION = re.compile(r"[0-9]+(ms|s|m|h)")
 API_KEYS_KEY = "api-keys"  # spec.router.apiKeySecret.key when not given
@@ -60,6 +61,9 @@ class PodSettings:
     priority_class_name: str | None = None
     runtime_class_name: str | None = None
     topology_spread_constraints: tuple[Mapping[str, Any], ...] = ()
+    # spec.pod.overrides: a strategic-merge patch of the pod spec, applied last (checked by
+    # pod_overrides.check_overrides)
+    overrides: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ class NetworkPolicySettings:
     empty `metrics_from` admits the engines' metrics from anywhere; by default every pod in
     the pool's namespace may scrape them."""
 
-    enabled: bool = False
+    enabled: bool = True  # inert where the CNI enforces no NetworkPolicy
     api_from: tuple[Mapping[str, Any], ...] = ()
     metrics_from: tuple[Mapping[str, Any], ...] = ({"podSelector": {}},)
 
@@ -162,7 +166,10 @@ def string_map(d: Mapping[str, Any], key: str, path: str, max_items: int,
     return dict(value) or None
 
 
-def pod_settings(spec: Mapping[str, Any]) -> PodSettings:
+def pod_settings(spec: Mapping[str, Any], engine_volumes: frozenset[str] = frozenset(),
+                 engine_mounts: frozenset[str] = frozenset()) -> PodSettings:
+    """spec.pod; `engine_volumes` and `engine_mounts` (spec.engine's volume names and mount
+    paths) are what its overrides may not patch."""
     d = object_field(spec, "pod", "spec")
     path = "spec.pod"
     secrets = []
@@ -190,7 +197,9 @@ def pod_settings(spec: Mapping[str, Any]) -> PodSettings:
                                reserved=RESERVED_ANNOTATIONS),
         priority_class_name=dns_name(d, "priorityClassName", path),
         runtime_class_name=dns_name(d, "runtimeClassName", path),
-        topology_spread_constraints=tuple(dict(c) for c in spread))
+        topology_spread_constraints=tuple(dict(c) for c in spread),
+        overrides=check_overrides(d.get("overrides"), f"{path}.overrides", engine_volumes,
+                                  engine_mounts))
 
 
 def secret_key(d: Mapping[str, Any], key: str, path: str) -> SecretKey | None:

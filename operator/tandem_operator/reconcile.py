@@ -127,7 +127,10 @@ def curve_keys(pairs: tuple[str, ...]) -> dict[str, str]:
 
 
 def weights_problem(weights: WeightsRef) -> str | None:
-    """Why the operator cannot serve these weights, or None when it can."""
+    """Why the operator cannot serve these weights, or None when it can. Only `file://`
+    weights are looked for: a claim or a model image is mounted in the pods, not here."""
+    if weights.volume is not None:
+        return None
     problem = checkpoint_problem(weights.path)
     if problem is not None:
         return (f"weights {weights.version} at {weights.uri}: {problem} on the operator's "
@@ -188,7 +191,7 @@ async def observe(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any],
     if ctx.check_weights and not engines_run:
         problem = await asyncio.to_thread(weights_problem, spec.weights)
     return Observed(pods=views, objects=objects, previous=pool.get("status") or {},
-                    weights_error=problem, monitoring_served=monitoring,
+                    weights_error=problem, monitoring_served=monitoring, now=time.time(),
                     revisions=tuple(body for (kind, _), body in bodies.items()
                                     if kind == REVISION_KIND and _owned(body, spec.uid)))
 

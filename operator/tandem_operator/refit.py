@@ -118,9 +118,18 @@ def participants(observed: Observed) -> list[PodView]:
 
 
 def needs_refit(spec: PoolSpec, observed: Observed) -> bool:
-    """Without any transaction yet: whether an engine pod runs other weights than the spec's."""
+    """Without any transaction yet: whether an engine pod runs other weights than the spec's
+    from the same volume (weights on another volume come with new pods: `rolling`)."""
     return any(p.weights is not None and p.weights != spec.weights
-               for p in observed.engine_pods())
+               and p.weights.volume == spec.weights.volume for p in observed.engine_pods())
+
+
+def rolling(spec: PoolSpec, observed: Observed) -> list[PodView]:
+    """Engine pods whose weights come from another volume than the spec's (another claim,
+    another model image): no engine can reach the spec's weights in place, so the pods roll
+    (their template names the volume: `manifests.template_hash`) and new ones load them."""
+    return [p for p in observed.engine_pods()
+            if p.weights is not None and p.weights.volume != spec.weights.volume]
 
 
 def reused_version(spec: PoolSpec, old: Transaction | None, observed: Observed
@@ -277,6 +286,12 @@ async def refit_pass(kube: Kube, fleet: FleetClients, spec: PoolSpec, observed: 
     out = RefitPass()
     tx = old
     if tx is None or tx.target != spec.weights:
+        behind = rolling(spec, observed)
+        if behind or (tx is not None and tx.target.volume != spec.weights.volume
+                      and not needs_refit(spec, observed)):
+            if behind:  # new pods come with the weights; the transaction waits for none
+                out.report = _rolling_report(spec, behind)
+            return out
         reused = reused_version(spec, old, observed)
         if reused is not None:  # the edit cannot be refit: whatever the pool did goes on
             out.report = _reused_report(spec, reused)
@@ -324,6 +339,16 @@ async def refit_pass(kube: Kube, fleet: FleetClients, spec: PoolSpec, observed: 
     said = report(tx, engines)
     out.report = said if out.report is None else replace(out.report, record=said.record)
     return out
+
+
+def _rolling_report(spec: PoolSpec, behind: list[PodView]) -> RefitReport:
+    w = spec.weights
+    source = w.volume or "the pods' filesystem"
+    return RefitReport(None, (True, "RollingPods", (
+        f"weights {w.version} come from {source}, which {len(behind)} engine pod(s) do not "
+        f"mount ({', '.join(sorted(p.name for p in behind))}): they are replaced within "
+        "spec.rollout's budget, the new pods loading the weights, instead of refitting in "
+        "place")))
 
 
 def _reused_report(spec: PoolSpec, reused: WeightsRef) -> RefitReport:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem_engine.refit_policy import OnFailure
+from tandem_engine.weights import WeightsURIError, weights_source
 
 from tandem_operator import manifests as m
 from tandem_operator.fields import SpecError
@@ -72,10 +73,15 @@ def _plain(value: Mapping[str, Any]) -> dict[str, Any]:
 def effective_spec(good: Mapping[str, Any], current: Mapping[str, Any]) -> dict[str, Any]:
     """The spec a rolled-back pool's pods are planned from: the last good revision's spec
     (`good`, its pod template) with the current spec's `CURRENT_FIELDS` laid over it (a field
-    the current spec leaves out is left out: the schema's default applies)."""
+    the current spec leaves out is left out: the schema's default applies). The weights are
+    the current ones only where they come from the good revision's volume: weights on
+    another claim or model image are part of the template that failed."""
     out = _plain(good)
     now = _plain(current)
-    for *parents, leaf in CURRENT_FIELDS:
+    fields = CURRENT_FIELDS
+    if _weights_volume(out) != _weights_volume(now):
+        fields = tuple(f for f in fields if f != ("model", "weights"))
+    for *parents, leaf in fields:
         source: Any = now
         target = out
         for key in parents:
@@ -88,6 +94,14 @@ def effective_spec(good: Mapping[str, Any], current: Mapping[str, Any]) -> dict[
         else:
             target.pop(leaf, None)
     return out
+
+
+def _weights_volume(spec: Mapping[str, Any]) -> str | None:
+    uri = ((spec.get("model") or {}).get("weights") or {}).get("uri")
+    try:
+        return weights_source(str(uri)).volume if uri else None
+    except WeightsURIError:
+        return None
 
 
 # ---- revisions ----------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ from tandem_operator.fields import (
     int_or_percent_field,
     list_field,
     object_field,
+    quantity_field,
     required_int,
     str_field,
     strings_field,
@@ -110,9 +111,12 @@ ENGINE_GROUPS: tuple[Group, ...] = ("prefill", "decode")
 
 @dataclass(frozen=True)
 class KVCache:
+    """spec.engine.kvCache: the block size and at most one size, a block count or a byte
+    budget (kvCache.memory, or the deprecated memoryMiB in bytes)."""
+
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None
-    memory_mib: int | None = None
+    memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -192,8 +196,48 @@ class Quantization(str, enum.Enum):
         return self.name.lower()
 
 
-# spec.engine.args the operator renders itself: refused there, with the field to use.
-SPECULATIVE_FLAG_PREFIX = "--speculative"
+class Dtype(str, enum.Enum):
+    """spec.engine.dtype, CamelCase as the CRD's enums are; `flag` is the engine's `--dtype`
+    value (auto or one of config.SUPPORTED_DTYPES)."""
+
+    AUTO = "Auto"  # the device's and the checkpoint's choice (model/device.auto_dtype)
+    FLOAT32 = "Float32"
+    BFLOAT16 = "BFloat16"
+    FLOAT16 = "Float16"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def flag(self) -> str:
+        return self.name.lower()
+
+
+# The engine flags the operator renders, each with the field that sets it (spec.engine.args
+# may not set them: a later flag would silently win over the field): the flag table's pool
+# flags, and the command line the operator wires itself (engine_command.engine_args).
+RENDERED_ENGINE_FLAGS: dict[str, str] = {
+    **{flag.flag: f"spec.{flag.pool.path}" for flag in POOL_FLAGS if flag.pool is not None},
+    "--role": "spec.prefill.replicas (prefill and decode engines, or mixed ones without "
+              "prefill)",
+    "--model": "spec.model.weights.uri",
+    "--served-model-name": "spec.model.name",
+    "--weight-version": "spec.model.weights.version",
+    "--weight-epoch": "the refit transaction (status.weights.epoch)",
+    "--weights-root": "spec.engine.weightsRoots (and the volume mounts holding the weights)",
+    "--shutdown-grace": "spec.refit.drainTimeoutSeconds",
+    **{flag: "the pod's address, ports and name"
+       for flag in ("--host", "--port", "--admin-port", "--metrics-port", "--engine-id")},
+}
+SPECULATIVE_FLAG_PREFIX = "--speculative"  # any other --speculative-* is spec.engine.speculative
+
+# The CRD's CEL messages of the engine's sizing rules, which _check_rules states again.
+KV_CACHE_SIZES = "set at most one of kvCache.numBlocks, kvCache.memory and kvCache.memoryMiB"
+GPU_MEMORY_ON_CPU = ("engine.gpuMemoryUtilization sizes a CUDA engine's memory; remove it "
+                     "for device CPU")
+GPU_MEMORY_WITH_KV_SIZE = ("engine.gpuMemoryUtilization sizes the KV cache only where kvCache "
+                           "gives no size; remove it or kvCache's numBlocks, memory or "
+                           "memoryMiB")
 
 
 @dataclass(frozen=True)
@@ -223,9 +267,13 @@ class EngineSettings:
     kv_cache: KVCache = KVCache()
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int | None = None  # spec.engine.maxModelLen; None: the model's context
     threads: int = DEFAULT_THREADS
     device: EngineDevice = EngineDevice.AUTO
+    dtype: Dtype = Dtype.AUTO  # spec.engine.dtype
     quantization: Quantization = Quantization.AUTO  # spec.engine.quantization
+    # spec.engine.gpuMemoryUtilization; None: the engine's default (CUDA engines only)
+    gpu_memory_utilization: float | None = None
     startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT_S  # the startupProbe's budget
     rdma_ipc_lock: bool = False  # spec.engine.rdma.ipcLock: adds the IPC_LOCK capability
     speculative: Speculative | None = None  # spec.engine.speculative; None: off
@@ -238,6 +286,16 @@ class RoleSettings:
     placement: Placement = field(default_factory=Placement)
 
 
+# spec.router.resources' defaults, sized from a measurement (docs/benchmarks.md, "Router
+# resources"): a pod's router idles at ~126 MiB RSS and ~2m CPU and spends 7.5-8.2 ms of
+# CPU per request (256 prompt, 64 output tokens): 0.40 of a core at 57 requests/s. Requests:
+# ~2x the idle RSS and the CPU of ~60 requests/s; limits: room for bursts and long prompts.
+DEFAULT_ROUTER_RESOURCES: Mapping[str, Mapping[str, str]] = {
+    "requests": {"cpu": "500m", "memory": "256Mi"},
+    "limits": {"cpu": "2", "memory": "1Gi"},
+}
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     replicas: int = 1
@@ -245,10 +303,17 @@ class RouterSettings:
     service_port: int = 8000
     api_key_secret: SecretKey | None = None  # the router's API keys (comma-separated)
     placement: Placement = field(default_factory=Placement)
+    # the router container's requests and limits; each half defaults on its own
+    resources: Mapping[str, Any] = field(
+        default_factory=lambda: {k: dict(v) for k, v in DEFAULT_ROUTER_RESOURCES.items()})
 
 
 DEFAULT_REVISION_HISTORY_LIMIT = 10  # as a Deployment's revisionHistoryLimit
 DEFAULT_PROGRESS_DEADLINE_S = 600  # as a Deployment's progressDeadlineSeconds
+# A new engine counts as available to a rollout (its old peer may then leave) this long after
+# it turned Ready: time for every router to connect to it and hear its first heartbeats (every
+# 0.5 s), so that no router is left knowing only the engines being drained.
+DEFAULT_MIN_READY_S = 5
 
 
 @dataclass(frozen=True)
@@ -262,6 +327,7 @@ class Rollout:
     revision_history_limit: int = DEFAULT_REVISION_HISTORY_LIMIT  # besides the live ones
     progress_deadline_seconds: int = DEFAULT_PROGRESS_DEADLINE_S
     on_failure: OnFailure = OnFailure.ROLLBACK  # a rollout past its deadline: Rollback|Halt
+    min_ready_seconds: int = DEFAULT_MIN_READY_S  # Ready this long before it is available
 
     def budget(self, replicas: int) -> tuple[int, int]:
         """(surge, unavailable) in pods for a role of `replicas`, as a Deployment resolves
@@ -430,6 +496,10 @@ def _draft_uri(weights: Mapping[str, Any]) -> str | None:
     path = "spec.model.weights.draft"
     uri = str_field(object_field(weights, "draft", "spec.model.weights"), "uri", path, None,
                     1024, min_len=8)
+    if not uri.startswith("file://"):
+        raise SpecError(f"{path}.uri {uri!r}: must be a file:// URI (the draft checkpoint is "
+                        "read from a volume the spec mounts; pvc:// and oci:// name the main "
+                        "weights only), e.g. file:///models/draft")
     try:
         checkpoint_path(uri, what=f"{path}.uri")
     except WeightsURIError as exc:
@@ -438,14 +508,20 @@ def _draft_uri(weights: Mapping[str, Any]) -> str | None:
 
 
 def _engine_args(e: Mapping[str, Any]) -> tuple[str, ...]:
-    """spec.engine.args, less the flags the operator renders from fields of their own."""
+    """spec.engine.args, less the flags the operator renders (`RENDERED_ENGINE_FLAGS`), as
+    `--flag value` or `--flag=value`: each refusal names the field to set instead."""
     args = tuple(str(a) for a in list_field(e, "args", "spec.engine", 64))
     for i, arg in enumerate(args):
-        if arg.startswith(SPECULATIVE_FLAG_PREFIX):
+        flag = arg.partition("=")[0]
+        if flag in RENDERED_ENGINE_FLAGS:
+            where = RENDERED_ENGINE_FLAGS[flag]
+            fix = "set that instead" if where.startswith("spec.") else "leave it out"
+            raise SpecError(f"spec.engine.args[{i}] {arg!r}: the operator renders {flag} from "
+                            f"{where}; {fix}")
+        if flag.startswith(SPECULATIVE_FLAG_PREFIX):
             raise SpecError(f"spec.engine.args[{i}] {arg!r}: the operator renders the "
-                            "--speculative-* flags from spec.engine.speculative (method, "
-                            "numSpeculativeTokens, promptLookupMin/Max) and the draft "
-                            "checkpoint from spec.model.weights.draft.uri; set those instead")
+                            "--speculative-* flags from spec.engine.speculative; set that "
+                            "instead")
     return args
 
 
@@ -477,7 +553,53 @@ def _flag_int(d: Mapping[str, Any], field: str) -> Any:
     flag = engine_flag(field)
     pool = flag.pool
     assert pool is not None and pool.minimum is not None and pool.maximum is not None
+    assert pool.kind == "integer", f"{pool.path} is a {pool.kind}"
     return int_field(d, pool.key, pool.parent, flag.pool_default, pool.minimum, pool.maximum)
+
+
+_MIB = 1024 * 1024
+MEMORY_MIB_RANGE = (16, 1024 * 1024)  # the deprecated kvCache.memoryMiB's, 16Mi..1Ti
+
+
+def _kv_cache(kv: Mapping[str, Any]) -> KVCache:
+    """spec.engine.kvCache: its size is a block count or bytes, from kvCache.memory (the
+    flag table's quantity field) or, deprecated, kvCache.memoryMiB (whole MiB)."""
+    pool = engine_flag("kv_cache_memory_bytes").pool
+    assert pool is not None and pool.minimum is not None and pool.maximum is not None
+    memory = quantity_field(kv, pool.key, pool.parent, pool.minimum, pool.maximum)
+    mib = int_field(kv, "memoryMiB", pool.parent, None, *MEMORY_MIB_RANGE)
+    if memory is not None and mib is not None:
+        raise SpecError(KV_CACHE_SIZES)
+    return KVCache(block_size=_flag_int(kv, "block_size"),
+                   num_blocks=_flag_int(kv, "num_blocks"),
+                   memory_bytes=memory if mib is None else mib * _MIB)
+
+
+def _flag_decimal(d: Mapping[str, Any], field: str) -> float | None:
+    """The decimal-string pool field that sets engine flag `field` (config.POOL_FLAGS), read
+    from its section `d` within the flag's own rule; None when unset (the engine's default
+    then applies)."""
+    flag = engine_flag(field)
+    pool = flag.pool
+    assert pool is not None and pool.kind == "decimal", f"{field} has no decimal pool field"
+
+    def problem(value: float) -> str | None:
+        try:
+            flag.check(value)
+        except EngineOptionError as exc:
+            return exc.limit
+        return None
+
+    return decimal_field(d, pool.key, pool.parent, problem, str(flag.default))
+
+
+def _router_resources(r: Mapping[str, Any]) -> Mapping[str, Any]:
+    """spec.router.resources: requests and limits, each the default unless given (as the
+    CRD defaults them; `{}` for none)."""
+    given = object_field(r, "resources", "spec.router")
+    return {part: dict(object_field(given, part, "spec.router.resources")
+                       if part in given else DEFAULT_ROUTER_RESOURCES[part])
+            for part in ("requests", "limits")}
 
 
 def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
@@ -513,17 +635,19 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         volume_mounts=volume_mounts(e, "spec.engine", volumes, read_only=True),
         weights_roots=absolute_paths(e, "weightsRoots", "spec.engine", 8),
         init_containers=_init_containers(e, volumes),
-        kv_cache=KVCache(block_size=_flag_int(kv, "block_size"),
-                         num_blocks=_flag_int(kv, "num_blocks"),
-                         memory_mib=_flag_int(kv, "kv_cache_memory_bytes")),
+        kv_cache=_kv_cache(kv),
         max_num_seqs=_flag_int(e, "max_num_seqs"),
         max_num_batched_tokens=_flag_int(e, "max_num_batched_tokens"),
+        max_model_len=_flag_int(e, "max_model_len"),
         threads=_flag_int(e, "threads"),
         device=EngineDevice(str_field(e, "device", "spec.engine", _ENGINE.device.value, 8,
                                       choices(EngineDevice))),
+        dtype=Dtype(str_field(e, "dtype", "spec.engine", _ENGINE.dtype.value, 8,
+                              choices(Dtype))),
         quantization=Quantization(str_field(e, "quantization", "spec.engine",
                                             _ENGINE.quantization.value, 8,
                                             choices(Quantization))),
+        gpu_memory_utilization=_flag_decimal(e, "gpu_memory_utilization"),
         startup_timeout_seconds=required_int(e, "startupTimeoutSeconds", "spec.engine",
                                              _ENGINE.startup_timeout_seconds, 10, 86400),
         rdma_ipc_lock=bool_field(object_field(e, "rdma", "spec.engine"), "ipcLock",
@@ -557,7 +681,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
             service_port=required_int(svc, "port", "spec.router.service",
                                       _ROUTER.service_port, 1, 65535),
             api_key_secret=secret_key(r, "apiKeySecret", "spec.router"),
-            placement=placement(r, "spec.router")),
+            placement=placement(r, "spec.router"),
+            resources=_router_resources(r)),
         rollout=Rollout(
             max_surge=int_or_percent_field(ro, "maxSurge", "spec.rollout",
                                            _ROLLOUT.max_surge, 0, 64),
@@ -569,6 +694,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
                                                    "spec.rollout",
                                                    _ROLLOUT.progress_deadline_seconds, 1,
                                                    86400),
+            min_ready_seconds=required_int(ro, "minReadySeconds", "spec.rollout",
+                                           _ROLLOUT.min_ready_seconds, 0, 3600),
             on_failure=OnFailure(str_field(ro, "onFailure", "spec.rollout",
                                            _ROLLOUT.on_failure, 32, choices(OnFailure)))),
         refit=RefitSettings(
@@ -597,7 +724,9 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
                                       _KVT.ucx_net_devices, 256)),
         network_policy=network_policy_settings(spec),
         pod_monitor=pod_monitor_settings(spec),
-        pod=pod_settings(spec),
+        pod=pod_settings(spec, frozenset(str(v.get("name")) for v in engine.volumes
+                                         if isinstance(v, Mapping)),
+                         frozenset(str(m["mountPath"]).rstrip("/") for m in engine.volume_mounts)),
         autoscaling=autoscaling_settings(spec))
     _check_rules(pool)
     _check_engine_config(pool)
@@ -678,8 +807,13 @@ def _check_rules(pool: PoolSpec) -> None:
         raise SpecError("with autoscaling, prefill.replicas and decode.replicas must lie "
                         "within their autoscaling minReplicas..maxReplicas")
     kv = pool.engine.kv_cache
-    if kv.num_blocks is not None and kv.memory_mib is not None:
-        raise SpecError("set kvCache.numBlocks or kvCache.memoryMiB, not both")
+    if kv.num_blocks is not None and kv.memory_bytes is not None:
+        raise SpecError(KV_CACHE_SIZES)
+    if pool.engine.gpu_memory_utilization is not None:
+        if pool.engine.device is EngineDevice.CPU:
+            raise SpecError(GPU_MEMORY_ON_CPU)
+        if kv.num_blocks is not None or kv.memory_bytes is not None:
+            raise SpecError(GPU_MEMORY_WITH_KV_SIZE)
     speculative = pool.engine.speculative
     drafting = speculative is not None and speculative.method is SpeculativeMethod.DRAFT
     if drafting and pool.draft_uri is None:
@@ -699,12 +833,14 @@ def engine_config(spec: PoolSpec, device: str = DEFAULT_DEVICE,
     speculative = None if s is None else SpeculativeConfig(
         s.method.flag, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max,
         None if draft_uri is None else checkpoint_path(draft_uri), s.disable_by_batch_size)
-    memory = e.kv_cache.memory_mib
+    utilization = e.gpu_memory_utilization
     return EngineConfig(
         block_size=e.kv_cache.block_size, num_blocks=e.kv_cache.num_blocks,
-        kv_cache_memory_bytes=None if memory is None
-        else memory * _POOL_FLAG["kv_cache_memory_bytes"].scale,
+        kv_cache_memory_bytes=e.kv_cache.memory_bytes,
+        gpu_memory_utilization=(engine_flag("gpu_memory_utilization").default
+                                if utilization is None else utilization),
         max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+        max_model_len=e.max_model_len, dtype=e.dtype.flag,
         device=device, quantization=e.quantization.flag,
         kv_pin_ttl_s=spec.kv_transfer.pin_ttl_seconds, speculative=speculative)
 

@@ -4,7 +4,8 @@ Everything here runs from `make images`' output, not from this machine's venv: t
 kubelet (image mode) mounts each pod's image from local podman storage and runs its
 command chrooted into it, as the image's user, in its own mount and pid namespaces.
 
-1. `helm install` the chart: the operator pod runs from the operator image;
+1. `helm install` the chart into `tandem-system`: the operator pod runs from the operator
+   image and serves the pools in `default`;
 2. `kubectl apply` a pool of 1 prefill + 1 decode engine + 1 router with the engine image
    the chart names (the operator's default); an init container of each pod writes the
    demo checkpoints (v1, and v2 for the refit) into the pod's emptyDir with `tandem
@@ -42,7 +43,7 @@ from tandem_engine.cli.demo_model import write_demo_model
 from tandem_engine.model.device import auto_dtype
 from test_images import built_images
 from test_operator_cluster import wait_for
-from test_operator_e2e import condition, get, helm, live_pods, run_deployment
+from test_operator_e2e import SYSTEM, condition, get, helm, live_pods, run_deployment
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -121,7 +122,7 @@ def served(client: openai.OpenAI) -> list[list[int]]:
 
 
 def dump(cluster: TestCluster, kubelet: PodRunner) -> None:
-    for p in get(cluster, "pods")["items"]:
+    for p in get(cluster, "pods", "-A")["items"]:
         name = p["metadata"]["name"]
         print(f"---- {name} ----\n{json.dumps(p.get('status', {}), indent=1)[-2000:]}\n"
               f"{kubelet.logs(name)[-3000:]}")
@@ -131,16 +132,16 @@ def test_helm_install_a_pool_completions_and_a_refit_all_from_images(
         test_cluster: TestCluster, kubelet: PodRunner, tmp_path: Path) -> None:  # noqa: F811
     images = built_images()
     cluster = test_cluster
-    helm(cluster, "install", "tandem", str(ROOT / "charts" / "tandem"),
+    helm(cluster, "install", "tandem", str(ROOT / "charts" / "tandem"), "--create-namespace",
          "--set", "replicaCount=1")
-    operator_pod = run_deployment(cluster, "tandem-operator")
+    operator_pod = run_deployment(cluster, "tandem-operator", SYSTEM)
     try:
         wait_for("the operator pod (its image) to be ready", lambda: any(
             c["type"] == "Ready" and c["status"] == "True"
-            for c in get(cluster, "pod", operator_pod).get("status", {}).get(
+            for c in get(cluster, "pod", operator_pod, "-n", SYSTEM).get("status", {}).get(
                 "conditions", [])), timeout=90)
-        assert get(cluster, "pod", operator_pod)["spec"]["containers"][0]["image"] == \
-            images.operator
+        assert get(cluster, "pod", operator_pod, "-n", SYSTEM)["spec"]["containers"][0][
+            "image"] == images.operator
 
         cluster.kubectl("apply", "-f", "-", input=pool_manifest("slow", SLOW_LOAD_S))
         slow_applied = time.monotonic()

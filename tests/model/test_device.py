@@ -19,6 +19,7 @@ from tandem_engine.config import (
     EngineConfig,
     parse_device,
 )
+from tandem_engine.engine.kv_sizing import size_kv_pool
 from tandem_engine.model.checkpoint import load_checkpoint
 from tandem_engine.model.device import (
     MemoryProfile,
@@ -317,6 +318,24 @@ def test_explicit_sizes_win_and_the_cpu_default_is_unchanged() -> None:
                          activation_peak=0, outside_torch=0), 256) == 8 * GIB // TINY_PER_BLOCK
     assert num_kv_blocks(TINY, EngineConfig(), "float32") == (
         DEFAULT_KV_CACHE_MEMORY_BYTES // TINY_PER_BLOCK)
+
+
+@pytest.mark.parametrize(("config", "why"), [
+    (EngineConfig(device="cpu", gpu_memory_utilization=0.5), "this one runs on the CPU"),
+    (EngineConfig(device="cuda", num_blocks=7, gpu_memory_utilization=0.5),
+     "the KV pool is sized by num_blocks or kv_cache_memory_bytes"),
+])
+def test_a_fraction_that_sizes_nothing_is_ignored_with_a_warning(
+        config: EngineConfig, why: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The operator refuses gpuMemoryUtilization for device CPU and beside a KV size, and
+    does not render it for an engine on the CPU; an engine given it anyway says so."""
+    with caplog.at_level("WARNING", logger="tandem_engine.engine.kv_sizing"):
+        sizing = size_kv_pool(TINY, config, {}, "float32", 256, None)
+    assert sizing.runner is None
+    assert "gpu_memory_utilization=0.5 is ignored: " in caplog.text and why in caplog.text
+    caplog.clear()
+    size_kv_pool(TINY, EngineConfig(device="cpu"), {}, "float32", 256, None)
+    assert caplog.text == ""
 
 
 def test_the_profiling_step_runs_and_its_numbers_become_the_profile(tiny_llama: Path) -> None:

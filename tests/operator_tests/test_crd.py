@@ -36,11 +36,19 @@ from tandem_engine.fleet.transaction import Phase
 from tandem_engine.refit_policy import DEFAULT_DRAIN_TIMEOUT_S, InFlight, OnFailure, RefitStrategy
 from tandem_operator.autoscale import SLO as PlannerSLO
 from tandem_operator.autoscale import Autoscaling, Bounds
+from tandem_operator.pod_spec import NetworkPolicySettings
 from tandem_operator.spec import (
+    DEFAULT_MIN_READY_S,
     DEFAULT_PROGRESS_DEADLINE_S,
     DEFAULT_REVISION_HISTORY_LIMIT,
+    DEFAULT_ROUTER_RESOURCES,
     DEFAULT_STARTUP_TIMEOUT_S,
     ENGINE_IMAGE_ENV,
+    GPU_MEMORY_ON_CPU,
+    GPU_MEMORY_WITH_KV_SIZE,
+    KV_CACHE_SIZES,
+    RENDERED_ENGINE_FLAGS,
+    Dtype,
     EngineDevice,
     PoolSpec,
     SpecError,
@@ -57,7 +65,12 @@ SCHEMA: dict[str, Any] = VERSION["schema"]["openAPIV3Schema"]
 
 # The only nodes allowed to keep fields the schema does not name.
 # Volume objects (any volume source) and affinity keep their Kubernetes schemas, not ours.
-PRESERVE_UNKNOWN_PATHS = {"spec.prefill.affinity", "spec.decode.affinity",
+# spec.pod.overrides is a pod-spec patch: its typed nodes are the ones its CEL rules read.
+OVERRIDES_PRESERVED = {"spec.pod.overrides", *(f"spec.pod.overrides.{p}" for p in (
+    "metadata", "containers[]", "containers[].ports[]", "containers[].startupProbe",
+    "containers[].readinessProbe", "containers[].livenessProbe", "containers[].env[]",
+    "containers[].volumeMounts[]", "initContainers[]", "volumes[]"))}
+PRESERVE_UNKNOWN_PATHS = {*OVERRIDES_PRESERVED, "spec.prefill.affinity", "spec.decode.affinity",
                           "spec.router.affinity", "status.refit", "spec.engine.volumes[]"}
 
 
@@ -332,7 +345,7 @@ def all_cel_rules() -> list[dict[str, str]]:
 
 def test_every_cel_rule_compiles():
     rules = [rule["rule"] for rule in all_cel_rules()]
-    assert len(rules) == 21
+    assert len(rules) == 31
     for rule in rules:
         CEL_ENV.compile(rule)
 
@@ -347,15 +360,19 @@ DOCUMENTED_DEFAULTS = {
         "maxNumBatchedTokens": 512,
         "threads": 1,
         "device": "Auto",
+        "dtype": "Auto",
         "quantization": "Auto",
         "startupTimeoutSeconds": 1800,
         "rdma": {"ipcLock": False},  # no capability unless asked for
     },
     "prefill": {"replicas": 1},
     "decode": {"replicas": 1},
-    "router": {"replicas": 1, "service": {"type": "ClusterIP", "port": 8000}},
+    "router": {"replicas": 1, "service": {"type": "ClusterIP", "port": 8000},
+               "resources": {"requests": {"cpu": "500m", "memory": "256Mi"},
+                             "limits": {"cpu": "2", "memory": "1Gi"}}},
     "rollout": {"maxSurge": 1, "maxUnavailable": 0, "revisionHistoryLimit": 10,
-                "progressDeadlineSeconds": 600, "onFailure": "Rollback"},
+                "progressDeadlineSeconds": 600, "minReadySeconds": 5,
+                "onFailure": "Rollback"},
     "refit": {
         "strategy": "Rolling",
         "inflight": "Drain",
@@ -369,8 +386,9 @@ DOCUMENTED_DEFAULTS = {
         "pinTTLSeconds": 60,
         "ucx": {"transports": "", "netDevices": ""},
     },
-    # no NetworkPolicies unless enabled; metrics then from the pool's namespace
-    "networkPolicy": {"enabled": False, "metricsFrom": [{"podSelector": {}}]},
+    # NetworkPolicies unless disabled (inert without a CNI that enforces them); metrics
+    # from the pool's namespace
+    "networkPolicy": {"enabled": True, "metricsFrom": [{"podSelector": {}}]},
 }
 
 
@@ -386,7 +404,12 @@ def test_defaults_fill_in_around_given_fields():
     assert spec["engine"]["kvCache"] == {"numBlocks": 64, "blockSize": 16}
     assert spec["engine"]["maxNumSeqs"] == 64
     spec = apply_defaults(SCHEMA, minimal_pool(router={"service": {"port": 80}}))["spec"]
-    assert spec["router"] == {"replicas": 1, "service": {"type": "ClusterIP", "port": 80}}
+    assert spec["router"] == {"replicas": 1, "service": {"type": "ClusterIP", "port": 80},
+                              "resources": DOCUMENTED_DEFAULTS["router"]["resources"]}
+    # requests and limits default apart: one given replaces that half alone
+    spec = apply_defaults(SCHEMA, minimal_pool(router={"resources": {"limits": {}}}))["spec"]
+    assert spec["router"]["resources"] == {
+        "limits": {}, "requests": DOCUMENTED_DEFAULTS["router"]["resources"]["requests"]}
 
 
 def test_defaulting_is_idempotent_and_pure():
@@ -422,9 +445,15 @@ OWNED_DEFAULTS = [
     ("spec.engine.speculative.numSpeculativeTokens", DEFAULT_SPECULATIVE_TOKENS),
     ("spec.rollout.revisionHistoryLimit", DEFAULT_REVISION_HISTORY_LIMIT),
     ("spec.rollout.progressDeadlineSeconds", DEFAULT_PROGRESS_DEADLINE_S),
+    ("spec.rollout.minReadySeconds", DEFAULT_MIN_READY_S),
     ("spec.rollout.onFailure", OnFailure.ROLLBACK.value),
+    ("spec.engine.dtype", Dtype.AUTO.value),
+    ("spec.networkPolicy.enabled", NetworkPolicySettings().enabled),
+    ("spec.router.resources.requests", DEFAULT_ROUTER_RESOURCES["requests"]),
+    ("spec.router.resources.limits", DEFAULT_ROUTER_RESOURCES["limits"]),
 ]
 OWNED_ENUMS = [
+    ("spec.engine.dtype", Dtype),
     ("spec.engine.device", EngineDevice),
     ("spec.engine.speculative.method", SpeculativeMethod),
     ("spec.refit.strategy", RefitStrategy),
@@ -556,6 +585,30 @@ SCHEMA_REJECTS = [
     ({"engine": {"maxNumSeqs": 0}}, "spec.engine.maxNumSeqs", "minimum of 1"),
     ({"engine": {"kvCache": {"blockSize": 512}}}, "spec.engine.kvCache.blockSize", "maximum"),
     ({"engine": {"kvCache": {"memoryMiB": 8}}}, "spec.engine.kvCache.memoryMiB", "minimum"),
+    # kvCache.memory is a quantity; engine.maxModelLen, dtype and gpuMemoryUtilization
+    ({"engine": {"kvCache": {"memory": "12Q"}}}, "spec.engine.kvCache.memory", "match"),
+    ({"engine": {"kvCache": {"memory": "-1Gi"}}}, "spec.engine.kvCache.memory", "match"),
+    ({"engine": {"kvCache": {"memory": "2 Gi"}}}, "spec.engine.kvCache.memory", "match"),
+    ({"engine": {"kvCache": {"memory": 1.5}}}, "spec.engine.kvCache.memory",
+     "is not valid under any of the given schemas"),
+    ({"engine": {"maxModelLen": 8}}, "spec.engine.maxModelLen", "minimum of 16"),
+    ({"engine": {"maxModelLen": 2**20 + 1}}, "spec.engine.maxModelLen", "maximum"),
+    ({"engine": {"dtype": "bfloat16"}}, "spec.engine.dtype", "is not one of"),
+    ({"engine": {"gpuMemoryUtilization": "1.5"}}, "spec.engine.gpuMemoryUtilization", "match"),
+    ({"engine": {"gpuMemoryUtilization": "0"}}, "spec.engine.gpuMemoryUtilization", "match"),
+    ({"engine": {"gpuMemoryUtilization": "0.0"}}, "spec.engine.gpuMemoryUtilization", "match"),
+    ({"engine": {"gpuMemoryUtilization": ".9"}}, "spec.engine.gpuMemoryUtilization", "match"),
+    ({"engine": {"gpuMemoryUtilization": 0.9}}, "spec.engine.gpuMemoryUtilization",
+     "is not of type 'string'"),
+    # router resources are quantities, as an engine's
+    ({"router": {"resources": {"requests": {"cpu": "half"}}}},
+     "spec.router.resources.requests.cpu", "match"),
+    ({"router": {"resources": {"limit": {"cpu": "2"}}}}, "spec.router.resources", "unexpected"),
+    # pod.overrides: its containers, init containers and volumes are named
+    ({"pod": {"overrides": {"containers": [{"env": []}]}}},
+     "spec.pod.overrides.containers[0]", "'name' is a required property"),
+    ({"pod": {"overrides": {"volumes": [{"emptyDir": {}}]}}},
+     "spec.pod.overrides.volumes[0]", "'name' is a required property"),
     ({"refit": {"drainTimeoutSeconds": 0}}, "spec.refit.drainTimeoutSeconds", "minimum of 1"),
     ({"kvTransfer": {"pinTTLSeconds": 3601}}, "spec.kvTransfer.pinTTLSeconds", "maximum"),
     ({"rollout": {"maxSurge": 65}}, "spec.rollout.maxSurge", "maximum of 64"),
@@ -565,6 +618,8 @@ SCHEMA_REJECTS = [
     ({"rollout": {"maxSurge": "1000%"}}, "spec.rollout.maxSurge", "is too long"),
     ({"rollout": {"revisionHistoryLimit": 101}}, "spec.rollout.revisionHistoryLimit",
      "maximum of 100"),
+    ({"rollout": {"minReadySeconds": 3601}}, "spec.rollout.minReadySeconds",
+     "maximum of 3600"),
     ({"rollout": {"progressDeadlineSeconds": 0}}, "spec.rollout.progressDeadlineSeconds",
      "minimum of 1"),
     ({"rollout": {"onFailure": "Pause"}}, "spec.rollout.onFailure", "is not one of"),
@@ -712,6 +767,29 @@ def test_schema_accepts_what_it_should():
                                     "disableByBatchSize": 4}}},
         {"engine": {"speculative": {"method": "Draft"}, "args": ["--kernels", "torch"]},
          "model": {"weights": {"draft": {"uri": "file:///models/demo-draft"}}}},
+        {"engine": {"kvCache": {"memory": "8Gi"}, "maxModelLen": 8192, "dtype": "BFloat16"}},
+        {"engine": {"kvCache": {"memory": 536870912}, "dtype": "Float16"}},
+        {"engine": {"device": "CUDA", "gpuMemoryUtilization": "0.85"}},
+        {"engine": {"gpuMemoryUtilization": "1"}},
+        {"engine": {"gpuMemoryUtilization": "1.0"}},
+        {"engine": {"gpuMemoryUtilization": "0.05"}},
+        {"router": {"resources": {"requests": {"cpu": "1", "memory": "512Mi"}, "limits": {}}}},
+        {"engine": {"volumes": [{"name": "models", "emptyDir": {}}]},
+         "pod": {"overrides": {
+             "dnsConfig": {"options": [{"name": "ndots", "value": "2"}]},
+             "shareProcessNamespace": True,
+             "securityContext": {"fsGroup": 65532},
+             "tolerations": [{"key": "spot", "operator": "Exists"}],
+             "containers": [
+                 {"name": "engine", "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                  "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+                  "securityContext": {"readOnlyRootFilesystem": True}},
+                 {"name": "router", "resources": {"limits": {"memory": "2Gi"}}},
+                 {"name": "shipper", "image": "fluent/fluent-bit:3", "args": ["-c", "/x"],
+                  "ports": [{"containerPort": 2020}],
+                  "volumeMounts": [{"name": "tandem-tmp", "mountPath": "/logs"}]}],
+             "volumes": [{"name": "scratch", "emptyDir": {}}],
+             "initContainers": [{"name": "warm", "image": "busybox:1", "command": ["true"]}]}}},
         {"engine": {"volumes": [{"name": "models", "emptyDir": {}}],
                     "initContainers": [{"name": "pull", "image": "busybox:1", "command": ["sh"],
                                         "args": ["-c", "true"],
@@ -784,8 +862,25 @@ LOOKUP_NGRAM_ONLY = ("speculative.promptLookupMin and promptLookupMax apply to m
                      "only; remove them")
 LOOKUP_ORDER = ("speculative.promptLookupMax must be at least promptLookupMin (defaults 2 and "
                 "4): raise it or lower promptLookupMin")
-SPECULATIVE_ARGS = ("engine.args must not set --speculative-* flags: set engine.speculative "
-                    "(and model.weights.draft for the draft checkpoint) instead")
+ENGINE_ARGS = ("engine.args must not set a flag the operator renders: set its field instead "
+               "(e.g. engine.maxModelLen for --max-model-len, engine.speculative for "
+               "--speculative-*; engine.args' description lists them all)")
+OVERRIDE_OWNED_FIELDS = ("pod.overrides must not change the engine or router container's "
+                         "command, args, image, ports or probes")
+OVERRIDE_SIDECAR_IMAGE = ("pod.overrides: a sidecar container (any name but engine and router) "
+                          "needs an image")
+OVERRIDE_ENV = ("pod.overrides must not set the env variables the operator sets in the engine "
+                "and router containers (POD_IP, POD_NAME, POD_NAMESPACE, HOME, TMPDIR, UCX_TLS, "
+                "UCX_NET_DEVICES, TANDEM_*)")
+OVERRIDE_MOUNTS = ("pod.overrides must not mount over /tmp, /weights or the tandem-* volumes in "
+                   "the engine and router containers")
+OVERRIDE_TANDEM_NAMES = ("pod.overrides must not name volumes or init containers tandem-* (the "
+                         "operator's: /tmp, the weights)")
+OVERRIDE_POD_FIELDS = ("pod.overrides must not set terminationGracePeriodSeconds (set "
+                       "refit.drainTimeoutSeconds), serviceAccountName or metadata (set "
+                       "pod.labels and pod.annotations)")
+OVERRIDE_ENGINE_VOLUMES = ("pod.overrides.volumes must not name a volume of engine.volumes; "
+                           "edit it there")
 SLO = {"ttftSeconds": "1.5", "itlSeconds": "0.1"}
 AUTOSCALING_BOUNDS = ("with autoscaling, prefill.replicas and decode.replicas must lie within "
                       "their autoscaling minReplicas..maxReplicas")
@@ -797,8 +892,25 @@ SPEC_PY_SAYS = {
     LOOKUP_NGRAM_ONLY: r"spec\.engine\.speculative\.promptLookupMin applies to method Ngram "
                        r"only \(prompt lookup\); remove it for method Draft",
     LOOKUP_ORDER: r"spec\.engine\.speculative\.promptLookupMax = \d is below promptLookupMin",
-    SPECULATIVE_ARGS: r"spec\.engine\.args\[2\] '--speculative-tokens=8': the operator "
-                      r"renders the --speculative-\* flags from spec\.engine\.speculative",
+    ENGINE_ARGS: r"spec\.engine\.args\[\d\] '--[a-z-]+(=[a-z0-9]+)?': the operator renders "
+                 r"--[a-z-]+ from ",
+    KV_CACHE_SIZES: re.escape(KV_CACHE_SIZES),
+    GPU_MEMORY_ON_CPU: re.escape(GPU_MEMORY_ON_CPU),
+    GPU_MEMORY_WITH_KV_SIZE: re.escape(GPU_MEMORY_WITH_KV_SIZE),
+    OVERRIDE_OWNED_FIELDS: r"spec\.pod\.overrides\.containers\[0\]\.(command|livenessProbe): the "
+                           r"(engine|router) container's \w+ is not overridden",
+    OVERRIDE_SIDECAR_IMAGE: r"spec\.pod\.overrides\.containers\[0\] \('shipper'\) is a sidecar "
+                            r".*: it needs an image",
+    OVERRIDE_ENV: r"spec\.pod\.overrides\.containers\[0\]\.env\[0\]\.name 'TANDEM_ADMIN_TOKEN' "
+                  r"is set by the operator",
+    OVERRIDE_MOUNTS: r"spec\.pod\.overrides\.containers\[0\]\.volumeMounts\[0\] at /tmp: .* "
+                     r"are the operator's; mount elsewhere",
+    OVERRIDE_TANDEM_NAMES: r"spec\.pod\.overrides\.volumes\[0\]\.name 'tandem-weights': volumes "
+                           r"named tandem-\* are the operator's",
+    OVERRIDE_POD_FIELDS: r"spec\.pod\.overrides\.(terminationGracePeriodSeconds|metadata) is the "
+                         r"operator's to set: use spec\.(refit\.drainTimeoutSeconds|pod\.labels)",
+    OVERRIDE_ENGINE_VOLUMES: r"spec\.pod\.overrides\.volumes\[0\]\.name 'models': a volume of "
+                             r"spec\.engine\.volumes: edit it there",
 }
 CEL_REJECTS = [
     ({"prefill": {"replicas": 2}, "decode": {"replicas": 0}},
@@ -812,11 +924,45 @@ CEL_REJECTS = [
     ({"rollout": {"maxSurge": 0, "maxUnavailable": "0%"}},
      "spec.rollout", "rollout.maxSurge and rollout.maxUnavailable must not both be 0"),
     ({"engine": {"kvCache": {"numBlocks": 1024, "memoryMiB": 512}}},
-     "spec.engine.kvCache", "set kvCache.numBlocks or kvCache.memoryMiB, not both"),
+     "spec.engine.kvCache", KV_CACHE_SIZES),
+    ({"engine": {"kvCache": {"numBlocks": 1024, "memory": "512Mi"}}},
+     "spec.engine.kvCache", KV_CACHE_SIZES),
+    ({"engine": {"kvCache": {"memory": "512Mi", "memoryMiB": 512}}},
+     "spec.engine.kvCache", KV_CACHE_SIZES),
+    ({"engine": {"device": "CPU", "gpuMemoryUtilization": "0.8"}},
+     "spec.engine.gpuMemoryUtilization", GPU_MEMORY_ON_CPU),
+    ({"engine": {"kvCache": {"memory": "8Gi"}, "gpuMemoryUtilization": "0.8"}},
+     "spec.engine.gpuMemoryUtilization", GPU_MEMORY_WITH_KV_SIZE),
+    ({"engine": {"kvCache": {"numBlocks": 64}, "gpuMemoryUtilization": "0.8"}},
+     "spec.engine.gpuMemoryUtilization", GPU_MEMORY_WITH_KV_SIZE),
+    ({"engine": {"args": ["--max-model-len", "4096"]}}, "spec.engine.args", ENGINE_ARGS),
+    ({"engine": {"args": ["--dtype=float16"]}}, "spec.engine.args", ENGINE_ARGS),
+    ({"engine": {"args": ["--port", "1"]}}, "spec.engine.args", ENGINE_ARGS),
+    ({"pod": {"overrides": {"containers": [{"name": "engine", "command": ["sh"]}]}}},
+     "spec.pod.overrides.containers[0]", OVERRIDE_OWNED_FIELDS),
+    ({"pod": {"overrides": {"containers": [{"name": "router", "livenessProbe": {}}]}}},
+     "spec.pod.overrides.containers[0]", OVERRIDE_OWNED_FIELDS),
+    ({"pod": {"overrides": {"containers": [{"name": "shipper"}]}}},
+     "spec.pod.overrides.containers[0]", OVERRIDE_SIDECAR_IMAGE),
+    ({"pod": {"overrides": {"containers": [
+        {"name": "engine", "env": [{"name": "TANDEM_ADMIN_TOKEN", "value": "x"}]}]}}},
+     "spec.pod.overrides.containers[0]", OVERRIDE_ENV),
+    ({"pod": {"overrides": {"containers": [
+        {"name": "engine", "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}]}]}}},
+     "spec.pod.overrides.containers[0]", OVERRIDE_MOUNTS),
+    ({"pod": {"overrides": {"volumes": [{"name": "tandem-weights", "emptyDir": {}}]}}},
+     "spec.pod.overrides.volumes[0]", OVERRIDE_TANDEM_NAMES),
+    ({"pod": {"overrides": {"terminationGracePeriodSeconds": 5}}},
+     "spec.pod.overrides", OVERRIDE_POD_FIELDS),
+    ({"pod": {"overrides": {"metadata": {"labels": {"a": "b"}}}}},
+     "spec.pod.overrides", OVERRIDE_POD_FIELDS),
+    ({"engine": {"volumes": [{"name": "models", "emptyDir": {}}]},
+      "pod": {"overrides": {"volumes": [{"name": "models", "hostPath": {"path": "/m"}}]}}},
+     "spec.pod.overrides.volumes", OVERRIDE_ENGINE_VOLUMES),
     ({"model": {"weights": {"uri": "s3://bucket/models/demo"}}},
-     "spec.model.weights.uri", "weights.uri must be a file:// URI"),
+     "spec.model.weights.uri", "weights.uri must be a file://, pvc:// or oci:// URI"),
     ({"model": {"weights": {"uri": "/models/demo/file://"}}},
-     "spec.model.weights.uri", "weights.uri must be a file:// URI"),
+     "spec.model.weights.uri", "weights.uri must be a file://, pvc:// or oci:// URI"),
     ({"engine": {"env": [
         {"name": "A", "value": "x", "valueFrom": {"fieldRef": {"fieldPath": "x"}}},
     ]}},
@@ -854,7 +1000,7 @@ CEL_REJECTS = [
     ({"engine": {"speculative": {"method": "Ngram", "promptLookupMax": 1}}},  # min's default 2
      "spec.engine.speculative.promptLookupMax", LOOKUP_ORDER),
     ({"engine": {"args": ["--kernels", "torch", "--speculative-tokens=8"]}},
-     "spec.engine.args", SPECULATIVE_ARGS),
+     "spec.engine.args", ENGINE_ARGS),
     ({"autoscaling": {"slo": SLO, "prefill": {"minReplicas": 3, "maxReplicas": 2}},
       "prefill": {"replicas": 2}},
      "spec.autoscaling.prefill", "autoscaling.prefill.minReplicas must not exceed maxReplicas"),
@@ -892,12 +1038,74 @@ def test_cel_rules_see_defaults():
 
 @pytest.mark.parametrize(("patch", "field", "message"),
                          [c for c in CEL_REJECTS if c[2] in SPEC_PY_SAYS])
-def test_the_operator_refuses_what_the_speculative_rules_refuse(
+def test_the_operator_refuses_what_the_engine_and_override_rules_refuse(
         patch: dict[str, Any], field: str, message: str):
-    """spec.py states the speculative rules again (an API server that skipped them must not
-    make the operator act): the same specs are refused, naming the field and the fix."""
+    """spec.py states the speculative, KV sizing, engine.args and pod.overrides rules again
+    (an API server that skipped them must not make the operator act): the same specs are
+    refused, naming the field and the fix."""
     with pytest.raises(SpecError, match=SPEC_PY_SAYS[message]):
         PoolSpec.from_body(minimal_pool(**patch))
+
+
+NEW_ENGINE_FIELDS = (".kvCache.memory", ".maxModelLen", ".dtype", ".gpuMemoryUtilization",
+                     "spec.router.resources.requests", "spec.pod.overrides")
+
+
+@pytest.mark.parametrize(("patch", "field", "message"),
+                         [c for c in SCHEMA_REJECTS if any(f in c[1] for f in NEW_ENGINE_FIELDS)
+                          and "unexpected" not in c[2] and "required" not in c[2]
+                          and not c[1].startswith("spec.router")])
+def test_the_operator_refuses_what_the_schema_refuses_of_the_new_fields(
+        patch: dict[str, Any], field: str, message: str):
+    with pytest.raises(SpecError, match=re.escape(field)):
+        PoolSpec.from_body(minimal_pool(**patch))
+
+
+@pytest.mark.parametrize(("memory", "size"), [
+    ("512Mi", 512 * 2**20), ("8Gi", 8 * 2**30), ("1Ti", 2**40), ("1G", 10**9),
+    ("0.5Gi", 2**29), ("1.5e9", 1_500_000_000), (2**30, 2**30),
+    ("16777216.5", 16777217),  # a fraction of a byte rounds up, as Quantity.Value() does
+])
+def test_kv_cache_memory_is_a_quantity_passed_in_bytes(memory: Any, size: int):
+    body = minimal_pool(engine={"kvCache": {"memory": memory}})
+    assert validate(body) == []
+    assert PoolSpec.from_body(body).engine.kv_cache.memory_bytes == size
+
+
+@pytest.mark.parametrize("memory", ["15Mi", "1025Gi", "2Ti", 1024])
+def test_kv_cache_memory_outside_16mi_to_1ti_is_refused_by_the_operator(memory: Any):
+    """The schema checks the quantity's form (the API server's CEL has no quantities before
+    Kubernetes 1.29), the operator its range."""
+    with pytest.raises(SpecError, match=r"spec\.engine\.kvCache\.memory = .* bytes\) is "
+                                        r"outside 16Mi\.\.1Ti"):
+        PoolSpec.from_body(minimal_pool(engine={"kvCache": {"memory": memory}}))
+
+
+def test_memory_mib_still_works_and_says_to_use_memory():
+    node = schema_node("spec.engine.kvCache.memoryMiB")
+    assert node["description"].startswith("Deprecated: use memory")
+    old = PoolSpec.from_body(minimal_pool(engine={"kvCache": {"memoryMiB": 512}}))
+    new = PoolSpec.from_body(minimal_pool(engine={"kvCache": {"memory": "512Mi"}}))
+    assert old.engine.kv_cache == new.engine.kv_cache
+
+
+def test_engine_args_refuses_every_flag_the_operator_renders():
+    """The CEL rule's list is spec.py's `RENDERED_ENGINE_FLAGS` (the flag table's pool flags
+    and the operator's own wiring), --speculative-* by prefix; the description names each."""
+    (rule,) = schema_node("spec.engine.args")["x-kubernetes-validations"]
+    listed = set(re.findall(r"'(--[a-z-]+)'", rule["rule"])) - {"--speculative"}
+    assert listed == {f for f in RENDERED_ENGINE_FLAGS if not f.startswith("--speculative")}
+    description = schema_node("spec.engine.args")["description"]
+    for flag in RENDERED_ENGINE_FLAGS:
+        shown = "--speculative-*" if flag.startswith("--speculative") else flag
+        assert shown in description, flag
+        for arg in ([flag, "1"], [f"{flag}=1"]):
+            assert validate(minimal_pool(engine={"args": ["--kernels", "torch", *arg]})) == [
+                ("spec.engine.args", ENGINE_ARGS)], arg
+            with pytest.raises(SpecError, match=re.escape(f"the operator renders {flag} from")):
+                PoolSpec.from_body(minimal_pool(engine={"args": arg}))
+    # a flag that merely starts like one is not one of them
+    assert validate(minimal_pool(engine={"args": ["--portable-x"]})) == []
 
 
 @pytest.mark.parametrize(("patch", "field", "message"),

@@ -2,7 +2,8 @@
 
 helm 4 applies manifests with server-side apply and keeps its releases in protobuf-encoded
 Secrets, so these tests pin down both paths of the API server as much as the charts. Helm
-installs a chart's crds/ on first install and, as documented, never upgrades or deletes them.
+installs a chart's crds/ on first install and, as documented, never upgrades or deletes them,
+and checks a chart's kubeVersion against the server's /version.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
+from kcluster.apiserver import SERVER_VERSION
 from kcluster.cluster import TestCluster
 from kcluster.fixtures import test_cluster  # noqa: F401
 from kcluster.helm import helm_binary
@@ -25,6 +28,7 @@ def cluster(test_cluster: TestCluster) -> TestCluster:  # noqa: F811
     """The shared per-test cluster (kcluster.fixtures), under a shorter name."""
     return test_cluster
 PROJECT_CHART = REPO / "charts" / "tandem"
+SYSTEM = "tandem-system"  # the operator's namespace in the README's install
 
 
 @pytest.fixture(scope="module")
@@ -32,20 +36,26 @@ def helm() -> Path:
     return helm_binary()
 
 
-def run_helm(helm: Path, cluster: TestCluster, *args: str) -> str:
+def helm_process(helm: Path, cluster: TestCluster, *args: str,
+                 namespace: str = "default") -> subprocess.CompletedProcess[str]:
     homes = {f"HELM_{kind}_HOME": str(cluster.folder / f"helm-{kind.lower()}")
              for kind in ("CACHE", "CONFIG", "DATA")}
-    done = subprocess.run([str(helm), *args, "--namespace", "default"], capture_output=True,
+    return subprocess.run([str(helm), *args, "--namespace", namespace], capture_output=True,
                           text=True, timeout=120, check=False,
                           env={**os.environ, **homes, "KUBECONFIG": str(cluster.kubeconfig)})
+
+
+def run_helm(helm: Path, cluster: TestCluster, *args: str, namespace: str = "default") -> str:
+    done = helm_process(helm, cluster, *args, namespace=namespace)
     assert done.returncode == 0, f"helm {' '.join(args)} failed:\n{done.stderr}"
     return done.stdout
 
 
-def released(cluster: TestCluster, release: str, kinds: str) -> set[str]:
+def released(cluster: TestCluster, release: str, kinds: str, namespace: str = "default"
+             ) -> set[str]:
     """kind/name of every object labelled as part of the release."""
-    out = cluster.kubectl("get", kinds, "-l", f"app.kubernetes.io/instance={release}",
-                          "-o", "json").stdout
+    out = cluster.kubectl("get", kinds, "-n", namespace, "-l",
+                          f"app.kubernetes.io/instance={release}", "-o", "json").stdout
     return {f"{item['kind']}/{item['metadata']['name']}" for item in json.loads(out)["items"]}
 
 
@@ -162,27 +172,57 @@ def test_helm_lifecycle_of_a_small_chart(tmp_path: Path, cluster: TestCluster,
 @pytest.mark.skipif(not (PROJECT_CHART / "Chart.yaml").is_file(), reason="no charts/tandem")
 def test_helm_installs_upgrades_and_removes_the_project_chart(cluster: TestCluster,
                                                               helm: Path) -> None:
+    # As the README installs it: into its own namespace, serving pools in every namespace.
     kinds = ("deployments,serviceaccounts,services,roles,rolebindings,clusterroles,"
              "clusterrolebindings")
-    run_helm(helm, cluster, "install", "t", str(PROJECT_CHART))
-    objects = released(cluster, "t", kinds)
+    run_helm(helm, cluster, "install", "t", str(PROJECT_CHART), "--create-namespace",
+             namespace=SYSTEM)
+    objects = released(cluster, "t", kinds, SYSTEM)
     for kind in ("Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"):
         assert any(name.startswith(f"{kind}/") for name in objects), (kind, objects)
     assert cluster.kubectl("get", "ipool").stderr.strip() == (
         "No resources found in default namespace.")
     operator = next(name for name in objects if name.startswith("Deployment/")).split("/")[1]
+    [binding] = json.loads(cluster.kubectl("get", "clusterrolebindings", "-l",
+                                           "app.kubernetes.io/instance=t", "-o", "json"
+                                           ).stdout)["items"]
+    assert binding["subjects"][0]["namespace"] == SYSTEM
 
     def replicas() -> str:
-        return cluster.kubectl("get", "deploy", operator,
-                                    "-o", "jsonpath={.spec.replicas}").stdout
+        return cluster.kubectl("get", "deploy", operator, "-n", SYSTEM,
+                               "-o", "jsonpath={.spec.replicas}").stdout
 
     default = replicas()
-    run_helm(helm, cluster, "upgrade", "t", str(PROJECT_CHART), "--set", "replicaCount=3")
+    run_helm(helm, cluster, "upgrade", "t", str(PROJECT_CHART), "--set", "replicaCount=3",
+             namespace=SYSTEM)
     assert replicas() == "3"
-    run_helm(helm, cluster, "rollback", "t", "1")
+    run_helm(helm, cluster, "rollback", "t", "1", namespace=SYSTEM)
     assert replicas() == default
 
-    run_helm(helm, cluster, "uninstall", "t")
-    assert released(cluster, "t", kinds) == set()
+    run_helm(helm, cluster, "uninstall", "t", namespace=SYSTEM)
+    assert released(cluster, "t", kinds, SYSTEM) == set()
     crds = cluster.kubectl("get", "crd", "-o", "name").stdout
     assert "inferencepools.tandem.dev" in crds  # helm keeps CRDs it installed from crds/
+
+
+def test_helm_checks_the_charts_kube_version_against_the_test_server(
+        tmp_path: Path, cluster: TestCluster, helm: Path) -> None:
+    """helm reads the server's /version (the test API server says v1.32.0), not its own
+    default (1.35): a chart that needs 1.33 is refused, one that needs 1.32 installs, and so
+    does the project chart, which needs 1.28 (its CRD's CEL rules)."""
+    chart = write_chart(tmp_path)
+    metadata = (chart / "Chart.yaml").read_text()
+    (chart / "Chart.yaml").write_text(metadata + 'kubeVersion: ">=1.33.0-0"\n')
+    done = helm_process(helm, cluster, "install", "m", str(chart))
+    assert done.returncode != 0
+    assert (f"chart requires kubeVersion: >=1.33.0-0 which is incompatible with Kubernetes "
+            f"{SERVER_VERSION['gitVersion']}") in done.stderr, done.stderr
+    assert run_helm(helm, cluster, "list", "-q").strip() == ""
+
+    (chart / "Chart.yaml").write_text(metadata + 'kubeVersion: ">=1.32.0-0"\n')
+    run_helm(helm, cluster, "install", "m", str(chart))
+    needs = yaml.safe_load((PROJECT_CHART / "Chart.yaml").read_text())["kubeVersion"]
+    assert needs == ">=1.28.0-0"
+    run_helm(helm, cluster, "install", "t", str(PROJECT_CHART), "--create-namespace",
+             namespace=SYSTEM)
+    assert run_helm(helm, cluster, "list", "-q", namespace=SYSTEM).split() == ["t"]

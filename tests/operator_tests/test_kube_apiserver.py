@@ -600,7 +600,7 @@ def test_project_crd_rejects_invalid_pools_with_readable_messages(cluster: TestC
                                                         "version": "v1"}},
                      "prefill": {"replicas": 0}, "decode": {"replicas": 0}}}
     failed = cluster.kubectl("apply", "-f", "-", check=False, input=json.dumps(pool))
-    assert "weights.uri must be a file:// URI" in failed.stderr
+    assert "weights.uri must be a file://, pvc:// or oci:// URI" in failed.stderr
     assert "the pool needs at least one engine" in failed.stderr
 
 

@@ -205,6 +205,7 @@ def test_default_policies_admit_exactly_what_the_pool_needs(operator_pod: Endpoi
     for engine in ("prefill", "decode"):
         assert ok("router", engine, ZMQ) and ok("router", engine, ADMIN)
         assert ok("operator", engine, ADMIN)
+        assert ok("operator", engine, METRICS)  # the autoscaler reads the engines' metrics
         assert not ok("operator", engine, ZMQ)
         for nixl in (UCX_EPHEMERAL, ZMQ, ADMIN):  # every TCP port between the pool's engines
             assert ok("prefill", engine, nixl) and ok("decode", engine, nixl)
@@ -277,8 +278,13 @@ def test_policies_validate_against_the_kubernetes_schema() -> None:
             kubernetes_validate.validate(broken, KUBE_VERSION, strict=True)
 
 
-def test_policies_are_off_unless_enabled_and_peers_are_checked() -> None:
-    spec = parse(networkPolicy={})
+def test_policies_are_on_unless_disabled_and_peers_are_checked() -> None:
+    """On by default (inert where the CNI enforces none), as the CRD states it."""
+    assert parse(networkPolicy={}).network_policy.enabled
+    assert len(m.network_policies(PoolSpec.from_body(
+        {"metadata": {"name": "p"}, "spec": {"model": {
+            "name": "m", "weights": {"uri": "file:///m", "version": "v"}}}}))) == 2
+    spec = parse(networkPolicy={"enabled": False})
     assert not spec.network_policy.enabled and m.network_policies(spec) == []
     assert all(o["kind"] != "NetworkPolicy" for o in m.support_objects(spec))
     with pytest.raises(SpecError, match=r"apiFrom\[0\]: ipBlock cannot be combined"):

@@ -28,7 +28,7 @@ import yaml
 from kcluster.cluster import TestCluster
 from kcluster.podrunner import PodRunner
 from test_operator_cluster import wait_for
-from test_operator_refit import Pool
+from test_operator_refit import Load, Pool
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -44,46 +44,6 @@ AUTOSCALING = {
     "scaleUpStabilizationSeconds": 0,
     "scaleDownStabilizationSeconds": SCALE_DOWN_STABILIZATION,
 }
-
-
-class Streams:
-    """`n` threads streaming completions through the router until stopped; every failure
-    is kept."""
-
-    def __init__(self, url: str, n: int, max_tokens: int) -> None:
-        self.url, self.max_tokens = url, max_tokens
-        self.failures: list[str] = []
-        self.done = 0
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                         for i in range(n)]
-
-    def __enter__(self) -> Streams:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
-
-    def _run(self, i: int) -> None:
-        import openai
-
-        client = openai.OpenAI(base_url=self.url, api_key="x", max_retries=0, timeout=120)
-        n = 0
-        while not self._stop.is_set():
-            n += 1
-            try:
-                text = "".join(c.choices[0].text for c in client.completions.create(
-                    model="tiny", prompt=f"Stream {i}.{n}: the river ran", stream=True,
-                    max_tokens=self.max_tokens, temperature=0,
-                    extra_body={"ignore_eos": True}))
-                assert text, "an empty completion"
-                self.done += 1
-            except Exception as exc:  # every failure is reported by the test
-                self.failures.append(f"{type(exc).__name__}: {exc}")
 
 
 class Trace:
@@ -189,13 +149,13 @@ def test_a_load_step_scales_the_violated_role_up_then_back_down_through_drains(
     before = pool.events()
     with Trace(pool) as trace:
         # Light load: one stream fits the engines; the planner holds at the minimum.
-        with Streams(pool.router_url(), 1, 16) as light:
+        with Load(pool.router_url(), 1, 16) as light:
             time.sleep(WINDOW)
         assert replicas(pool) == (1, 1), pool.body()["status"].get("autoscaling")
         # The step: eight streams of 48 tokens on two decode slots queue ~6 requests.
         trace.mark("load step up: 8 streams")
         stepped = time.monotonic()
-        with Streams(pool.router_url(), 8, 48) as heavy:
+        with Load(pool.router_url(), 8, 48) as heavy:
             wait_for("decode to scale up", lambda: replicas(pool)[1] == 2,
                      timeout=WINDOW + 30, every=0.5)
             reacted = time.monotonic() - stepped
@@ -243,7 +203,7 @@ def test_a_refit_mid_scale_completes_and_fails_nothing(
     v2 = write_demo_model(tmp_path_factory.mktemp("autoscale-v2") / "v2", seed=1)
     wait_for("the pool back at one engine per role", lambda: replicas(pool) == (1, 1)
              and len(pool.engine_pods()) == 2, timeout=60, every=0.5)
-    with Streams(pool.router_url(), 8, 48) as heavy:
+    with Load(pool.router_url(), 8, 48) as heavy:
         wait_for("decode to scale up", lambda: replicas(pool)[1] == 2, timeout=WINDOW + 30,
                  every=0.5)
         # The refit starts while the new decode engine is still starting.
@@ -280,7 +240,7 @@ def test_a_bad_template_mid_scale_rolls_back_at_its_deadline_and_fails_nothing(
              and len(pool.engine_pods()) == 2, timeout=60, every=0.5)
     good = templates(pool)
     before = pool.events()
-    with Streams(pool.router_url(), 8, 48) as heavy:
+    with Load(pool.router_url(), 8, 48) as heavy:
         wait_for("decode to scale up", lambda: replicas(pool)[1] == 2, timeout=WINDOW + 30,
                  every=0.5)
         # engines on this template exit at once: argparse refuses the flag

@@ -349,9 +349,20 @@ def test_deleting_the_pool_removes_everything(
     ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}},
      "rollout.maxSurge and rollout.maxUnavailable must not both be 0"),
     ({"engine": {"kvCache": {"numBlocks": 64, "memoryMiB": 64}}},
-     "set kvCache.numBlocks or kvCache.memoryMiB, not both"),
+     "set at most one of kvCache.numBlocks, kvCache.memory and kvCache.memoryMiB"),
+    ({"engine": {"kvCache": {"numBlocks": 64, "memory": "1Gi"}}},
+     "set at most one of kvCache.numBlocks, kvCache.memory and kvCache.memoryMiB"),
+    ({"engine": {"kvCache": {"memory": "12Q"}}}, "spec.engine.kvCache.memory"),
+    ({"engine": {"gpuMemoryUtilization": "1.5"}}, "spec.engine.gpuMemoryUtilization"),
+    ({"engine": {"device": "CPU", "gpuMemoryUtilization": "0.9"}},
+     "engine.gpuMemoryUtilization sizes a CUDA engine's memory; remove it for device CPU"),
+    ({"engine": {"args": ["--max-model-len=4096"]}},
+     "engine.args must not set a flag the operator renders"),
+    ({"pod": {"overrides": {"containers": [{"name": "engine", "command": ["sh"]}]}}},
+     "pod.overrides must not change the engine or router container's command, args, image, "
+     "ports or probes"),
     ({"model": {"name": "demo", "weights": {"uri": "s3://bucket/demo", "version": "v1"}}},
-     "weights.uri must be a file:// URI"),
+     "weights.uri must be a file://, pvc:// or oci:// URI"),
     ({"decode": {"replicas": 100}}, "spec.decode.replicas"),
     ({"engine": {"imagePullPolicy": "Sometimes"}}, "spec.engine.imagePullPolicy"),
 ])
@@ -362,6 +373,43 @@ def test_an_invalid_manifest_is_rejected_with_the_reason(
     assert done.returncode != 0
     assert reason in done.stderr, done.stderr
     assert cluster.kubectl("get", "ipool", "demo", check=False).returncode != 0
+
+
+def test_the_pod_fields_of_a_pool_reach_its_pods(
+        cluster: TestCluster, operators: Callable[..., Operator], weights: Path) -> None:
+    """kvCache.memory, maxModelLen, dtype, router.resources and pod.overrides, applied with
+    kubectl: the API server keeps them (defaulting what is left out) and the pods carry
+    them."""
+    operators()
+    example = yaml.safe_load(EXAMPLE.read_text())["spec"]
+    engine = {**example["engine"], "kvCache": {"memory": "1Gi"}, "maxModelLen": 2048,
+              "dtype": "Float32"}
+    overrides = {"dnsConfig": {"options": [{"name": "ndots", "value": "2"}]},
+                 "containers": [{"name": "engine", "env": [{"name": "NCCL_DEBUG",
+                                                            "value": "INFO"}]},
+                                {"name": "shipper", "image": "busybox:1",
+                                 "command": ["sleep", "infinity"]}]}
+    cluster.kubectl("apply", "-f", "-", input=pool_manifest(
+        weights, engine=engine, router={"resources": {"requests": {"cpu": "250m"}}},
+        pod={"overrides": overrides}))
+    wait_for("three pods", lambda: counts(cluster) == {"prefill": 1, "decode": 1, "router": 1})
+    stored = pool(cluster)["spec"]
+    assert stored["pod"]["overrides"] == overrides  # kept whole: it preserves unknown fields
+    assert stored["router"]["resources"] == {"requests": {"cpu": "250m"},
+                                             "limits": {"cpu": "2", "memory": "1Gi"}}
+    for p in pods(cluster):
+        main, shipper = p["spec"]["containers"]
+        assert shipper["name"] == "shipper" and p["spec"]["dnsConfig"] == overrides["dnsConfig"]
+        env = {e["name"]: e.get("value") for e in main["env"]}
+        if main["name"] == "router":
+            assert "NCCL_DEBUG" not in env
+            assert main["resources"] == stored["router"]["resources"]
+            continue
+        assert env["NCCL_DEBUG"] == "INFO"
+        args = main["args"]
+        assert [args[args.index(flag) + 1] for flag in
+                ("--kv-cache-memory-bytes", "--max-model-len", "--dtype")] == [
+            str(2**30), "2048", "float32"]
 
 
 def test_unservable_weights_degrade_and_create_nothing(

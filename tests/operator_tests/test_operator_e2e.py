@@ -1,11 +1,12 @@
 """End to end on the test cluster, as a platform team meets Tandem.
 
-`helm install` the chart (real helm 4), run the operator Deployment's pod as the chart
-renders it (the test cluster has no controllers, so the test plays the ReplicaSet: one
-pod from the Deployment's template; the test kubelet runs its `tandem-operator` command),
-`kubectl apply` an InferencePool of 1 prefill, 2 decode and 1 router engines with real
-kubectl, and the test kubelet starts real `tandem-engine` / `tandem-router` processes on
-their own 127.x addresses. Then the `openai` client gets disaggregated completions
+`helm install` the chart (real helm 4) into its own namespace, `tandem-system`, as the
+README does, run the operator Deployment's pod there as the chart renders it (the test
+cluster has no controllers, so the test plays the ReplicaSet: one pod from the Deployment's
+template; the test kubelet runs its `tandem-operator` command), `kubectl apply` an
+InferencePool of 1 prefill, 2 decode and 1 router engines in `default` with real kubectl,
+and the test kubelet starts real `tandem-engine` / `tandem-router` processes on their own
+127.x addresses. Then the `openai` client gets disaggregated completions
 (prefill → NIXL → decode) through the router pod's address that equal the offline
 engine's, a scale-down under streaming load drains its engine and fails no request,
 and deleting the pool under streaming load lets every stream in flight finish before the
@@ -40,6 +41,9 @@ from test_operator_cluster import wait_for
 pytest.importorskip("nixl_cu12")
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
+SYSTEM = "tandem-system"  # the chart's namespace; the pool lives in `default`
+
+
 def get(cluster: TestCluster, *args: str) -> Any:
     return json.loads(cluster.kubectl("get", *args, "-o", "json").stdout)
 
@@ -74,7 +78,7 @@ def kubelet(cluster: TestCluster) -> Iterator[PodRunner]:
 def helm(cluster: TestCluster, *args: str) -> str:
     homes = {f"HELM_{kind}_HOME": str(cluster.folder / f"helm-{kind.lower()}")
              for kind in ("CACHE", "CONFIG", "DATA")}
-    done = subprocess.run([str(helm_binary()), *args, "--namespace", "default",
+    done = subprocess.run([str(helm_binary()), *args, "--namespace", SYSTEM,
                            "--kubeconfig", str(cluster.kubeconfig)],
                           capture_output=True, text=True, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "HOME": str(cluster.folder), **homes})
@@ -82,12 +86,12 @@ def helm(cluster: TestCluster, *args: str) -> str:
     return done.stdout
 
 
-def run_deployment(cluster: TestCluster, name: str) -> str:
+def run_deployment(cluster: TestCluster, name: str, namespace: str) -> str:
     """Play the ReplicaSet controller once: a pod from the Deployment's template."""
-    deployment = get(cluster, "deployment", name)
+    deployment = get(cluster, "deployment", name, "-n", namespace)
     template = deployment["spec"]["template"]
     pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"generateName": f"{name}-", "namespace": "default",
+           "metadata": {"generateName": f"{name}-", "namespace": namespace,
                         "labels": template["metadata"]["labels"]},
            "spec": template["spec"]}
     return cluster.create(pod)["metadata"]["name"]
@@ -106,12 +110,13 @@ def pool_manifest(model: Path) -> str:
 
 def test_helm_install_apply_a_pool_and_get_disaggregated_completions(
         cluster: TestCluster, kubelet: PodRunner, tiny_llama: Path) -> None:
-    helm(cluster, "install", "tandem", str(ROOT / "charts" / "tandem"), "--set", "replicaCount=1")
-    operator_pod = run_deployment(cluster, "tandem-operator")
+    helm(cluster, "install", "tandem", str(ROOT / "charts" / "tandem"), "--create-namespace",
+         "--set", "replicaCount=1")
+    operator_pod = run_deployment(cluster, "tandem-operator", SYSTEM)
     wait_for("the operator pod to be ready", lambda: any(
         c["type"] == "Ready" and c["status"] == "True"
-        for c in get(cluster, "pod", operator_pod).get("status", {}).get("conditions", [])),
-        timeout=60)
+        for c in get(cluster, "pod", operator_pod, "-n", SYSTEM).get("status", {})
+        .get("conditions", [])), timeout=60)
 
     cluster.kubectl("apply", "-f", "-", input=pool_manifest(tiny_llama))
     try:
@@ -120,7 +125,7 @@ def test_helm_install_apply_a_pool_and_get_disaggregated_completions(
             p if condition(p := get(cluster, "inferencepool", "demo"), "Ready") == "True"
             and p["status"]["decode"]["ready"] == 2 else None), timeout=180)
     except AssertionError:
-        for p in get(cluster, "pods")["items"]:
+        for p in get(cluster, "pods", "-A")["items"]:
             print(f"---- {p['metadata']['name']} ----\n"
                   f"{kubelet.logs(p['metadata']['name'])[-3000:]}")
         raise

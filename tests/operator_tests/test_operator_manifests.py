@@ -14,6 +14,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from tandem_engine.server import main as engine_main
 from tandem_engine.weights import WeightsRef, checkpoint_path
 from tandem_operator import manifests as m
 from tandem_operator.spec import PoolSpec, SpecError
@@ -103,7 +104,7 @@ def test_decode_runs_mixed_without_prefill() -> None:
      "decode.replicas must be at least 1 when prefill.replicas > 0"),
     ({"prefill": {"replicas": 0}, "decode": {"replicas": 0}}, "at least one engine"),
     ({"rollout": {"maxSurge": 0, "maxUnavailable": 0}}, "must not both be 0"),
-    ({"engine": {"kvCache": {"numBlocks": 64, "memoryMiB": 64}}}, "not both"),
+    ({"engine": {"kvCache": {"numBlocks": 64, "memoryMiB": 64}}}, "at most one of kvCache"),
     ({"prefill": {"replicas": 65}}, r"spec.prefill.replicas = 65 is outside 0..64"),
     ({"prefill": {"replicas": "2"}}, "must be an integer"),
     ({"engine": {"imagePullPolicy": "Sometimes"}}, "is not one of Always, IfNotPresent, Never"),
@@ -119,7 +120,14 @@ def test_rules_of_the_crd_are_rechecked(spec: dict[str, Any], message: str) -> N
 @pytest.mark.parametrize(("model", "message"), [
     ({}, "spec.model.weights.uri is required"),
     ({"name": "x", "weights": {"uri": "s3://bucket/model", "version": "v1"}},
-     "must be a file:// URI"),
+     r"must be file:///ABSOLUTE/PATH, pvc://CLAIM/PATH .* \(scheme 's3' is not supported\); "
+     r"s3:// and hf:// are not fetched by Tandem: copy the checkpoint into a volume"),
+    ({"name": "x", "weights": {"uri": "pvc://Models/x", "version": "v1"}},
+     "'Models' is not a PersistentVolumeClaim name"),
+    ({"name": "x", "weights": {"uri": "pvc://models", "version": "v1"}},
+     "needs the checkpoint's path inside the claim"),
+    ({"name": "x", "weights": {"uri": "oci://not-an-image", "version": "v1"}},
+     "not an image reference: write oci://REGISTRY/REPOSITORY:TAG"),
     ({"name": "x", "weights": {"uri": "file://host/models/x", "version": "v1"}},
      "must not name a host"),
     ({"name": "x", "weights": {"uri": "file:///models/x"}}, "version is required"),
@@ -194,8 +202,8 @@ def test_engine_pod_for_each_role() -> None:
             "--max-num-seqs", "8",
             "--max-num-batched-tokens", "256", "--block-size", "16", "--threads", "2",
             "--device", "cpu", "--kv-pin-ttl", "30",
-            "--kv-cache-memory-bytes", str(512 * 1024 * 1024), "--quantization", "auto",
-            "--shutdown-grace", "50", "--seed", "1"]
+            "--kv-cache-memory-bytes", str(512 * 1024 * 1024), "--dtype", "auto",
+            "--quantization", "auto", "--shutdown-grace", "50", "--seed", "1"]
         assert c["ports"] == [{"name": "zmq", "containerPort": 5555, "protocol": "TCP"},
                               {"name": "admin", "containerPort": 8080, "protocol": "TCP"},
                               {"name": "metrics", "containerPort": 9100, "protocol": "TCP"}]
@@ -224,6 +232,66 @@ def test_kv_cache_sizing_flags() -> None:
     neither = parse()
     args = container(m.pod(neither, "decode", neither.weights))["args"]
     assert "--num-blocks" not in args and "--kv-cache-memory-bytes" not in args
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def test_first_class_engine_fields_render_their_flags() -> None:
+    s = parse(engine={"kvCache": {"memory": "2Gi"}, "maxModelLen": 8192, "dtype": "BFloat16"})
+    args = container(m.pod(s, "decode", s.weights))["args"]
+    assert _flag(args, "--kv-cache-memory-bytes") == str(2 * 2**30)
+    assert (_flag(args, "--max-model-len"), _flag(args, "--dtype")) == ("8192", "bfloat16")
+    assert "--gpu-memory-utilization" not in args  # a CPU engine: it would mean nothing
+    plain = container(m.pod(parse(), "decode", parse().weights))["args"]
+    assert "--max-model-len" not in plain and _flag(plain, "--dtype") == "auto"
+    # gpuMemoryUtilization reaches the CUDA engines only: here prefill (the engine's GPU),
+    # not decode (its role's resources ask for none, so Auto runs it on the CPU)
+    gpu = parse(engine={"gpuMemoryUtilization": "0.85",
+                        "resources": {"limits": {"nvidia.com/gpu": 1}}},
+                decode={"resources": {"limits": {"cpu": "4"}}})
+    prefill = container(m.pod(gpu, "prefill", gpu.weights))["args"]
+    decode = container(m.pod(gpu, "decode", gpu.weights))["args"]
+    assert (_flag(prefill, "--device"), _flag(prefill, "--gpu-memory-utilization")) == (
+        "cuda", "0.85")
+    assert _flag(decode, "--device") == "cpu" and "--gpu-memory-utilization" not in decode
+    # unset on CUDA: the engine's default, stated
+    cuda = parse(engine={"device": "CUDA"})
+    assert _flag(container(m.pod(cuda, "decode", cuda.weights))["args"],
+                 "--gpu-memory-utilization") == "0.9"
+    # each is part of the template: a change rolls the engines, never the routers
+    variants = [parse(), s, parse(engine={"maxModelLen": 4096}),
+                parse(engine={"dtype": "Float32"}),
+                parse(engine={"kvCache": {"memory": "1Gi"}}), cuda,
+                parse(engine={"device": "CUDA", "gpuMemoryUtilization": "0.5"})]
+    assert len({m.template_hash(v, "decode") for v in variants}) == len(variants)
+    assert len({m.template_hash(v, "router") for v in variants}) == 1
+    # what the operator renders, tandem-engine takes; an abbreviation it refuses (one could
+    # slip a flag past the operator's check of spec.engine.args)
+    base = ["--model", "m", "--port", "1", "--admin-port", "2"]
+    engine_main.build_parser().parse_args([*base, *prefill[prefill.index("--max-num-seqs"):]])
+    with pytest.raises(SystemExit):
+        engine_main.build_parser().parse_args([*base, "--max-model", "8"])
+
+
+@pytest.mark.parametrize(("arg", "field"), [
+    (["--max-model-len", "4096"], "spec.engine.maxModelLen"),
+    (["--dtype=float16"], "spec.engine.dtype"),
+    (["--gpu-memory-utilization", "0.5"], "spec.engine.gpuMemoryUtilization"),
+    (["--kv-cache-memory-bytes", "1"], "spec.engine.kvCache.memory"),
+    (["--quantization", "int8"], "spec.engine.quantization"),
+    (["--model", "/elsewhere"], "spec.model.weights.uri"),
+    (["--shutdown-grace=5"], "spec.refit.drainTimeoutSeconds"),
+])
+def test_engine_args_that_duplicate_a_field_name_the_field(arg: list[str], field: str) -> None:
+    flag = arg[0].partition("=")[0]
+    with pytest.raises(SpecError, match=rf"spec\.engine\.args\[1\] '{arg[0]}': the operator "
+                                        rf"renders {flag} from {field}; set that instead"):
+        parse(engine={"args": ["--kernels", *arg]})
+    with pytest.raises(SpecError, match=r"renders --port from the pod's address, ports and "
+                                        r"name; leave it out"):
+        parse(engine={"args": ["--port", "1"]})
 
 
 def test_engine_env_token_ucx_then_user_env() -> None:
@@ -300,6 +368,58 @@ def test_weights_volumes_are_mounted_into_engine_and_router_pods() -> None:
     with pytest.raises(SpecError, match=r"volumeMounts entry .* names no volume .*models"):
         parse(engine={"volumes": volumes,
                       "volumeMounts": [{"name": "weights", "mountPath": "/models"}]})
+
+
+def test_pvc_weights_mount_their_claim_read_only_where_the_uri_points() -> None:
+    s = parse(model={"name": "llama", "weights": {"uri": "pvc://models/llama-3/v1",
+                                                  "version": "v1"}})
+    for group in ("prefill", "decode", "router"):
+        pod = m.pod(s, group, s.weights)
+        assert pod["spec"]["volumes"][-1] == {
+            "name": "tandem-weights",
+            "persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+        assert container(pod)["volumeMounts"][-1] == {
+            "name": "tandem-weights", "mountPath": "/weights/pvc/models", "readOnly": True}
+        assert "initContainers" not in pod["spec"]
+        kubernetes_validate.validate(pod, "1.32", strict=True)
+    args = container(m.pod(s, "decode", s.weights))["args"]
+    assert args[args.index("--model") + 1] == "/weights/pvc/models/llama-3/v1"
+    # refits may read anything on the claim
+    assert args[args.index("--weights-root") + 1] == "/weights/pvc/models"
+
+
+def test_oci_weights_are_copied_from_the_model_image_by_the_first_init_container() -> None:
+    image = "registry.example.com/models/llama-3:v1"
+    s = parse(model={"name": "llama", "weights": {"uri": f"oci://{image}", "version": "v1"}},
+              engine={"initContainers": [{"name": "warm", "command": ["true"]}]})
+    for group in ("prefill", "decode", "router"):
+        pod = m.pod(s, group, s.weights)
+        copy, user = pod["spec"]["initContainers"]
+        where = s.weights.path
+        assert where.startswith("/weights/oci/")
+        assert copy["image"] == image and user["name"] == "warm"
+        assert copy["command"] == ["cp", "-R", "/model/.", f"{where}/"]
+        assert copy["volumeMounts"] == [{"name": "tandem-weights", "mountPath": where}]
+        assert copy["securityContext"] == CONTAINER_SECURITY
+        assert pod["spec"]["volumes"][-1] == {"name": "tandem-weights", "emptyDir": {}}
+        assert container(pod)["volumeMounts"][-1] == {
+            "name": "tandem-weights", "mountPath": where, "readOnly": True}
+        kubernetes_validate.validate(pod, "1.32", strict=True)
+
+
+def test_weights_on_another_volume_are_a_new_template_on_the_same_one_a_refit() -> None:
+    def spec(uri: str) -> PoolSpec:
+        return parse(model={"name": "llama", "weights": {"uri": uri, "version": "v"}})
+
+    same = [spec("pvc://models/a"), spec("pvc://models/b/c")]
+    assert m.template_hash(same[0], "decode") == m.template_hash(same[1], "decode")
+    files = [spec("file:///models/a"), spec("file:///elsewhere/b")]
+    assert m.template_hash(files[0], "decode") == m.template_hash(files[1], "decode")
+    others = [spec("pvc://models/a"), spec("pvc://archive/a"), spec("oci://r.io/m/x:v1"),
+              spec("oci://r.io/m/x:v2"), files[0]]
+    assert len({m.template_hash(o, "decode") for o in others}) == len(others)
+    # routers keep theirs: they read the tokenizer once, as across a refit
+    assert len({m.template_hash(o, "router") for o in others}) == 1
 
 
 def test_refits_may_read_the_weights_mounts_and_the_listed_roots_only() -> None:
@@ -512,7 +632,8 @@ def test_every_object_is_labelled_and_owned() -> None:
     objects = _every_object(s)
     assert sorted(o["kind"] for o in objects) == sorted([
         "ServiceAccount", "Role", "RoleBinding", "Service", "Service", "PodDisruptionBudget",
-        "PodDisruptionBudget", "Secret", "Pod", "Pod", "Pod"])
+        "PodDisruptionBudget", "NetworkPolicy", "NetworkPolicy", "Secret", "Pod", "Pod",
+        "Pod"])
     for obj in objects:
         meta = obj["metadata"]
         assert meta["namespace"] == "ns"
@@ -678,8 +799,8 @@ def test_a_new_draft_is_refit_not_rolled() -> None:
      r"spec.engine.speculative.promptLookupMax = 4 is below promptLookupMin = 6: raise "
      "promptLookupMax or lower promptLookupMin"),
     ({"engine": {"args": ["--speculative-method", "ngram"]}},
-     r"spec.engine.args\[0\] '--speculative-method': the operator renders the "
-     r"--speculative-\* flags from spec.engine.speculative .* set those instead"),
+     r"spec.engine.args\[0\] '--speculative-method': the operator renders "
+     r"--speculative-method from spec.engine.speculative.method; set that instead"),
     ({"engine": {"speculative": {"method": "Draft"}, "args": ["--speculative-model=/m"]},
       "model": {"name": "llama", "weights": DRAFT_WEIGHTS}},
      r"spec.engine.args\[0\] .*spec.model.weights.draft.uri"),

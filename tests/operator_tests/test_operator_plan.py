@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from tandem_engine.weights import WeightsRef
 from tandem_operator import manifests as m
+from tandem_operator.kube import parse_time
 from tandem_operator.plan import (
     CreateAdminSecret,
     CreateObject,
@@ -101,7 +102,8 @@ def test_an_empty_pool_gets_every_object_and_pod() -> None:
     assert sorted((a.kind, a.name) for a in of(actions, CreateObject)) == sorted([
         ("ServiceAccount", "pool-router"), ("Role", "pool-router"),
         ("RoleBinding", "pool-router"), ("Service", "pool"), ("Service", "pool-engines"),
-        ("PodDisruptionBudget", "pool-prefill"), ("PodDisruptionBudget", "pool-decode")])
+        ("PodDisruptionBudget", "pool-prefill"), ("PodDisruptionBudget", "pool-decode"),
+        ("NetworkPolicy", "pool-engines"), ("NetworkPolicy", "pool-router")])
     assert [len(creates(actions, g)) for g in GROUPS] == [2, 3, 2]
     assert {a.reason for a in creates(actions)} == {"ScaleUp"}
     assert creates(actions, "decode")[0].body == m.pod(spec, "decode", V1)
@@ -657,3 +659,27 @@ def test_a_deleted_pools_grace_period_counts_from_the_deletion() -> None:
     assert deletion_deadline(NOW, 30, now=at + 100) == at + 30
     assert deletion_deadline(None, 30, now=at) == at + 30
     assert deletion_deadline("yesterday", 30, now=at) == at + 30
+
+
+def test_a_new_pod_counts_for_the_rollout_only_once_ready_for_min_ready_seconds() -> None:
+    """Routers need a moment to connect to a new engine: its old peer leaves only once it has
+    been Ready for spec.rollout.minReadySeconds (5 by default)."""
+    before = make_spec(decode={"replicas": 1})
+    after = make_spec(generation=2, decode={"replicas": 1}, engine={"args": ["--seed", "2"]})
+    assert after.rollout.min_ready_seconds == 5
+    old = list(steady(before).pods)
+    fresh = replace(pod(after, "decode"), ready_since="2025-06-01T12:00:00Z")
+    turned_ready = parse_time("2025-06-01T12:00:00Z").timestamp()
+    observed = Observed(pods=(*old, fresh), objects=all_objects(after))
+
+    def leaving(now: float) -> list[str]:
+        return [d.pod.name for d in drains(plan(after, replace(observed, now=now)), "decode")
+                if d.reason == "RollingUpdate"]
+
+    assert leaving(turned_ready + 2) == []
+    (gone,) = leaving(turned_ready + 5)
+    assert gone in {p.name for p in old if p.group == "decode"}
+    assert leaving(turned_ready + 2) != leaving(turned_ready + 5)
+    no_wait = make_spec(generation=2, decode={"replicas": 1}, engine={"args": ["--seed", "2"]},
+                        rollout={"minReadySeconds": 0})
+    assert drains(plan(no_wait, replace(observed, now=turned_ready)), "decode")

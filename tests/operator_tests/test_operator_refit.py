@@ -302,10 +302,11 @@ class Pool:
 
 
 class Load:
-    """Streaming completions through the router from a few threads until stopped."""
+    """Streaming completions of `max_tokens` through the router from a few threads until
+    stopped; every failure is kept."""
 
-    def __init__(self, url: str, threads: int = 3) -> None:
-        self.url = url
+    def __init__(self, url: str, threads: int = 3, max_tokens: int = 16) -> None:
+        self.url, self.max_tokens = url, max_tokens
         self.failures: list[str] = []
         self.done = 0
         self._stop = threading.Event()
@@ -331,7 +332,8 @@ class Load:
             n += 1
             try:
                 text = "".join(c.choices[0].text for c in client.completions.create(
-                    model="tiny", prompt=f"Request {i}.{n}: once upon a time", max_tokens=16,
+                    model="tiny", prompt=f"Request {i}.{n}: once upon a time",
+                    max_tokens=self.max_tokens,
                     temperature=0, stream=True, extra_body={"ignore_eos": True}))
                 assert text, "an empty completion"
                 self.done += 1

@@ -212,3 +212,29 @@ def test_the_operator_keys_are_the_reserved_ones() -> None:
 def test_bad_pod_fields_name_the_field(spec: dict[str, Any], message: str) -> None:
     with pytest.raises(SpecError, match=message):
         parse(**spec)
+
+
+def test_router_pods_get_the_measured_resources_unless_the_spec_gives_them() -> None:
+    """spec.router.resources defaults (docs/benchmarks.md, "Router resources"), each half
+    apart as the CRD defaults them; engines keep theirs; a change rolls the routers only."""
+    plain = parse()
+    router = m.pod(plain, "router", plain.weights)["spec"]["containers"][0]
+    assert router["resources"] == {"requests": {"cpu": "500m", "memory": "256Mi"},
+                                   "limits": {"cpu": "2", "memory": "1Gi"}}
+    assert schema_node("spec.router.resources.requests")["default"] == (
+        router["resources"]["requests"])
+    assert schema_node("spec.router.resources.limits")["default"] == router["resources"]["limits"]
+    assert "resources" not in m.pod(plain, "decode", plain.weights)["spec"]["containers"][0]
+    mine = parse(router={"resources": {"requests": {"cpu": "1"}, "limits": {}}})
+    assert m.pod(mine, "router", mine.weights)["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "1"}}
+    limits_only = parse(router={"resources": {"limits": {"memory": "2Gi"}}})
+    assert m.pod(limits_only, "router", limits_only.weights)["spec"]["containers"][0][
+        "resources"] == {"requests": {"cpu": "500m", "memory": "256Mi"},
+                         "limits": {"memory": "2Gi"}}
+    for spec in (mine, limits_only):
+        kubernetes_validate.validate(m.pod(spec, "router", spec.weights), "1.32", strict=True)
+        assert m.template_hash(spec, "router") != m.template_hash(plain, "router")
+        assert m.template_hash(spec, "decode") == m.template_hash(plain, "decode")
+    with pytest.raises(SpecError, match=r"spec\.router\.resources\.limits must be an object"):
+        parse(router={"resources": {"limits": ["cpu"]}})

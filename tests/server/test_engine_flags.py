@@ -5,6 +5,7 @@ the CRD's bounds and defaults equal it, the `tandem-engine` parser takes every e
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,16 @@ from tandem_engine.config import (
     ENGINE_FLAGS,
     POOL_FLAGS,
     SERVE_FLAGS,
+    SUPPORTED_DTYPES,
     EngineConfig,
     SpeculativeConfig,
 )
-from tandem_engine.engine_flags import EngineFlag
+from tandem_engine.engine_flags import EngineFlag, EngineOptionError, namespace_values
 from tandem_engine.server import main as engine_main
 from tandem_operator import manifests as m
+from tandem_operator.fields import binary_quantity
 from tandem_operator.spec import (
+    Dtype,
     EngineDevice,
     PoolSpec,
     Quantization,
@@ -36,7 +40,7 @@ SCHEMA = yaml.safe_load((ROOT / "crds" / "inferencepools.tandem.dev.yaml").read_
 BASE = ["--model", "m", "--port", "1", "--admin-port", "2"]
 # The CR's enums spell the engine's values in CamelCase.
 POOL_ENUMS = {"device": EngineDevice, "method": SpeculativeMethod,
-              "quantization": Quantization}
+              "quantization": Quantization, "dtype": Dtype}
 IDS = [flag.field for flag in ENGINE_FLAGS]
 # Fields that bound another from below: sampled at their lowest, so the other's default fits.
 FLOORS = {flag.floor for flag in ENGINE_FLAGS if flag.floor is not None}
@@ -81,18 +85,41 @@ def sample(flag: EngineFlag) -> Any:
 def test_the_crds_bounds_and_defaults_are_the_tables(flag: EngineFlag) -> None:
     assert flag.pool is not None
     node = schema_node(flag.pool.path)
-    if flag.field in POOL_ENUMS:
+    if flag.pool.kind == "enum":
         kind = POOL_ENUMS[flag.field]
         assert node["enum"] == [member.value for member in kind]
         assert node.get("default", "").lower() == (flag.default or "")
         return
-    if flag.field == "model":  # a checkpoint URI, bounded as spec.model.weights.uri is
+    if flag.pool.kind == "string":  # a checkpoint URI, bounded as spec.model.weights.uri is
         assert node["type"] == "string" and node["maxLength"] == 1024
+        return
+    if flag.pool.kind == "decimal":  # the pattern admits what the flag's rule does
+        assert node["type"] == "string" and "default" not in node
+        for text in ("0.000001", "0.05", "0.9", "0.95", "1", "1.0", "0", "0.0", "1.5",
+                     "1.000001", "2", ".9", "-0.5"):
+            admitted = re.fullmatch(node["pattern"], text) is not None
+            try:
+                flag.check(float(text))
+                ok = True
+            except EngineOptionError:
+                ok = False
+            assert admitted == (ok and text[0].isdigit()), text
+        return
+    if flag.pool.kind == "quantity":  # a form the schema checks; the range, the operator
+        assert node["x-kubernetes-int-or-string"] and "default" not in node
+        assert (f"from {binary_quantity(flag.pool.minimum or 0)} to "
+                f"{binary_quantity(flag.pool.maximum or 0)}") in node["description"]
         return
     assert node["type"] == "integer"
     assert (node["minimum"], node["maximum"]) == (flag.pool.minimum, flag.pool.maximum)
     stated = flag.pool_default if flag.pool.defaulted else None
     assert node.get("default") == stated
+
+
+def test_the_pools_dtypes_are_the_engines() -> None:
+    assert [d.flag for d in Dtype] == ["auto", *SUPPORTED_DTYPES]
+    for d in Dtype:
+        EngineConfig(dtype=d.flag).validate()
 
 
 @pytest.mark.parametrize("flag", POOL_FLAGS, ids=[f.field for f in POOL_FLAGS])
@@ -143,9 +170,12 @@ def test_tandem_serve_passes_every_serve_entry_through() -> None:
     serve = tandem_parser().parse_args(argv)
     engine_args = serve_engine_args(serve)
     passed = engine_main.build_parser().parse_args([*BASE, *engine_args])
+    values = namespace_values(SERVE_FLAGS, serve)
     for flag in SERVE_FLAGS:
-        if flag.field != "model":
+        if flag.field != "model" and flag.applies(values):
             assert getattr(passed, flag.dest) == getattr(serve, flag.dest), flag.flag
+    # a CUDA-only flag means nothing to the CPU engines it would start
+    assert values["device"] == "cpu" and "--gpu-memory-utilization" not in engine_args
 
 
 @pytest.mark.parametrize("flag", POOL_FLAGS, ids=[f.field for f in POOL_FLAGS])
@@ -162,6 +192,9 @@ def test_the_operator_renders_every_pool_entry(flag: EngineFlag) -> None:
     elif flag.field in POOL_ENUMS:
         value = list(POOL_ENUMS[flag.field])[-1].value
         want = value.lower()
+    elif flag.pool.kind == "decimal":
+        value, want = "0.5", "0.5"
+        spec = {"engine": {"device": "CUDA"}}  # a CUDA-only flag
     else:
         value = flag.pool.minimum if flag.field in FLOORS else flag.pool.maximum
         want = str(value * flag.pool.scale)

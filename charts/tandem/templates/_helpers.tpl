@@ -73,6 +73,12 @@ pods, and create the Services, Secret, PDBs, router RBAC, NetworkPolicies and Po
 (spec.monitoring) it owns.
 Creating the router's Role needs the operator to hold the pod read permissions that Role
 grants (it does).
+Secrets have their own rule with only what the operator does to its one Secret per pool
+(<pool>-admin-token): create it, patch in missing keys, and get/list/watch it (kopf's watch,
+filtered by the tandem.dev/pool label, keeps a steady pool at zero API calls). No update or
+delete: garbage collection removes the Secret with its pool. RBAC cannot filter by label, so
+with an empty watchNamespaces these reads reach every namespace's Secrets; watchNamespaces
+confines them to the namespaces listed (charts/tandem/README.md).
 */}}
 {{- define "tandem.namespacedRules" -}}
 - apiGroups: [tandem.dev]
@@ -91,8 +97,11 @@ grants (it does).
   resources: [pods/status]
   verbs: [get]
 - apiGroups: [""]
-  resources: [services, secrets, serviceaccounts]
+  resources: [services, serviceaccounts]
   verbs: [create, get, list, watch, patch, update, delete]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create, get, list, watch, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [create, get, list, watch, patch, update, delete]

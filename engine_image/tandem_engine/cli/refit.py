@@ -63,8 +63,8 @@ from tandem_engine.refit_policy import RefitStrategy, perplexity_ratio_problem
 from tandem_engine.weights import (
     CHECKPOINT_FORMS,
     WeightsRef,
-    checkpoint_path,
     checkpoint_problem,
+    local_checkpoint_path,
     weights_root_problem,
 )
 
@@ -81,7 +81,7 @@ def checkpoint_folder(uri: str, what: str = "--uri", roots: list[str] | None = N
     a .gguf file); ValueError (naming the input) unless it is a readable local folder with
     a config.json or a local .gguf file — and, with `roots` (the weights roots of the
     stack on `port`), inside one of them (the message then names them and the flag)."""
-    path = Path(checkpoint_path(uri, what=what))
+    path = Path(local_checkpoint_path(uri, what=what))
     problem = checkpoint_problem(path)
     if problem is None and roots is not None:
         problem = weights_root_problem(path, roots)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem_engine.config import EngineConfig
+from tandem_engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from tandem_engine.engine.draft_model import DraftCheckpoint, draft_kv_blocks
 from tandem_engine.model.device import profile_step_blocks, profile_step_memory
 from tandem_engine.model.runner import ModelRunner, kv_sized_by_memory_fraction, num_kv_blocks
@@ -40,6 +40,13 @@ def size_kv_pool(model_config: ModelConfig, engine_config: EngineConfig,
                  draft: DraftCheckpoint | None) -> KVSizing:
     """The engine's KV blocks (and, sized by memory fraction, its loaded runner)."""
     if not kv_sized_by_memory_fraction(engine_config):
+        if engine_config.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION:
+            sized = (engine_config.num_blocks, engine_config.kv_cache_memory_bytes)
+            log.warning("gpu_memory_utilization=%s is ignored: %s",
+                        engine_config.gpu_memory_utilization,
+                        "the KV pool is sized by num_blocks or kv_cache_memory_bytes"
+                        if sized != (None, None)
+                        else "it sizes a CUDA engine's memory, and this one runs on the CPU")
         return KVSizing(num_kv_blocks(model_config, engine_config, dtype), None)
     runner = ModelRunner(model_config, engine_config, tensors,
                          profile_step_blocks(engine_config), model_context)

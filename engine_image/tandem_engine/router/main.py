@@ -62,6 +62,7 @@ from tandem_engine.router.engines import EnginePool
 from tandem_engine.router.metrics import RouterMetrics
 from tandem_engine.router.openai_api import build_app
 from tandem_engine.tokenizer import Tokenizer
+from tandem_engine.weights import resolve_checkpoint
 
 log = logging.getLogger("tandem_engine.router")
 
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.model = resolve_checkpoint(args.model)  # a model image's /model: its .gguf
     if args.namespace is not None and args.discover_pool is None:
         parser.error("--namespace goes with --discover-pool, not --engine")
     logging.basicConfig(level=args.log_level.upper(),

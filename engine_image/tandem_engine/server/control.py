@@ -21,7 +21,7 @@ from tandem_engine.model.device import DeviceReport, report_device
 from tandem_engine.server.handoff import HandoffStats
 from tandem_engine.server.weights_roots import WeightsRoots
 from tandem_engine.server.worker import Canary, EngineWorker
-from tandem_engine.weights import checkpoint_path
+from tandem_engine.weights import checkpoint_path, resolve_checkpoint
 
 
 class ShuttingDown(Exception):
@@ -98,7 +98,8 @@ class EngineControl:
     def _admit(self, uri: str, what: str) -> Path:
         """The local checkpoint a refit's `uri` names, inside the weights roots."""
         path = Path(checkpoint_path(uri, what))
-        return path if self.weights_roots is None else self.weights_roots.admit(path)
+        admitted = path if self.weights_roots is None else self.weights_roots.admit(path)
+        return resolve_checkpoint(admitted)
 
     # ---- admission ------------------------------------------------------------------------
 

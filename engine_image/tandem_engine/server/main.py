@@ -48,15 +48,17 @@ from tandem_engine.server.loading import (
     test_load_delay,
 )
 from tandem_engine.server.weights_roots import WeightsRoots
-from tandem_engine.weights import WeightIdentity
+from tandem_engine.weights import WeightIdentity, resolve_checkpoint
 from tandem_engine.zmq_auth import CurveServer, engine_curve, unauthenticated_warning
 
 log = logging.getLogger("tandem_engine.server.main")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # No abbreviated flags: a pod's args mean what they spell (the operator refuses engine
+    # args that set a flag it renders, which `--max-model` would otherwise slip past).
     p = ArgumentParser(
-        prog="tandem-engine", description=__doc__.split("\n")[0],
+        prog="tandem-engine", description=__doc__.split("\n")[0], allow_abbrev=False,
         epilog=f"Test knob, for tests only: ${TEST_LOAD_DELAY_ENV}=SECONDS makes the model "
                "load wait that long once the checkpoint is validated, before any tensor "
                "data is read, to simulate a slow load (e.g. a multi-GB checkpoint).")
@@ -311,6 +313,7 @@ async def _load_and_serve(args: argparse.Namespace, config: EngineConfig,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.model = str(resolve_checkpoint(args.model))  # a model image's /model: its .gguf
     # Before torch loads OpenMP: its workers then sleep between parallel regions instead
     # of spinning for milliseconds after each. The native kernels share the cores out with
     # their own pool, and on a small machine a spinning worker took a core from it (a
