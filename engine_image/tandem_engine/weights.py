@@ -194,10 +194,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint path as loaders take it: a folder with no config.json holding exactly
     one .gguf file (a model image's /model) is that file; anything else is itself."""
     path = Path(path)
-    if path.is_dir() and not (path / "config.json").exists():
-        ggufs = [p for p in path.iterdir() if is_gguf_path(p) and p.is_file()]
-        if len(ggufs) == 1:
-            return ggufs[0]
+    try:
+        if path.is_dir() and not (path / "config.json").exists():
+            ggufs = [p for p in path.iterdir() if is_gguf_path(p) and p.is_file()]
+            if len(ggufs) == 1:
+                return ggufs[0]
+    except OSError:  # unreadable: the caller's own check says so, naming the path
+        pass
     return path
 
 

@@ -516,9 +516,31 @@ def load_example(name: str) -> dict[str, Any]:
 
 def test_examples_exist():
     assert [p.name for p in EXAMPLES] == [
-        "inferencepool-autoscaling.yaml", "inferencepool-mixed.yaml", "inferencepool-rl.yaml",
-        "inferencepool.yaml",
+        "inferencepool-autoscaling.yaml", "inferencepool-gpu.yaml", "inferencepool-mixed.yaml",
+        "inferencepool-rl.yaml", "inferencepool.yaml",
     ]
+
+
+def test_gpu_example_asks_for_a_gpu_per_engine_on_gpu_nodes_with_rdma():
+    from tandem_operator import manifests as m
+
+    manifest = load_example("inferencepool-gpu.yaml")
+    pool = PoolSpec.from_body({**manifest, "metadata": {**manifest["metadata"],
+                                                        "namespace": "llm"}})
+    for group in ("prefill", "decode"):
+        pod = m.pod(pool, group, pool.weights)
+        (engine,) = pod["spec"]["containers"]
+        assert engine["image"].endswith("-cu13")  # `make images CUDA=13`
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert engine["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        args = engine["args"]
+        assert args[args.index("--device") + 1] == "cuda"
+        assert {"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc,tcp"} in engine["env"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
+            pod["spec"]["tolerations"]
+        assert pod["spec"]["volumes"][-1]["persistentVolumeClaim"]["claimName"] == "models"
+    router = m.pod(pool, "router", pool.weights)
+    assert "tolerations" not in router["spec"]  # the router stays off the GPU nodes
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
