@@ -290,7 +290,9 @@ async def refit_pass(kube: Kube, fleet: FleetClients, spec: PoolSpec, observed: 
         if behind or (tx is not None and tx.target.volume != spec.weights.volume
                       and not needs_refit(spec, observed)):
             if behind:  # new pods come with the weights; the transaction waits for none
-                out.report = _rolling_report(spec, behind)
+                stopped = bool((observed.previous.get("rollout") or {}).get(
+                    "progressDeadlineExceeded"))
+                out.report = _rolling_report(spec, behind, stopped)
             return out
         reused = reused_version(spec, old, observed)
         if reused is not None:  # the edit cannot be refit: whatever the pool did goes on
@@ -341,14 +343,22 @@ async def refit_pass(kube: Kube, fleet: FleetClients, spec: PoolSpec, observed: 
     return out
 
 
-def _rolling_report(spec: PoolSpec, behind: list[PodView]) -> RefitReport:
+def _rolling_report(spec: PoolSpec, behind: list[PodView], stopped: bool = False
+                    ) -> RefitReport:
+    """Refitting while the weights come with new pods: True while they roll; False once the
+    rollout bringing them missed its deadline (the Progressing condition says what now)."""
     w = spec.weights
     source = w.volume or "the pods' filesystem"
+    names = ", ".join(sorted(p.name for p in behind))
+    if stopped:
+        return RefitReport(None, (False, "RollingPodsStopped", (
+            f"weights {w.version} come from {source}, which {len(behind)} engine pod(s) do "
+            f"not mount ({names}), and the rollout bringing them made no progress within "
+            "spec.rollout.progressDeadlineSeconds: see the Progressing condition")))
     return RefitReport(None, (True, "RollingPods", (
         f"weights {w.version} come from {source}, which {len(behind)} engine pod(s) do not "
-        f"mount ({', '.join(sorted(p.name for p in behind))}): they are replaced within "
-        "spec.rollout's budget, the new pods loading the weights, instead of refitting in "
-        "place")))
+        f"mount ({names}): they are replaced within spec.rollout's budget, the new pods "
+        "loading the weights, instead of refitting in place")))
 
 
 def _reused_report(spec: PoolSpec, reused: WeightsRef) -> RefitReport:

@@ -4,10 +4,13 @@ rollout keeps (plan.serving_weights, refit.rolling / needs_refit, rollout.effect
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import replace
+
 from tandem_engine.weights import WeightsRef
 from tandem_operator import manifests as m
 from tandem_operator.plan import Observed, plan, serving_weights
-from tandem_operator.refit import needs_refit, rolling
+from tandem_operator.refit import FleetClients, needs_refit, refit_pass, rolling
 from tandem_operator.rollout import effective_spec
 from test_operator_plan import creates, make_spec, pod, steady
 
@@ -59,3 +62,21 @@ def test_a_rolled_back_image_rollout_returns_to_the_old_image() -> None:
     same_claim = effective_spec({**good, "model": {"weights": PVC_V1.to_dict()}},
                                 {**failed, "model": {"weights": PVC_V2.to_dict()}})
     assert same_claim["model"]["weights"] == PVC_V2.to_dict()  # a refit's, not the rollout's
+
+
+def test_refitting_says_the_pods_roll_and_stops_saying_so_once_the_rollout_failed() -> None:
+    running = steady(spec_on(OCI_V1))
+    edited = spec_on(OCI_V2, 2)
+
+    def refitting(observed: Observed) -> tuple[bool, str, str]:
+        # rolling: the pass takes no engine step, so it needs no client
+        done = asyncio.run(refit_pass(None, FleetClients(), edited, observed))  # type: ignore[arg-type]
+        assert done.tx is None and done.report is not None
+        return done.report.refitting
+
+    status, reason, message = refitting(running)
+    assert (status, reason) == (True, "RollingPods") and "oci:r.example.com" in message
+    failed = replace(running, previous={"rollout": {"progressDeadlineExceeded": True}})
+    status, reason, message = refitting(failed)
+    assert (status, reason) == (False, "RollingPodsStopped")
+    assert "Progressing condition" in message
