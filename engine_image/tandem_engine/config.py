@@ -187,6 +187,9 @@ class SpeculativeConfig:
                                     f"for {self.method}")
 
 
+DEFAULT_STRUCTURED_OUTPUTS_CACHE_SIZE = 256
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model; every field has a vLLM-style name."""
@@ -226,6 +229,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     # Speculative decoding; None = off.
     speculative: SpeculativeConfig | None = None
+    # Structured outputs: distinct constraints (schemas, regexes, grammars) kept compiled.
+    structured_outputs_cache_size: int = DEFAULT_STRUCTURED_OUTPUTS_CACHE_SIZE
 
     def validate(self) -> None:
         """Each field within its flag's rule (`ENGINE_FLAGS`), the device and dtype
@@ -372,6 +377,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                f"(<= {MAX_KV_QUARANTINE_TTL_S})", minimum=0, above_minimum=True,
                maximum=MAX_KV_QUARANTINE_TTL_S,
                limit=f"must be in (0, {MAX_KV_QUARANTINE_TTL_S}] seconds"),
+    EngineFlag("structured_outputs_cache_size", "--structured-outputs-cache-size", int,
+               DEFAULT_STRUCTURED_OUTPUTS_CACHE_SIZE, "structured outputs (llguidance): "
+               "distinct JSON schemas, regexes and grammars kept compiled; the least "
+               "recently used beyond it is compiled again when next asked for "
+               "(default %(default)s)", minimum=1, maximum=65536, whole=True,
+               limit="must be an integer between 1 and 65536", metavar="N", serve=True),
 )
 ENGINE_CONFIG_FLAGS = tuple(flag for flag in ENGINE_FLAGS if flag.scope == "engine")  # its own
 SPECULATIVE_FLAGS = tuple(flag for flag in ENGINE_FLAGS if flag.scope == "speculative")

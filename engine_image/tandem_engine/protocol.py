@@ -33,7 +33,9 @@ from tandem_engine.transfer.base import KVGeometry
 #    carries num_cached_tokens, prompt_logprobs and num_spec_proposed /
 #    num_spec_accepted (optional, additive: a peer without them decodes 0 / None, one
 #    that does not know them ignores them).
-PROTOCOL_VERSION = 4
+# 5: SamplingParams carries structured_outputs. A version-4 engine would drop it and
+#    sample unconstrained, so the versions refuse each other.
+PROTOCOL_VERSION = 5
 
 
 class ProtocolError(ValueError):

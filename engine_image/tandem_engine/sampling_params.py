@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem_engine.errors import RequestRejected
+from tandem_engine.structured_outputs import StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -44,6 +45,10 @@ class SamplingParams:
     output tokens only (a resumed request's earlier tokens included). `min_p` (0 = off),
     after temperature, drops every token less likely than min_p times the most likely
     one (a no-op when greedy). Logprobs stay those of the raw distribution.
+
+    `structured_outputs` (vLLM's name) constrains every generated token to a JSON
+    schema, a regex, a choice or a grammar: tokens the constraint forbids are masked
+    before sampling, and the request ends (reason stop) once the constraint is complete.
     """
 
     max_tokens: int = 16
@@ -63,6 +68,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string / any iterable for stop like vLLM, store a tuple.

@@ -243,6 +243,10 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
+    def backend_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what grammar libraries load)."""
+        return self._backend.to_str()
+
 
 class IncrementalDetokenizer:
     """Turns generated ids into text one id at a time.

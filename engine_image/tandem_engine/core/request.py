@@ -89,6 +89,9 @@ class Request:
     # still has `carried_for` tokens, then dropped.
     carried_proposals: list[int] = field(default_factory=list)
     carried_for: int = 0
+    # Structured outputs: its constraint is still compiling (engine/grammars.py); the
+    # scheduler admits it only once it is ready.
+    grammar_pending: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -5,7 +5,8 @@ request has `num_tokens` tokens of which `num_computed_tokens` have KV; each ste
 may compute up to the rest. When its computed count reaches its token count, the
 runner samples a new token for it. Per step: decodes first, then chunks of prefills
 already running, then new admissions in arrival order (FCFS), all under a token
-budget (`max_num_batched_tokens`) and a request cap (`max_num_seqs`). When the KV
+budget (`max_num_batched_tokens`) and a request cap (`max_num_seqs`); a request whose
+structured-outputs grammar is still compiling is passed over until it is ready. When the KV
 cache runs out, the most recently arrived running request is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed.
 
@@ -85,8 +86,11 @@ class Scheduler:
             if self._grow_or_preempt(request, n, out):
                 budget -= self._take(request, n, out)
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if request.grammar_pending:
+                continue  # its constraint compiles: the requests behind it go first
             # A pulled request has its KV already; one that wants prompt logprobs
             # computes its whole prompt (a cached block has no logits).
             if (not self.kv.block_table(request.request_id)
@@ -99,7 +103,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
                 self._release(request)
                 break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             budget -= self._take(request, n, out)

@@ -39,6 +39,7 @@ from tandem_engine.core.kv.hashing import block_salt
 from tandem_engine.core.request import FinishReason, Request
 from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.engine.admission import check_tokens
+from tandem_engine.engine.grammars import Grammars
 from tandem_engine.engine.handoff_ledger import HandoffLedger
 from tandem_engine.engine.kv_modes import parse_kv_mode, release_pool, restore_pool
 from tandem_engine.engine.kv_sizing import size_kv_pool
@@ -59,6 +60,11 @@ from tandem_engine.model.sampler import Sampler
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.tokenizer import Tokenizer
 from tandem_engine.weights import WeightIdentity
+
+
+# An engine with nothing to run but requests whose grammars compile waits this long at
+# most per step for one of them (signals and new requests wait for the step).
+_GRAMMAR_WAIT_S = 0.05
 
 
 class _Published:
@@ -134,12 +140,14 @@ class LLMEngine:
                                    engine_config.max_num_batched_tokens)
         self.device: torch.device = self.runner.device  # fixed for the engine's life
         self.sampler = Sampler(engine_config.seed, device=self.device)
+        self.grammars = Grammars(tokenizer, model_config.vocab_size,
+                                 engine_config.structured_outputs_cache_size)
         self.outputs = OutputProcessor(
             tokenizer, frozenset(tokenizer.eos_token_ids or model_config.eos_token_ids),
-            self.max_model_len)
+            self.max_model_len, self.grammars)
         self.speculation = Speculation(
             engine_config, draft, mtp_heads, num_blocks, self.max_model_len, dtype,
-            self.runner, self.sampler, self.outputs,
+            self.runner, self.sampler, self.outputs, self.grammars,
             target_logits=functools.partial(_target_logits, self.runner),
             target_embed=functools.partial(_target_embed, self.runner),
             checkpoint=str(source) if source is not None else "(tensors given)")
@@ -284,6 +292,8 @@ class LLMEngine:
         if reason is not None:
             self._finish(request, reason)
             self._pending_outputs.append(self.outputs.output(request))
+        else:
+            self.grammars.add(request)  # compiles in the background; scheduled once ready
         return request
 
     # ---- KV handoff (disaggregated prefill/decode) ----------------------------------------
@@ -369,11 +379,17 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         self.kv.expire_pins(time.monotonic())
         self.kv.expire_quarantine(time.monotonic())
+        for request, why in self.grammars.poll():  # its constraint cannot be used
+            request.error = why
+            self._finish(request, FinishReason.ERROR)
+            outputs.append(self.outputs.output(request))
         t0 = time.perf_counter()
         self.speculation.propose(self.scheduler.running, self.handoffs)
         scheduled = self.scheduler.schedule()
         self.num_preemptions += len(scheduled.preempted)
         if scheduled.empty:
+            if self.grammars.waiting:  # only compiles to wait for: no spinning
+                self.grammars.wait(_GRAMMAR_WAIT_S)
             return outputs
         t1 = time.perf_counter()
         prepared = self.runner.prepare(scheduled)
@@ -399,7 +415,7 @@ class LLMEngine:
             num_prefill_tokens=scheduled.num_prefill_tokens,
             num_decode_tokens=scheduled.num_decode_tokens,
             schedule_s=t1 - t0, prepare_s=t2 - t1, forward_s=t3 - t2, sample_s=t4 - t3,
-            postprocess_s=t5 - t4))
+            postprocess_s=t5 - t4, grammar_s=self.speculation.mask_s))
         return outputs
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -410,6 +426,7 @@ class LLMEngine:
         self.scheduler.finish(request)
         self.sampler.forget(request.request_id)
         self.speculation.forget(request.request_id)
+        self.grammars.forget(request.request_id)
         self.requests.pop(request.request_id, None)
 
     # ---- lifecycle ------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 The engine's post-processing, in the spirit of vLLM v1's output processor. Stop
 conditions are decided here, once, for every path: EOS and stop tokens (after
-`min_tokens`), stop strings (through the request's `TextStream`, the one owner of
+`min_tokens`), a structured-outputs constraint that is complete, stop strings (through the request's `TextStream`, the one owner of
 text), `max_tokens` and the context limit, and a prefill engine's handoff after the
 first token. A speculative step emits several tokens for a request: the engine appends
 them one by one and stops at the first that ends the generation, so the tokens after it
@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tandem_engine.core.request import FinishReason, Logprob, Request
+from tandem_engine.engine.grammars import Grammars
 from tandem_engine.engine.outputs import CompletionOutput, RequestOutput
 from tandem_engine.model.sampler import SampleResult
 from tandem_engine.text import TextStream
@@ -23,8 +24,9 @@ from tandem_engine.tokenizer import Tokenizer
 
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: frozenset[int],
-                 max_model_len: int) -> None:
+                 max_model_len: int, grammars: Grammars | None = None) -> None:
         self.tokenizer = tokenizer
+        self.grammars = grammars
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self._texts: dict[str, TextStream] = {}
@@ -74,6 +76,12 @@ class OutputProcessor:
             request.logprobs.append(entry)
 
         n_out = request.num_output_tokens
+        complete = False
+        if self.grammars is not None:
+            request.error = self.grammars.advance(request, token)
+            if request.error is not None:
+                return FinishReason.ERROR
+            complete = self.grammars.complete(request)
         if n_out >= p.min_tokens and (token in p.stop_token_ids
                                       or (not p.ignore_eos and token in self.eos_token_ids)):
             request.stop_reason = token if token in p.stop_token_ids else None
@@ -81,6 +89,8 @@ class OutputProcessor:
         text = self._texts[request.request_id]
         if text.push(token):
             request.stop_reason = text.stop_string
+            return FinishReason.STOP
+        if complete:  # the constraint admits nothing more: as if EOS came next
             return FinishReason.STOP
         if n_out >= p.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

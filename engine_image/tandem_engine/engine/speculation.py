@@ -26,6 +26,7 @@ from tandem_engine.config import EngineConfig
 from tandem_engine.core.request import FinishReason, Request
 from tandem_engine.engine.draft_model import DraftCheckpoint, DraftModelProposer
 from tandem_engine.engine.draft_model import load_draft_checkpoint as _load_draft
+from tandem_engine.engine.grammars import Grammars
 from tandem_engine.engine.handoff_ledger import HandoffLedger
 from tandem_engine.engine.output_processor import OutputProcessor
 from tandem_engine.engine.speculative import (
@@ -51,18 +52,21 @@ if TYPE_CHECKING:
 class Speculation:
     def __init__(self, engine_config: EngineConfig, draft: DraftCheckpoint | None,
                  mtp_heads: MtpHeads | None, num_blocks: int, max_model_len: int, dtype: str,
-                 runner: ModelRunner, sampler: Sampler, outputs: OutputProcessor, *,
+                 runner: ModelRunner, sampler: Sampler, outputs: OutputProcessor,
+                 grammars: Grammars, *,
                  target_logits: Callable[[torch.Tensor], torch.Tensor],
                  target_embed: Callable[[torch.Tensor], torch.Tensor],
                  checkpoint: str) -> None:
         """`draft`: method draft's checkpoint, loaded before the KV pool was sized;
         `mtp_heads`: the served checkpoint's heads (moved to the `runner`'s device and
         dtype here); `target_logits` / `target_embed`: the served model's lm_head and input
-        embedding (method mtp). The engine's `sampler` draws, its `outputs` append."""
+        embedding (method mtp). The engine's `sampler` draws, its `outputs` append, its
+        `grammars` mask what a request's structured-outputs constraint forbids."""
         self.config = engine_config.speculative
         self.max_model_len = max_model_len
         self.device, self.model_dtype = runner.device, runner.dtype
-        self.sampler, self.outputs = sampler, outputs
+        self.sampler, self.outputs, self.grammars = sampler, outputs, grammars
+        self.mask_s = 0.0  # the last `sample`'s time computing structured-outputs masks
         self.proposer = None if self.config is None else make_proposer(
             self.config, engine_config, draft, num_blocks, max_model_len, dtype,
             mtp_heads=self._on_device(mtp_heads), target_logits=target_logits,
@@ -102,7 +106,9 @@ class Speculation:
             for request in running:
                 request.spec_token_ids = []
             return
-        carried = handoffs.use_carried_proposals(self.proposal_limit)
+        carried = handoffs.use_carried_proposals(lambda request: min(
+            self.proposal_limit(request),
+            self.grammars.valid_prefix(request, request.carried_proposals)))
         candidates: list[Request] = []
         limits: list[int] = []
         for request in running:
@@ -120,6 +126,10 @@ class Speculation:
             for request, draft in zip(candidates, self.proposer.propose(candidates, limits),
                                       strict=True):
                 request.spec_token_ids = draft
+        for request in running:  # a constraint's forbidden proposals are never verified
+            if request.spec_token_ids:
+                keep = self.grammars.valid_prefix(request, request.spec_token_ids)
+                request.spec_token_ids = request.spec_token_ids[:keep]
 
     def sample(self, batch: StepBatch) -> tuple[SampleResult, dict[str, torch.Tensor]]:
         """One token per logits row. A request verifying a draft has one row per position,
@@ -141,7 +151,9 @@ class Speculation:
                 params.append(request.params)
                 banned.append(outputs.banned_tokens(request, ahead))
                 histories.append(DraftedHistory(request, draft[:ahead]) if ahead else request)
-        result = sample_contained(sampler, batch.logits, ids, params, banned, histories)
+        masks, self.mask_s = self.grammars.masks(batch.requests, batch.drafts)
+        result = sample_contained(sampler, batch.logits, ids, params, banned, histories,
+                                  masks)
         return result, seeded_states
 
     def emit(self, batch: StepBatch, result: SampleResult,

@@ -24,6 +24,8 @@ class StepTiming:
     forward_s: float
     sample_s: float
     postprocess_s: float
+    # Of sample_s: computing structured-outputs token masks (0 without constrained rows).
+    grammar_s: float = 0.0
 
     @property
     def total_s(self) -> float:

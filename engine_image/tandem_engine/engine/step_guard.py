@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from tandem_engine.model.sampler import Sampler, SampleResult, TokenHistory
+from tandem_engine.model.sampler import Sampler, SampleResult, TokenHistory, TokenMasks
 from tandem_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -27,12 +27,13 @@ _PLAIN = SamplingParams(max_tokens=1, temperature=0.0)
 
 def sample_contained(sampler: Sampler, logits: torch.Tensor, request_ids: list[str],
                      params: list[SamplingParams], banned: list[tuple[int, ...]],
-                     histories: list[TokenHistory] | None = None) -> SampleResult:
+                     histories: list[TokenHistory] | None = None,
+                     masks: TokenMasks | None = None) -> SampleResult:
     """`sampler.sample`, but a row that raises is reported in `SampleResult.errors`
     instead of failing the batch. Raises only when no request can be blamed."""
     states = sampler.checkpoint(request_ids, params)
     try:
-        return sampler.sample(logits, request_ids, params, banned, histories)
+        return sampler.sample(logits, request_ids, params, banned, histories, masks)
     except Exception as batch_error:
         sampler.restore(states)
         rows: list[SampleResult | None] = []
@@ -41,7 +42,8 @@ def sample_contained(sampler: Sampler, logits: torch.Tensor, request_ids: list[s
             one = logits[row:row + 1]
             history = None if histories is None else histories[row:row + 1]
             try:
-                rows.append(sampler.sample(one, [rid], [p], [b], history))
+                rows.append(sampler.sample(one, [rid], [p], [b], history,
+                                           None if masks is None else masks.row(row)))
                 continue
             except Exception as exc:
                 try:

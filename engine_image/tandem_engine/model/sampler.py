@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -42,6 +42,33 @@ class SampleResult:
     # Rows that could not be sampled (their logits are not finite): row -> why. Their
     # token id is a placeholder; the engine fails those requests only.
     errors: dict[int, str] = field(default_factory=dict)
+
+
+class TokenMasks(NamedTuple):
+    """Structured outputs' allowed tokens for some rows of a step: `bitmask` [M, W] int32
+    on the host (bit t of row m: token t allowed), `rows[m]` the logits row it masks."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+    def row(self, row: int) -> TokenMasks | None:
+        """The mask of one logits row, as the masks of a one-row batch."""
+        if row not in self.rows:
+            return None
+        m = self.rows.index(row)
+        return TokenMasks(self.bitmask[m:m + 1], [0])
+
+
+def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+    """`logits` [R, V] with every token a row's mask forbids at -inf, on the logits'
+    device (the bitmap crosses, never the logits)."""
+    dev, vocab = logits.device, logits.shape[-1]
+    packed = masks.bitmask.to(dev, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    index = to_device(masks.rows, torch.long, dev)
+    rows = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, index, rows)
 
 
 class TokenHistory(Protocol):
@@ -254,16 +281,19 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, request_ids: list[str],
                params: list[SamplingParams], banned: list[tuple[int, ...]],
-               histories: Sequence[TokenHistory] | None = None) -> SampleResult:
+               histories: Sequence[TokenHistory] | None = None,
+               masks: TokenMasks | None = None) -> SampleResult:
         """logits: [N, V] float32, one row per request. `banned` token ids per row are
-        masked before sampling (stop tokens inside min_tokens). `histories` (one per row)
-        are read only for rows with a penalty, which need them."""
-        packed = self.sample_on_device(logits, request_ids, params, banned, histories)
+        masked before sampling (stop tokens inside min_tokens), and so is every token
+        `masks` forbids (structured outputs). `histories` (one per row) are read only for
+        rows with a penalty, which need them."""
+        packed = self.sample_on_device(logits, request_ids, params, banned, histories, masks)
         return unpack(packed.cpu().tolist(), params)  # the step's one device→host copy
 
     def sample_on_device(self, logits: torch.Tensor, request_ids: list[str],
                          params: list[SamplingParams], banned: list[tuple[int, ...]],
-                         histories: Sequence[TokenHistory] | None = None) -> torch.Tensor:
+                         histories: Sequence[TokenHistory] | None = None,
+                         masks: TokenMasks | None = None) -> torch.Tensor:
         """`sample`'s work, all on the logits' device, packed as one float64 tensor:
         [N, 3] (token, finite, score) or with logprobs [N, 5 + 2k] (see the module
         docstring). `finite` is 0 for non-finite logits (the model's fault); `score` is
@@ -283,6 +313,8 @@ class Sampler:
             where = to_device([rows, cols], torch.long, dev)
             logits = raw.index_put((where[0], where[1]),  # a fill on the device, no copy
                                    torch.full((), float("-inf"), dtype=raw.dtype, device=dev))
+        if masks is not None:
+            logits = apply_token_masks(logits, masks)
         penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
             if histories is None:
