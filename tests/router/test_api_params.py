@@ -96,7 +96,14 @@ _VALID: dict[str, Any] = {
     "add_special_tokens": False, "messages": _USER, "top_logprobs": 2,
     "max_completion_tokens": 3, "add_generation_prompt": False,
     "continue_final_message": True, "chat_template_kwargs": {"x": 1},
-    "return_token_strs": True, "tokens": [1, 2]}
+    "return_token_strs": True, "tokens": [1, 2],
+    # At most one constraint per request: the others are read and left out.
+    "response_format": {"type": "text"}, "structured_outputs": None, "guided_json": None,
+    "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "structural_tag": None, "guided_whitespace_pattern": None,
+    "guided_decoding_backend": "llguidance",
+    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+    "parallel_tool_calls": False}
 _VALID_IN = {table.CHAT: {"logprobs": True, "echo": False},
              table.TOKENIZE_CHAT: {"continue_final_message": False}}
 
@@ -428,7 +435,7 @@ def test_continue_final_message_and_template_kwargs(tiny_llama: Path) -> None:
                         ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
                         ({"messages": [{"role": "assistant", "content": None,
                                         "tool_calls": [{"id": "t"}]}]},
-                         "messages[0].tool_calls")):
+                         "messages[0].tool_calls[0]")):
         with pytest.raises(InvalidRequest) as err:
             ap.parse_chat({"model": "m", "messages": messages, **body})
         assert err.value.param == param
@@ -460,20 +467,17 @@ def _refused(call, param: str) -> None:
 
 
 REFUSED_VALUES = {
-    "logit_bias": {"5": 1}, "best_of": 3, "suffix": "x", "tools": [{"type": "function"}],
-    "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto",
+    "logit_bias": {"5": 1}, "best_of": 3, "suffix": "x",
+    "functions": [{"name": "f"}], "function_call": "auto",
     "audio": {"voice": "x"}, "modalities": ["audio"], "prediction": {"type": "content"},
     "reasoning_effort": "low", "verbosity": "low", "web_search_options": {},
     "store": True, "service_tier": "flex", "use_beam_search": True, "length_penalty": 2.0,
     "spaces_between_special_tokens": False, "truncate_prompt_tokens": 5,
     "allowed_token_ids": [1], "bad_words": ["x"], "logits_processors": ["x"],
-    "guided_json": {}, "guided_regex": "a", "guided_choice": ["a"], "guided_grammar": "g",
-    "guided_decoding_backend": "x", "guided_whitespace_pattern": " ", "structural_tag": "x",
-    "structured_outputs": {}, "priority": 1, "return_tokens_as_token_ids": True,
+    "priority": 1, "return_tokens_as_token_ids": True,
     "kv_transfer_params": {}, "vllm_xargs": {}, "prompt_embeds": "x", "documents": [],
     "chat_template": "x", "mm_processor_kwargs": {}, "media_io_kwargs": {},
-    "thinking_token_budget": 5, "include_reasoning": True, "prompt_embeds_list": [],
-    "response_format": {"type": "json_object"}}
+    "thinking_token_budget": 5, "include_reasoning": True, "prompt_embeds_list": []}
 
 
 def test_every_refused_parameter_is_a_400_naming_it(cluster: Cluster) -> None:

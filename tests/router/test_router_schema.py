@@ -215,7 +215,7 @@ def _subschemas(schema: Any, kind: str) -> Iterator[dict]:
 JSON_TYPES = {"string": {"string"}, "integer": {"integer"}, "number": {"number"},
               "boolean": {"boolean"}, "object": {"object"}, "token_ids": {"array"},
               "stop": {"string", "array"}, "prompt": {"string", "array"},
-              "messages": {"array"}, "any": set()}
+              "messages": {"array"}, "json": set(), "any": set()}
 
 
 def _floats(*numbers: float) -> tuple[float, ...]:
@@ -228,7 +228,7 @@ def _assert_described(schema: dict, param) -> None:
     from tandem_engine.router import param_table as table
 
     where = param.name
-    null = set() if param.required or param.type == "any" else {"null"}
+    null = set() if param.required or param.type in ("any", "json") else {"null"}
     assert _types(schema) == JSON_TYPES[param.type] | null, (where, schema)
     bound = param.bound
     if isinstance(bound, table.IntRange):

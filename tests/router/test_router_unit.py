@@ -188,8 +188,8 @@ def test_chat_messages_and_logprobs() -> None:
              ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
              ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
               "messages[0].content"),
-             ({"tools": [{"type": "function"}]}, "tools"),
-             ({"response_format": {"type": "json_object"}}, "response_format"),
+             ({"tools": [{"type": "function"}]}, "tools[0].function"),
+             ({"response_format": {"type": "xml"}}, "response_format.type"),
              # Checked even when max_completion_tokens wins, and a name must be text.
              ({"max_completion_tokens": 9, "max_tokens": -5}, "max_tokens"),
              ({"messages": [{"role": "user", "content": "x", "name": 7}]}, "messages[0].name")]

@@ -31,6 +31,7 @@ tokenizing).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,7 +57,10 @@ from tandem_engine.router.param_table import (
     entry,
 )
 from tandem_engine.router.request_errors import InvalidRequest, show
+from tandem_engine.router.structured_request import read_structured
+from tandem_engine.router.tools import ToolRequest, parse_assistant_tool_calls, parse_tools
 from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.structured_outputs import StructuredOutputsParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI default; chat defaults to the context left
 MAX_JSON_DEPTH = 32  # an OpenAI body needs 5 (messages[i].content[j].text)
@@ -110,6 +114,10 @@ class Options:
     return_token_ids: bool = False
     prompt_logprobs: int | None = None  # top alternatives per prompt token, vLLM's shape
     echo: bool = False  # completions: the prompt (and its logprobs) before the text
+    # What the output must match (structured outputs, or the tools' calls), and the
+    # parameter that said so (named by a 400 when it does not compile).
+    structured: StructuredOutputsParams | None = None
+    structured_param: str | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,7 @@ class ChatRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: ToolRequest | None = None  # None: no tools, or tool_choice none
 
 
 # ---- the raw body ----------------------------------------------------------------------------
@@ -271,8 +280,22 @@ def parse_chat(body: Any) -> ChatRequest:
         raise InvalidRequest("continue_final_message=true cannot be used with "
                              "add_generation_prompt=true (the default): set "
                              "add_generation_prompt to false", "continue_final_message")
+    tools = parse_tools(body.get("tools"), body.get("tool_choice"),
+                        body.get("parallel_tool_calls"))
+    if tools is not None and not tools.active:
+        tools = None
+    if tools is not None:
+        if options.structured is not None:
+            raise InvalidRequest(f"tools and {options.structured_param} both constrain the "
+                                 f"output: drop {options.structured_param}, or set "
+                                 "tool_choice to none", options.structured_param)
+        grammar = tools.grammar()
+        if grammar is not None:
+            options = dataclasses.replace(
+                options, structured=StructuredOutputsParams(grammar=grammar),
+                structured_param="tools")
     return ChatRequest(options, messages, add_generation_prompt, continue_final,
-                       _template_kwargs(body.get("chat_template_kwargs")))
+                       _template_kwargs(body.get("chat_template_kwargs")), tools)
 
 
 def _template_kwargs(value: Any) -> dict[str, Any] | None:
@@ -335,7 +358,8 @@ def engine_sampling(options: Options, max_tokens: int, sample_index: int,
     try:
         return SamplingParams(**sampling, max_tokens=max_tokens,
                               logprobs=options.logprobs, seed=seed,
-                              prompt_logprobs=max(asked) if asked else None)
+                              prompt_logprobs=max(asked) if asked else None,
+                              structured_outputs=options.structured)
     except RequestRejected as exc:
         raise InvalidRequest(str(exc), rejected_param(str(exc))) from None
 
@@ -400,11 +424,13 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
                                    _CACHE_SALT.low <= len(cache_salt) <= _CACHE_SALT.high):
         raise InvalidRequest(f"cache_salt must be a string of {_CACHE_SALT.low}.."
                              f"{_CACHE_SALT.high} characters", "cache_salt")
+    structured, structured_param = read_structured(body)
     return Options(model=model, n=n_value, stream=stream, include_usage=include_usage,
                    max_tokens=max_tokens, seed=seed, logprobs=logprobs,
                    cache_salt=cache_salt, sampling_args=sampling,
                    return_token_ids=bool(_bool(body, "return_token_ids", False)),
-                   prompt_logprobs=prompt_logprobs, echo=echo)
+                   prompt_logprobs=prompt_logprobs, echo=echo, structured=structured,
+                   structured_param=structured_param)
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -449,7 +475,13 @@ def _messages(messages: Any) -> list[dict[str, str]]:
                 field = _child(where, key)
                 raise InvalidRequest(f"{field} is not supported by this server (a message "
                                      f"has {', '.join(MESSAGE_FIELDS)})", field)
-        message = {"role": role, "content": _content(m.get("content"), role, where)}
+        message: dict[str, Any] = {"role": role,
+                                   "content": _content(m.get("content"), role, where)}
+        if m.get("tool_calls") not in (None, []):
+            if role != "assistant":
+                raise InvalidRequest(f"{where}.tool_calls: only an assistant message makes "
+                                     "tool calls", f"{where}.tool_calls")
+            message["tool_calls"] = parse_assistant_tool_calls(m["tool_calls"], where)
         for key in ("name", "tool_call_id"):  # for templates that show them
             value = m.get(key)
             if value is None:

@@ -52,6 +52,9 @@ class ChatTemplate:
             raise ChatTemplateError(f"the checkpoint's chat template does not parse: "
                                     f"{exc.message} (line {exc.lineno})") from exc
         self._specials = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
+        # Whether the template renders a request's tools itself (it reads `tools`);
+        # otherwise the router writes them into the conversation (router/tools.py).
+        self.takes_tools = "tools" in source
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer) -> ChatTemplate | None:
@@ -61,13 +64,14 @@ class ChatTemplate:
                    eos_token=tokenizer.eos_token)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               template_kwargs: dict[str, Any] | None = None) -> str:
+               template_kwargs: dict[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> str:
         """The conversation as the template writes it (what HF's apply_chat_template
         returns with tokenize=False)."""
         try:
             return self._template.render(**(template_kwargs or {}), messages=messages,
                                          add_generation_prompt=add_generation_prompt,
-                                         tools=None, **self._specials)
+                                         tools=tools, **self._specials)
         except _TemplateRefused as exc:  # the template's own raise_exception(...)
             raise InvalidRequest(f"the chat template refused these messages: {exc}",
                                  "messages") from None
@@ -88,18 +92,19 @@ class ChatTemplate:
         When the template rewrites content (trims it, say), the content cannot be told
         apart: the whole prompt is then one template part, and `ChatEncoder` refuses
         content that spells a special token rather than tokenize it as control tokens."""
-        messages, kwargs = prompt.messages, prompt.template_kwargs
+        messages, kwargs, tools = prompt.messages, prompt.template_kwargs, prompt.tools
         add_gen = prompt.add_generation_prompt
         final = len(messages) - 1
         if prompt.continue_final_message and not messages[final]["content"]:
             raise InvalidRequest("continue_final_message needs a final message with "
                                  "content to continue", f"messages[{final}].content")
-        text = self.render(messages, add_gen, kwargs)
+        text = self.render(messages, add_gen, kwargs, tools)
         nonce = uuid.uuid4().hex
         # An empty content stays empty: a template may test it ({% if content %}).
         marked = [{**m, "content": f"\x00{nonce}:{i}\x00"} if m["content"] else m
                   for i, m in enumerate(messages)]
-        pieces = re.split(f"\x00{nonce}:(\\d+)\x00", self.render(marked, add_gen, kwargs))
+        pieces = re.split(f"\x00{nonce}:(\\d+)\x00",
+                          self.render(marked, add_gen, kwargs, tools))
         parts: list[Part] = []
         for k, piece in enumerate(pieces):  # text, message index, text, ...
             if k % 2:
@@ -127,6 +132,7 @@ class ChatPrompt:
     add_generation_prompt: bool = True  # end with the assistant's turn opening
     continue_final_message: bool = False  # end inside the final message instead
     template_kwargs: dict[str, Any] | None = None  # chat_template_kwargs
+    tools: list[dict[str, Any]] | None = None  # for a template that renders tools
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,8 @@ from tandem_engine.router.dispatch import Dispatcher
 from tandem_engine.router.engines import EnginePool
 from tandem_engine.router.metrics import RouterMetrics
 from tandem_engine.router.picker import no_engine_message
+from tandem_engine.router.structured_request import GrammarCheck
+from tandem_engine.router.tools import ToolRequest, render_for_template
 from tandem_engine.router.tokenize_params import parse_detokenize, parse_tokenize
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.tokenizer import Tokenizer
@@ -174,6 +176,7 @@ class RouterApi:
         self.chat_encoder = ChatEncoder(
             tokenizer, allow_special_tokens_in_content=allow_special_tokens_in_content)
         self.strings = fmt.TokenStrings(tokenizer)
+        self.grammar_check = GrammarCheck(tokenizer)
 
     # ---- generation endpoints -----------------------------------------------------------------
 
@@ -183,6 +186,7 @@ class RouterApi:
         check_prompt_chars(req, self.limits)
         options = req.options
         self._check_model(options)
+        await self._check_structured(options)
         limit = await self._context_limit()
         jobs: list[Job] = []
         prompt_tokens = 0
@@ -208,26 +212,39 @@ class RouterApi:
         self._check_model(options)
         if self.chat_template is None:
             raise self._no_chat_template()
+        await self._check_structured(options)
         limit = await self._context_limit()
         ids = await asyncio.to_thread(
             self._chat_prompt_ids, self.chat_template, req.messages,
-            req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+            req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
+            req.tools)
         max_tokens = resolve_max_tokens(options, len(ids), limit, default=None,
                                         prompt_param="messages")
         jobs = [Job(j, 0, ids, engine_sampling(options, max_tokens, j,
                                                 self.generation_defaults))
                 for j in range(options.n)]
-        return await self._serve(request, "chatcmpl", jobs, options, len(ids), arrival)
+        return await self._serve(request, "chatcmpl", jobs, options, len(ids), arrival,
+                                 req.tools)
 
-    def _chat_prompt_ids(self, template: ChatTemplate, messages: list[dict[str, str]],
+    async def _check_structured(self, options: Options) -> None:
+        """A 400 for a constraint the grammar library refuses (before any engine sees it)."""
+        if options.structured is not None:
+            assert options.structured_param is not None
+            await self.grammar_check.check(options.structured, options.structured_param)
+
+    def _chat_prompt_ids(self, template: ChatTemplate, messages: list[dict[str, Any]],
                          add_generation_prompt: bool = True,
                          continue_final_message: bool = False,
-                         template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                         template_kwargs: dict[str, Any] | None = None,
+                         tools: ToolRequest | None = None) -> list[int]:
         """The rendered conversation's token ids (on a worker thread), message content
         tokenized as text (`chat.ChatEncoder`); /tokenize counts a chat with this too, so
-        both always agree."""
+        both always agree. With `tools`, the template renders them, or (a template
+        without tool support) the router writes them into the conversation
+        (`tools.render_for_template`)."""
+        messages, template_tools = render_for_template(messages, tools, template.takes_tools)
         prompt = ChatPrompt(messages, add_generation_prompt, continue_final_message,
-                            template_kwargs)
+                            template_kwargs, template_tools)
         return self.chat_encoder.encode(template, prompt)
 
     def _no_chat_template(self) -> InvalidRequest:
@@ -276,7 +293,8 @@ class RouterApi:
     # ---- answering: one JSON body or server-sent events ---------------------------------------
 
     async def _serve(self, request: Request, kind: str, jobs: list[Job], options: Options,
-                     prompt_tokens: int, arrival: float) -> Response:
+                     prompt_tokens: int, arrival: float,
+                     tools: ToolRequest | None = None) -> Response:
         """Run the jobs; answer once the first choice produced something (or failed)."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
         choices = Choices(self.dispatcher, request_id, jobs, options.cache_salt, arrival)
@@ -292,7 +310,8 @@ class RouterApi:
             return self._failure(first[1])
         render = fmt.Renderer(kind, request_id, self.served_model_name, options, len(jobs),
                               self.strings,
-                              [fmt.ChoicePrompt(j.prompt_ids, j.echo_text) for j in jobs])
+                              [fmt.ChoicePrompt(j.prompt_ids, j.echo_text) for j in jobs],
+                              tools=tools)
         if options.stream:
             return StreamingResponse(self._stream(choices, first, render, prompt_tokens),
                                      media_type="text/event-stream",

@@ -27,6 +27,12 @@ from typing import Any
 from tandem_engine import protocol as p
 from tandem_engine.router.api_params import Options
 from tandem_engine.router.attempts import Delta
+from tandem_engine.router.tools import (
+    ToolCallStream,
+    ToolRequest,
+    merge_deltas,
+    parse_tool_calls,
+)
 from tandem_engine.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0
@@ -154,11 +160,21 @@ def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
             "finish_reason": finish_reason(reason), "stop_reason": stop_reason}
 
 
-def chat_choice(index: int, content: str, logprobs: list[dict[str, Any]] | None,
-                reason: str | None, stop_reason: str | int | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": content},
+def chat_choice(index: int, content: str | None, logprobs: list[dict[str, Any]] | None,
+                reason: str | None, stop_reason: str | int | None = None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message,
             "logprobs": {"content": logprobs} if logprobs is not None else None,
-            "finish_reason": finish_reason(reason), "stop_reason": stop_reason}
+            "finish_reason": chat_finish_reason(reason, bool(tool_calls)),
+            "stop_reason": stop_reason}
+
+
+def chat_finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI's "tool_calls" for a choice that ended after its calls."""
+    return "tool_calls" if made_calls and reason == "stop" else finish_reason(reason)
 
 
 def completion_response(request_id: str, created: int, model: str,
@@ -265,7 +281,8 @@ class Renderer:
 
     def __init__(self, kind: str, request_id: str, model: str, options: Options,
                  num_choices: int, strings: TokenStrings,
-                 prompts: Sequence[ChoicePrompt] = ()) -> None:
+                 prompts: Sequence[ChoicePrompt] = (), *, tools: ToolRequest | None = None
+                 ) -> None:
         self.chat = kind == "chatcmpl"
         self.request_id = request_id
         self.model = model
@@ -280,6 +297,10 @@ class Renderer:
         self._tokens = [0] * num_choices
         self._cached = [0] * num_choices  # prompt tokens found in a prefix cache
         self._echoed = [False] * num_choices  # streaming: the prompt went out
+        # Chat with tools: each choice's text is parsed for calls (streaming: as it comes).
+        self.tools = tools if self.chat and tools is not None and tools.active else None
+        self._tool_streams = [ToolCallStream() for _ in range(num_choices)] \
+            if self.tools is not None else None
 
     def _logprobs(self, index: int, delta: Delta) -> Any:
         if self.options.logprobs is None or delta.logprobs is None:
@@ -335,7 +356,10 @@ class Renderer:
             if self.chat:
                 entries = [e for d in r.logprobs for e in self._logprobs(i, d)] if want \
                     else None
-                choice = chat_choice(i, text, entries, r.finish_reason, r.stop_reason)
+                content, calls = parse_tool_calls(text) if self.tools is not None \
+                    else (text, [])
+                choice = chat_choice(i, content, entries, r.finish_reason, r.stop_reason,
+                                     calls)
             else:
                 parts = [self._logprobs(i, d) for d in r.logprobs]
                 if self.echo:
@@ -375,11 +399,19 @@ class Renderer:
                 logprobs = merge_completion_logprobs([echoed, *([logprobs] if logprobs
                                                                  else [])])
         want_ids = self.options.return_token_ids and delta.token_ids
-        if not (text or delta.finished or logprobs or want_ids):
+        message: dict[str, Any] = {"content": text} if text else {}
+        if self._tool_streams is not None:  # text held back may turn out to be a call
+            stream = self._tool_streams[index]
+            message = merge_deltas(stream.push(text)
+                                   + (stream.finish() if delta.finished else []))
+        if not (message or delta.finished or logprobs or want_ids):
             return None
         if self.chat:
-            choice = chat_chunk_choice(index, {"content": text} if text else {},
-                                       logprobs, delta.finish_reason, delta.stop_reason)
+            choice = chat_chunk_choice(index, message, logprobs, delta.finish_reason,
+                                       delta.stop_reason)
+            if self._tool_streams is not None and delta.finished:
+                choice["finish_reason"] = chat_finish_reason(
+                    delta.finish_reason, self._tool_streams[index].made_calls)
         else:
             choice = completion_choice(index, text, logprobs, delta.finish_reason,
                                        delta.stop_reason)

@@ -57,15 +57,21 @@ def _text(bound: Length) -> Schema:
 _TOKEN_IDS = _token_ids(TOKEN_ID)
 _NAME: Schema = {"type": "string", "maxLength": MAX_MESSAGE_FIELD_CHARS}
 _MESSAGES: Schema = {"type": "array", "minItems": 1, "items": {
-    "type": "object", "required": ["role", "content"],
+    "type": "object", "required": ["role"],
     "properties": {
         "role": {"type": "string", "enum": list(CHAT_ROLES)},
         "content": {"anyOf": [
-            {"type": "string"},
+            {"type": "string"}, {"type": "null"},
             {"type": "array", "items": {
                 "type": "object", "required": ["type", "text"],
                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
-        "name": _NAME, "tool_call_id": _NAME}}}
+        "name": _NAME, "tool_call_id": _NAME,
+        "tool_calls": {"type": "array", "items": {
+            "type": "object", "required": ["id", "type", "function"],
+            "properties": {"id": {"type": "string"}, "type": {"const": "function"},
+                           "function": {"type": "object", "required": ["name", "arguments"],
+                                        "properties": {"name": {"type": "string"},
+                                                       "arguments": {"type": "string"}}}}}}}}}
 
 
 def param_schema(param: Param, model: str) -> Schema:
@@ -110,6 +116,8 @@ def param_schema(param: Param, model: str) -> Schema:
         batch = {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS}
         schema = {"anyOf": [{"type": "string"}, ids, {**batch, "items": {"type": "string"}},
                             {**batch, "items": ids}]}
+    elif param.type == "json":  # its shape is the parser's to check
+        schema = {}
     else:  # messages
         schema = dict(_MESSAGES)
     if param.doc:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem_engine.router.request_errors import InvalidRequest, show
+from tandem_engine.structured_outputs import MAX_GRAMMAR_CHARS
 from tandem_engine.sampling_params import (
     MAX_LOGPROBS,
     MAX_PENALTY,
@@ -50,8 +51,8 @@ MAX_MESSAGE_FIELD_CHARS = 256  # a message's name or tool_call_id
 # model's own limit is checked once the prompt is tokenized (`resolve_max_tokens`).
 MAX_TOKEN_COUNT = 2**31 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# What a chat message may hold (`tool_calls`, `audio` and the like are refused).
-MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id")
+# What a chat message may hold (`audio` and the like are refused).
+MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id", "tool_calls")
 
 
 @dataclass(frozen=True)
@@ -177,11 +178,13 @@ GENERATION = (COMPLETIONS, CHAT)
 
 # A parameter's JSON type, with the bound each takes: a JSON Schema type, or one of the
 # shapes the parsers read (a stop string or a list of them, token ids, a completions
-# prompt, a chat's messages); `any` is an informational or refused parameter's.
+# prompt, a chat's messages, `json`: any JSON value whose shape its parser checks, such
+# as a schema given as an object or as its text); `any` is an informational or refused
+# parameter's.
 TYPES: dict[str, tuple[type, ...]] = {
     "string": (Length,), "integer": (IntRange,), "number": (NumberRange,),
     "boolean": (Choice,), "object": (), "stop": (Length,), "token_ids": (IntRange,),
-    "prompt": (IntRange,), "messages": (), "any": ()}
+    "prompt": (IntRange,), "messages": (), "json": (), "any": ()}
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
@@ -316,6 +319,33 @@ PARAMS: tuple[Param, ...] = (
     Param("continue_final_message", "boolean", (CHAT,),
           doc="vLLM's: go on with the last (assistant) message"),
     Param("chat_template_kwargs", "object", (CHAT,), doc="vLLM's: template variables"),
+    Param("tools", "json", (CHAT,), doc="functions the model may call: [{type: function, "
+          "function: {name, description, parameters}}]"),
+    Param("tool_choice", "json", (CHAT,), doc="none, auto (the default with tools), "
+          "required, or {type: function, function: {name}}"),
+    Param("parallel_tool_calls", "boolean", (CHAT,), doc="more than one call per turn "
+          "(default true)"),
+    # ---- implemented: structured outputs (at most one of them per request)
+    Param("response_format", "json", doc="OpenAI's: {type: text | json_object | "
+          "json_schema, json_schema: {name, schema, strict}}"),
+    Param("structured_outputs", "json", sampling="structured_outputs",
+          mapping="from whichever of response_format, structured_outputs, guided_json, "
+                  "guided_regex, guided_choice, guided_grammar, structural_tag and tools "
+                  "(a call's grammar) the request gives",
+          doc="vLLM's: {json | json_object | regex | choice | grammar | structural_tag, "
+              "whitespace_pattern}"),
+    Param("guided_json", "json", doc="vLLM's (older): a JSON schema, as an object or text"),
+    Param("guided_regex", "string", bound=Length(1, MAX_GRAMMAR_CHARS),
+          doc="vLLM's (older): a regular expression the output matches"),
+    Param("guided_choice", "json", doc="vLLM's (older): the output is one of these strings"),
+    Param("guided_grammar", "string", bound=Length(1, MAX_GRAMMAR_CHARS),
+          doc="vLLM's (older): a Lark or GBNF grammar"),
+    Param("structural_tag", "json", doc="vLLM's: structures (begin, schema, end) started by "
+          "trigger strings within free text"),
+    Param("guided_whitespace_pattern", "string", bound=Length(1, MAX_GRAMMAR_CHARS),
+          doc="vLLM's: the whitespace JSON output may hold between tokens (a regex)"),
+    Param("guided_decoding_backend", "string", bound=Length(1, 64),
+          doc="vLLM's: auto or llguidance (the only backend here)"),
     # ---- informational: no effect on the output, by their definition
     _informational("user", "an end-user id"),
     _informational("metadata", "the client's own tags"),
@@ -323,22 +353,18 @@ PARAMS: tuple[Param, ...] = (
     _informational("prompt_cache_key", "a cache-routing hint"),
     _informational("prompt_cache_retention", "a cache-routing hint"),
     _informational("request_id", "the client's own request id"),
-    _informational("parallel_tool_calls", "without tools, nothing to parallelize"),
     # ---- refused unless absent or neutral: OpenAI's
     _refused("logit_bias", {}), _refused("best_of"), _refused("suffix", ""),
-    _refused("tools", []), _refused("tool_choice", "none"), _refused("functions", []),
-    _refused("function_call", "none"), _refused("audio"), _refused("modalities", ["text"]),
+    _refused("functions", []), _refused("function_call", "none"), _refused("audio"),
+    _refused("modalities", ["text"]),
     _refused("prediction"), _refused("reasoning_effort"), _refused("verbosity"),
     _refused("web_search_options"), _refused("store", False),
-    _refused("service_tier", "auto", "default"), _refused("response_format", {"type": "text"}),
+    _refused("service_tier", "auto", "default"),
     # ---- refused unless absent or neutral: vLLM's
     _refused("use_beam_search", False), _refused("length_penalty", 1, 1.0),
     _refused("spaces_between_special_tokens", True), _refused("truncate_prompt_tokens"),
     _refused("allowed_token_ids"), _refused("bad_words", []), _refused("logits_processors"),
-    _refused("guided_json"), _refused("guided_regex"), _refused("guided_choice"),
-    _refused("guided_grammar"), _refused("guided_decoding_backend"),
-    _refused("guided_whitespace_pattern"), _refused("structural_tag"),
-    _refused("structured_outputs"), _refused("priority", 0),
+    _refused("priority", 0),
     _refused("return_tokens_as_token_ids", False), _refused("kv_transfer_params"),
     _refused("vllm_xargs"), _refused("prompt_embeds"), _refused("documents"),
     _refused("chat_template"), _refused("mm_processor_kwargs"), _refused("media_io_kwargs"),
