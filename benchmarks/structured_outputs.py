@@ -11,12 +11,14 @@ each step with. For each batch size (default 1 and 64), in the same run:
   between tokens); the grammar ends each request (about 40-85 tokens);
 * unconstrained: the same prompts, no constraint, `ignore_eos=True` and `max_tokens`
   set to what the constrained run produced (each request its own length by default, so
-  the batch shrinks the same way; `--match mean` gives every request the mean instead).
+  the batch shrinks the same way; `--match mean`: the mean of the requests run at once).
 
 Batch 1 runs `--min-requests` requests one after another, greedy; a larger batch runs
 that many requests at once, temperature 0.8 with a seed per request. Prefix caching is
-off (both runs prefill every prompt); each configuration runs `--repeats` times, the two
-in turn, and keeps its fastest run. Reported per configuration:
+off (both runs prefill every prompt). Each group of requests run at once runs
+constrained and unconstrained in turn, `--repeats` times (the first of the two
+alternating), and each keeps its fastest run: the machine may be shared, and a change
+in its load should fall on both. Reported per configuration:
 output tokens, wall seconds, tokens/s, the mean decode step (engine step timings with
 no prefill tokens), the mean mask time per decode step (`StepTiming.grammar_s`), that
 per running row, its share of the step, constrained/unconstrained tokens/s, and the
@@ -73,60 +75,75 @@ def sampling(batch: int, i: int, **kw):
     return SamplingParams(temperature=0.8, seed=1000 + i, **kw)
 
 
-def run(llm, ids: list[list[int]], params: list, batch: int) -> tuple[dict, list]:
-    """Requests `batch` at a time; the totals and the engine's decode-step timings."""
+def run(llm, ids: list[list[int]], params: list) -> tuple[float, list, list]:
+    """One `generate` of requests at once: its wall seconds, its decode steps' timings
+    (no prefill tokens), its outputs."""
     llm.engine.drain_step_timings()
-    outputs, start = [], time.perf_counter()
-    for i in range(0, len(ids), batch):
-        outputs += llm.generate(ids[i:i + batch], params[i:i + batch])
+    start = time.perf_counter()
+    outputs = llm.generate(ids, params)
     wall = time.perf_counter() - start
     steps = [t for t in llm.engine.drain_step_timings() if t.num_prefill_tokens == 0]
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return wall, steps, outputs
+
+
+def summary(groups: list[tuple[float, list, list]]) -> dict:
+    wall = sum(g[0] for g in groups)
+    steps = [t for g in groups for t in g[1]]
+    outputs = [o.outputs[0] for g in groups for o in g[2]]
+    tokens = sum(len(o.token_ids) for o in outputs)
     step_s = sum(t.total_s for t in steps)
     grammar_s = sum(t.grammar_s for t in steps)
     rows = sum(t.num_running for t in steps)
-    return {"requests": len(ids), "output_tokens": tokens, "wall_s": round(wall, 3),
+    return {"requests": len(outputs), "output_tokens": tokens, "wall_s": round(wall, 3),
             "tokens_per_s": round(tokens / wall, 1), "decode_steps": len(steps),
             "decode_step_ms": round(1e3 * step_s / len(steps), 3),
             "grammar_ms_per_step": round(1e3 * grammar_s / len(steps), 4),
             "grammar_us_per_row": round(1e6 * grammar_s / rows, 2),
-            "grammar_share": round(grammar_s / step_s, 4)}, outputs
+            "grammar_share": round(grammar_s / step_s, 4),
+            "parse_share": round(sum(_parses(o.text) for o in outputs) / len(outputs), 4),
+            "stopped_share": round(sum(o.finish_reason == "stop" for o in outputs)
+                                   / len(outputs), 4)}
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
 
 
 def measure(llm, batch: int, n: int, max_tokens: int, match: str, repeats: int) -> dict:
-    """Constrained, then unconstrained, `repeats` times in turn (a change in the machine's
-    load falls on both); each keeps its fastest run."""
+    """`n` requests, `batch` at a time; each group constrained and unconstrained in turn
+    (so a change in the machine's load falls on both), the whole `repeats` times, the
+    first of the two alternating; each group of each kind keeps its fastest run."""
     from tandem_engine.structured_outputs import StructuredOutputsParams
 
     ids = prompts(llm, n)
     spec = StructuredOutputsParams(json=PERSON, whitespace_pattern=WHITESPACE)
-    constrained_params = [sampling(batch, i, max_tokens=max_tokens, structured_outputs=spec)
-                          for i in range(n)]
-    constrained, outs = run(llm, ids, constrained_params, batch)
-    lengths = [len(o.outputs[0].token_ids) for o in outs]
-    parsed = 0
-    for o in outs:
-        try:
-            json.loads(o.outputs[0].text)
-            parsed += 1
-        except ValueError:
-            pass
-    constrained["parse_share"] = round(parsed / n, 4)
-    constrained["stopped_share"] = round(
-        sum(o.outputs[0].finish_reason == "stop" for o in outs) / n, 4)
-    if match == "mean":
-        lengths = [round(sum(lengths) / n)] * n
-    plain_params = [sampling(batch, i, max_tokens=length, ignore_eos=True)
-                    for i, length in enumerate(lengths)]
-    plain, _ = run(llm, ids, plain_params, batch)
-    for _ in range(repeats - 1):
-        again, _ = run(llm, ids, constrained_params, batch)  # greedy or seeded: same
-        if again["wall_s"] < constrained["wall_s"]:
-            constrained = {**constrained, **again}
-        again, _ = run(llm, ids, plain_params, batch)
-        plain = min(plain, again, key=lambda m: m["wall_s"])
-    return {"batch": batch, "constrained": constrained, "unconstrained": plain,
-            "tok_s_ratio": round(constrained["tokens_per_s"] / plain["tokens_per_s"], 3)}
+    constrained = [sampling(batch, i, max_tokens=max_tokens, structured_outputs=spec)
+                   for i in range(n)]
+    plain: dict[int, list] = {}  # a group's unconstrained params, once its lengths are known
+    best: dict[str, dict[int, tuple]] = {"constrained": {}, "unconstrained": {}}
+    for repeat in range(repeats):
+        for lo in range(0, n, batch):
+            group = slice(lo, lo + batch)
+            order = ["constrained", "unconstrained"][::-1 if repeat % 2 else 1]
+            for kind in order:
+                if kind == "unconstrained" and lo not in plain:
+                    lengths = [len(o.outputs[0].token_ids) for o in best["constrained"][lo][2]]
+                    if match == "mean":
+                        lengths = [round(sum(lengths) / len(lengths))] * len(lengths)
+                    plain[lo] = [sampling(batch, lo + i, max_tokens=length, ignore_eos=True)
+                                 for i, length in enumerate(lengths)]
+                params = constrained[group] if kind == "constrained" else plain[lo]
+                result = run(llm, ids[group], params)  # greedy or seeded: same tokens
+                if lo not in best[kind] or result[0] < best[kind][lo][0]:
+                    best[kind][lo] = result
+    c, u = (summary(list(best[kind].values())) for kind in ("constrained", "unconstrained"))
+    del u["parse_share"], u["stopped_share"]
+    return {"batch": batch, "constrained": c, "unconstrained": u,
+            "tok_s_ratio": round(c["tokens_per_s"] / u["tokens_per_s"], 3)}
 
 
 def table(results: list[dict]) -> str:
@@ -154,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="requests per batch size when the batch is smaller")
     ap.add_argument("--match", choices=("request", "mean"), default="request",
                     help="unconstrained max_tokens: each request's constrained length, "
-                    "or their mean")
-    ap.add_argument("--repeats", type=int, default=2,
-                    help="runs of each configuration, in turn; the fastest is kept")
+                    "or their mean over the requests run at once")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each group of requests; the fastest is kept")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--model", default=None,
                     help="checkpoint (default: the pulled SmolLM2-135M-Instruct GGUF)")

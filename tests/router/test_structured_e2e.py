@@ -16,12 +16,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import jsonschema
 import openai
 import pytest
 from tandem_engine import LLM, SamplingParams
 from tandem_engine.structured_outputs import MAX_GRAMMAR_CHARS, StructuredOutputsParams
-from test_router_e2e import MODEL, Cluster, run_cluster
+from test_router_e2e import MODEL, Cluster, _metric, run_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -165,6 +166,10 @@ def test_streaming_equals_non_streaming(disagg: Cluster) -> None:
     assert streamed == whole.message.content
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "stop"
     jsonschema.validate(json.loads(streamed), schema)
+    # The decode engine's metrics show the masks' cost.
+    text = httpx.get(f"{disagg.admin_urls[1]}/metrics", timeout=5).text
+    assert _metric(text, "tandem_structured_output_steps_total", {}) > 0
+    assert _metric(text, "tandem_structured_output_mask_seconds_total", {}) > 0
 
 
 def _calls_validate(choices: list) -> int:

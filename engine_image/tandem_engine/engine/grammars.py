@@ -20,8 +20,8 @@ constraint is complete and admits no further token (`complete`), the request end
 reason stop, as at an EOS.
 
 Masks are int32 bitmaps (one bit per vocabulary id) filled on the host by the library
-and applied on the logits' device (`model.sampler.apply_token_masks`). The time spent computing them is
-returned with them, so the step timings show it.
+and applied on the logits' device (`model.sampler.apply_token_masks`). The time spent
+computing them is returned with them, so the step timings show it.
 
 Not thread-safe by itself: `LLMEngine` calls it under its lock.
 """

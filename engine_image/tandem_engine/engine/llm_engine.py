@@ -61,7 +61,6 @@ from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.tokenizer import Tokenizer
 from tandem_engine.weights import WeightIdentity
 
-
 # An engine with nothing to run but requests whose grammars compile waits this long at
 # most per step for one of them (signals and new requests wait for the step).
 _GRAMMAR_WAIT_S = 0.05

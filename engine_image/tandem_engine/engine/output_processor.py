@@ -2,12 +2,12 @@
 
 The engine's post-processing, in the spirit of vLLM v1's output processor. Stop
 conditions are decided here, once, for every path: EOS and stop tokens (after
-`min_tokens`), a structured-outputs constraint that is complete, stop strings (through the request's `TextStream`, the one owner of
-text), `max_tokens` and the context limit, and a prefill engine's handoff after the
-first token. A speculative step emits several tokens for a request: the engine appends
-them one by one and stops at the first that ends the generation, so the tokens after it
-(and their logprobs) are never added. Runs under the engine's lock, on the stepping
-thread.
+`min_tokens`), a structured-outputs constraint that is complete, stop strings (through
+the request's `TextStream`, the one owner of text), `max_tokens` and the context
+limit, and a prefill engine's handoff after the first token. A speculative step emits
+several tokens for a request: the engine appends them one by one and stops at the first
+that ends the generation, so the tokens after it (and their logprobs) are never added.
+Runs under the engine's lock, on the stepping thread.
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ from tandem_engine.router.engines import EnginePool
 from tandem_engine.router.metrics import RouterMetrics
 from tandem_engine.router.picker import no_engine_message
 from tandem_engine.router.structured_request import GrammarCheck
-from tandem_engine.router.tools import ToolRequest, render_for_template
 from tandem_engine.router.tokenize_params import parse_detokenize, parse_tokenize
+from tandem_engine.router.tools import ToolRequest, render_for_template
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.tokenizer import Tokenizer
 

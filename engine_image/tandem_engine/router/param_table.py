@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem_engine.router.request_errors import InvalidRequest, show
-from tandem_engine.structured_outputs import MAX_GRAMMAR_CHARS
 from tandem_engine.sampling_params import (
     MAX_LOGPROBS,
     MAX_PENALTY,
@@ -40,6 +39,7 @@ from tandem_engine.sampling_params import (
     MIN_REPETITION_PENALTY,
     SamplingParams,
 )
+from tandem_engine.structured_outputs import MAX_GRAMMAR_CHARS
 
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 32  # prompts per completions batch

@@ -275,6 +275,11 @@ class _EngineCollector:
         yield counter("tandem_step_failures", "Engine steps that raised with no request "
                       "to blame (a few in a row make the engine unhealthy)",
                       values=w.stats.step_failures)
+        yield counter("tandem_structured_output_steps", "Engine steps that sampled some "
+                      "request under a structured-outputs constraint (token masks)",
+                      values=w.stats.grammar_steps)
+        yield counter("tandem_structured_output_mask_seconds", "Time those steps spent "
+                      "computing the constraints' token masks", values=w.stats.grammar_seconds)
         seconds, w.stats.step_seconds = w.stats.step_seconds, []
         self._steps.observe_all(seconds)
         yield self._steps.family("tandem_step_seconds", "Engine step time", labels, v)

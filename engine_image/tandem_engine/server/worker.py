@@ -106,6 +106,9 @@ class WorkerStats:
     spec_steps: dict[str, int] = field(default_factory=lambda: {"verify": 0, "plain": 0})
     spec_step_seconds: dict[str, float] = field(
         default_factory=lambda: {"verify": 0.0, "plain": 0.0})
+    # Structured outputs: steps that computed token masks, and the seconds they took.
+    grammar_steps: int = 0
+    grammar_seconds: float = 0.0
 
     def observe_spec_steps(self, timings: list[StepTiming], verified: bool) -> None:
         """Count the decode steps in `timings` (one engine step's, as a rule) as steps
@@ -524,6 +527,9 @@ class EngineWorker:
             if timings:
                 self.stats.step_seconds.extend(t.total_s for t in timings)
                 del self.stats.step_seconds[:-10_000]
+                masked = [t.grammar_s for t in timings if t.grammar_s > 0]
+                self.stats.grammar_steps += len(masked)
+                self.stats.grammar_seconds += sum(masked)
                 if spec_before is not None:
                     self.stats.observe_spec_steps(
                         timings, _verified(spec_before, engine.stats.speculative))
