@@ -16,6 +16,7 @@ from tandem_engine.core.kv import KVCacheManager
 from tandem_engine.core.request import Request
 from tandem_engine.core.scheduler import Scheduler
 from tandem_engine.structured_outputs import StructuredOutputsParams as Structured
+from test_handoff_engine import _finish
 
 pytestmark = pytest.mark.slow
 
@@ -102,13 +103,13 @@ def test_resumed_generation_rebuilds_the_matcher_from_its_tokens(llm: LLM,
         engine = llm.engine
         engine.add_request(f"resume-{k}", prompt_ids, _greedy(Structured(json=PERSON)),
                            resumed_token_ids=reference.token_ids[:k])
-        done = _run(engine)[f"resume-{k}"]
+        done = _finish(engine)[f"resume-{k}"]
         assert done.outputs[0].token_ids == reference.token_ids
     # Tokens the constraint forbids cannot be resumed: that request alone fails.
     bad = llm.tokenizer.encode("hello", add_special_tokens=False)
     llm.engine.add_request("resume-bad", prompt_ids, _greedy(Structured(json=PERSON)),
                            resumed_token_ids=bad)
-    failed = _run(llm.engine)["resume-bad"].outputs[0]
+    failed = _finish(llm.engine)["resume-bad"].outputs[0]
     assert failed.finish_reason == "error"
     assert "violate its structured_outputs constraint" in failed.error
 
@@ -156,11 +157,3 @@ def test_a_compiling_grammar_holds_back_only_its_own_request() -> None:
     second = scheduler.schedule()
     assert "compiling" in [c.request.request_id for c in second.chunks]
 
-
-def _run(engine) -> dict:
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out
-    return finished

@@ -386,16 +386,19 @@ def test_router_sigterm_exits_cleanly(cluster: Cluster, tmp_path: Path) -> None:
         _stop([proc])
 
 
-def _streams_through(cluster: Cluster, prompts: list[str], max_tokens: int, disrupt,
+def _streams_through(cluster: Cluster, prompts: list, max_tokens: int, disrupt,
+                     extra_body: dict | None = None,
                      ) -> list[tuple[list[int], str, str | None]]:
     """Stream greedy completions of every prompt at once; call `disrupt()` when each has
-    received a few tokens; return every stream's (token ids, text, finish reason)."""
+    received a few tokens; return every stream's (token ids, text, finish reason).
+    `extra_body`: besides return_token_ids (default: ignore_eos)."""
     progress = [0] * len(prompts)
+    extra = {"return_token_ids": True, **(extra_body or {"ignore_eos": True})}
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[list[int], str, str | None]:
         stream = await client.completions.create(
             model=MODEL, prompt=prompts[i], max_tokens=max_tokens, temperature=0, stream=True,
-            extra_body={"return_token_ids": True, "ignore_eos": True})
+            extra_body=extra)
         ids, text, finish = [], [], None
         async for chunk in stream:
             choice = chunk.choices[0]

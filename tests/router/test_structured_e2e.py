@@ -8,11 +8,9 @@ token)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import openai
 import pytest
 from tandem_engine import LLM, SamplingParams
 from tandem_engine.structured_outputs import MAX_GRAMMAR_CHARS, StructuredOutputsParams
-from test_router_e2e import MODEL, Cluster, _metric, run_cluster
+from test_router_e2e import MODEL, Cluster, _metric, _streams_through, run_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -283,32 +281,13 @@ def test_a_killed_engine_s_constrained_streams_resume_token_for_token(
     refs = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(
         max_tokens=400, temperature=0.0, structured_outputs=LONG))]
     assert all(r.finish_reason == "stop" for r in refs)
-    progress = [0] * len(prompts)
 
-    async def one(client: openai.AsyncOpenAI, i: int) -> list[int]:
-        stream = await client.completions.create(
-            model=MODEL, prompt=prompts[i], max_tokens=400, temperature=0, stream=True,
-            extra_body={"return_token_ids": True, "guided_json": json.loads(LONG.json)})
-        ids: list[int] = []
-        async for chunk in stream:
-            ids += chunk.choices[0].model_extra.get("token_ids") or []
-            progress[i] = len(ids)
-        return ids
-
-    async def run() -> list[list[int]]:
-        client = openai.AsyncOpenAI(base_url=f"{mixed.router_url}/v1", api_key="x",
-                                    max_retries=0, timeout=120)
-        tasks = [asyncio.create_task(one(client, i)) for i in range(len(prompts))]
-        deadline = time.monotonic() + 60
-        while min(progress) < 5:
-            assert time.monotonic() < deadline, f"streams did not start: {progress}"
-            await asyncio.sleep(0.01)
+    def kill() -> None:
         assert mixed.engine_view()[mixed.engine_keys[0]]["inflight"] > 0
         mixed.engines[0].send_signal(signal.SIGKILL)
-        results = await asyncio.gather(*tasks)
-        await client.close()
-        return results
 
-    results = asyncio.run(run())
-    assert results == [r.token_ids for r in refs]
+    results = _streams_through(mixed, prompts, 400, kill,
+                               extra_body={"guided_json": json.loads(LONG.json)})
+    assert [ids for ids, _, _ in results] == [r.token_ids for r in refs]
+    assert [text for _, text, _ in results] == [r.text for r in refs]
     assert mixed.metric("tandem_router_failovers_total", reason="engine_lost") > 0
