@@ -33,10 +33,11 @@ MAX_CHOICES = 256
 MAX_GRAMMAR_SYMBOLS = 100_000  # llguidance's max_grammar_size (its default: 500,000)
 MAX_LEXER_STATES = 50_000  # its max_lexer_states (default 250,000, ~1-2 kB each)
 MAX_LEXER_FUEL = 1_000_000  # its initial_lexer_fuel: ~20 ms of lexer building
-# JSON whitespace between tokens: at most this many characters (a small model can
-# otherwise emit whitespace until max_tokens cuts the JSON off). `whitespace_pattern`
-# overrides it.
-DEFAULT_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
+# JSON whitespace between tokens: one line break at most, then at most 32 spaces or tabs
+# (pretty-printed JSON, indented, fits; a small model sampling at temperature otherwise
+# drifts into runs of blank lines until max_tokens cuts the JSON off).
+# `whitespace_pattern` overrides it.
+DEFAULT_JSON_WHITESPACE = r"(\r?\n)?[\x20\x09]{0,32}"
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
