@@ -59,7 +59,26 @@ def _model(path: str):
 
 @cache
 def hf_greedy(path: Path, prompt: tuple[int, ...], max_new_tokens: int) -> Reference:
-    model = _model(str(path))
+    return greedy_reference(_model(str(path)), prompt, max_new_tokens)
+
+
+@cache
+def hf_lora_greedy(path: Path, adapter: Path, prompt: tuple[int, ...],
+                   max_new_tokens: int) -> Reference:
+    """transformers + PEFT: the checkpoint at `path` with the PEFT adapter at `adapter`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    base.generation_config.eos_token_id = None
+    base.generation_config.pad_token_id = 0
+    model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    return greedy_reference(model, prompt, max_new_tokens)
+
+
+def greedy_reference(model, prompt: tuple[int, ...], max_new_tokens: int) -> Reference:
+    """A transformers model's greedy continuation of `prompt`, with each step's top-two
+    gap and the chosen token's logprob."""
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
                              do_sample=False, output_logits=True,

@@ -231,6 +231,13 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # Structured outputs: distinct constraints (schemas, regexes, grammars) kept compiled.
     structured_outputs_cache_size: int = DEFAULT_STRUCTURED_OUTPUTS_CACHE_SIZE
+    # LoRA adapters (vLLM's names): off unless enable_lora; max_loras on the device at
+    # once, max_cpu_loras read adapters kept on the host (None: max_loras), ranks up to
+    # max_lora_rank.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def validate(self) -> None:
         """Each field within its flag's rule (`ENGINE_FLAGS`), the device and dtype
@@ -383,6 +390,21 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "recently used beyond it is compiled again when next asked for "
                "(default %(default)s)", minimum=1, maximum=65536, whole=True,
                limit="must be an integer between 1 and 65536", metavar="N", serve=True),
+    EngineFlag("enable_lora", "--enable-lora", bool, False, "serve LoRA adapters "
+               "(--lora-modules, POST /v1/load_lora_adapter): their deltas are added to the "
+               "projections of the requests that name one", serve=True),
+    EngineFlag("max_loras", "--max-loras", int, 1, "with --enable-lora: adapters on the "
+               "device at once; a request whose adapter finds no free slot waits for one "
+               "(default %(default)s)", minimum=1, maximum=64, whole=True,
+               limit="must be an integer between 1 and 64", metavar="N", serve=True),
+    EngineFlag("max_lora_rank", "--max-lora-rank", int, 16, "with --enable-lora: the "
+               "largest adapter rank served (default %(default)s)", minimum=1, maximum=512,
+               whole=True, limit="must be an integer between 1 and 512", metavar="R",
+               serve=True),
+    EngineFlag("max_cpu_loras", "--max-cpu-loras", int, None, "with --enable-lora: "
+               "adapters kept read on the host (default: --max-loras); one evicted is read "
+               "from disk again when next used", minimum=1, maximum=4096, whole=True,
+               limit="must be an integer between 1 and 4096", metavar="N", serve=True),
 )
 ENGINE_CONFIG_FLAGS = tuple(flag for flag in ENGINE_FLAGS if flag.scope == "engine")  # its own
 SPECULATIVE_FLAGS = tuple(flag for flag in ENGINE_FLAGS if flag.scope == "speculative")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from tandem_engine.lora_request import LoRARequest
 from tandem_engine.sampling_params import SamplingParams
 
 
@@ -92,6 +93,16 @@ class Request:
     # Structured outputs: its constraint is still compiling (engine/grammars.py); the
     # scheduler admits it only once it is ready.
     grammar_pending: bool = False
+    # LoRA: the adapter it runs under (None: the base model), the device slot that holds
+    # it (-1: none yet), and whether it waits for a slot (engine/loras.py).
+    lora: LoRARequest | None = None
+    lora_slot: int = -1
+    lora_pending: bool = False
+
+    @property
+    def held(self) -> bool:
+        """Not schedulable yet: its grammar compiles, or its adapter waits for a slot."""
+        return self.grammar_pending or self.lora_pending
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -6,7 +6,8 @@ may compute up to the rest. When its computed count reaches its token count, the
 runner samples a new token for it. Per step: decodes first, then chunks of prefills
 already running, then new admissions in arrival order (FCFS), all under a token
 budget (`max_num_batched_tokens`) and a request cap (`max_num_seqs`); a request whose
-structured-outputs grammar is still compiling is passed over until it is ready. When the KV
+structured-outputs grammar is still compiling, or whose LoRA adapter waits for a device
+slot, is passed over until it is ready. When the KV
 cache runs out, the most recently arrived running request is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed.
 
@@ -89,8 +90,9 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if request.grammar_pending:
-                continue  # its constraint compiles: the requests behind it go first
+            if request.held:
+                continue  # its grammar compiles or its adapter waits for a slot: the
+                # requests behind it go first
             # A pulled request has its KV already; one that wants prompt logprobs
             # computes its whole prompt (a cached block has no logits).
             if (not self.kv.block_table(request.request_id)

@@ -14,6 +14,7 @@ from tandem_engine.config import EngineConfig, SpeculativeConfig
 from tandem_engine.engine.llm_engine import LLMEngine
 from tandem_engine.engine.outputs import PromptScore, RequestOutput
 from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode
+from tandem_engine.lora_request import LoRARequest
 from tandem_engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -45,8 +46,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  ) -> list[RequestOutput]:
-        """Run every prompt to completion; one output per prompt, in prompt order."""
+        """Run every prompt to completion; one output per prompt, in prompt order.
+        `lora_request` (vLLM's): the adapter of every prompt, or one per prompt (None: the
+        base model); an adapter the engine does not serve yet is loaded first (the engine
+        needs enable_lora)."""
         if self.engine.state is not EngineState.RUNNING:
             raise EngineStateError(f"generate() needs a RUNNING engine; it is "
                                    f"{self.engine.state} (unpause() or resume() first)")
@@ -58,11 +63,22 @@ class LLM:
             if len(params) != len(prompt_list):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} "
                                  "prompts: give one, or one per prompt")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompt_list)} "
+                                 "prompts: give one, or one per prompt")
+        for lora in {lora for lora in loras if lora is not None}:
+            if lora not in self.engine.loras.known.values():
+                self.engine.load_lora(lora)
         ids = []
         try:
-            for prompt, p in zip(prompt_list, params, strict=True):
+            for prompt, p, lora in zip(prompt_list, params, loras, strict=True):
                 request_id = f"llm-{next(self._ids)}"
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p,
+                                        lora_name=lora.lora_name if lora else None)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

@@ -43,6 +43,7 @@ from tandem_engine.engine.grammars import Grammars
 from tandem_engine.engine.handoff_ledger import HandoffLedger
 from tandem_engine.engine.kv_modes import parse_kv_mode, release_pool, restore_pool
 from tandem_engine.engine.kv_sizing import size_kv_pool
+from tandem_engine.engine.loras import LoRAManager
 from tandem_engine.engine.output_processor import OutputProcessor
 from tandem_engine.engine.outputs import PullPlan, RequestOutput
 from tandem_engine.engine.refit import ServingWeights, refit_request
@@ -51,6 +52,7 @@ from tandem_engine.engine.speculative import Proposer
 from tandem_engine.engine.state_machine import StateMachine
 from tandem_engine.engine.stats import EngineStats, PrefixCacheStats, StepTiming
 from tandem_engine.errors import RequestRejected
+from tandem_engine.lora_request import LoRARequest
 from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode, Signal
 from tandem_engine.model.checkpoint import LoadProgressCallback, load_checkpoint
 from tandem_engine.model.device import resolve_device
@@ -138,6 +140,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, engine_config.max_num_seqs,
                                    engine_config.max_num_batched_tokens)
         self.device: torch.device = self.runner.device  # fixed for the engine's life
+        self.loras = LoRAManager(model_config, self.runner.lora,
+                                 engine_config.max_cpu_loras or engine_config.max_loras,
+                                 engine_config.max_lora_rank)
         self.sampler = Sampler(engine_config.seed, device=self.device)
         self.grammars = Grammars(tokenizer, model_config.vocab_size,
                                  engine_config.structured_outputs_cache_size)
@@ -245,16 +250,18 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None,
                     cache_salt: str | None = None, pin_for_handoff: bool = False,
-                    resumed_token_ids: Sequence[int] = (), sent_chars: int = 0) -> Request:
+                    resumed_token_ids: Sequence[int] = (), sent_chars: int = 0,
+                    lora_name: str | None = None) -> Request:
         """Queue a request (also while paused or suspended). Raises RequestRejected (and
         changes nothing) if it cannot run. `cache_salt` isolates its prefix cache. With
         `pin_for_handoff` (a prefill engine's request) it ends after its first token unless
         that token ends the generation, keeping the prompt's KV pinned (listed in its final
         output) until `unpin` or the pin TTL. `resumed_token_ids` continue a generation
-        begun elsewhere (their text is re-derived; `sent_chars` of it were already shown)."""
+        begun elsewhere (their text is re-derived; `sent_chars` of it were already shown).
+        `lora_name`: the LoRA adapter it runs under (one `load_lora` loaded)."""
         with self._lock:
             request = self._admit(request_id, prompt, params or SamplingParams(), cache_salt,
-                                  resumed_token_ids, sent_chars, pin_for_handoff)
+                                  resumed_token_ids, sent_chars, pin_for_handoff, lora_name)
             if not request.finished:
                 self.scheduler.add(request)
             self._publish()
@@ -262,7 +269,8 @@ class LLMEngine:
 
     def _admit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                cache_salt: str | None, resumed_token_ids: Sequence[int], sent_chars: int,
-               pin_for_handoff: bool = False) -> Request:
+               pin_for_handoff: bool = False, lora_name: str | None = None,
+               lora_version: str | None = None) -> Request:
         """A new request, checked (RequestRejected: nothing changed) and known to every
         part but the scheduler. A resumed request that already reached its limits is
         finished at once (its output carries the text the engine before held back)."""
@@ -271,6 +279,11 @@ class LLMEngine:
             raise EngineStateError(f"the engine is {state}: it accepts no requests")
         if request_id in self.requests:
             raise RequestRejected(f"request id {request_id!r} is already in use; pick a new one")
+        lora = self.loras.resolve(lora_name)
+        if lora is not None and lora_version is not None and lora.lora_version != lora_version:
+            raise RequestRejected(f"LoRA adapter {lora_name!r} is at version "
+                                  f"{lora.lora_version} here, not {lora_version}: the request "
+                                  "must run where its version is served")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if text is not None else list(prompt)
         resumed = list(resumed_token_ids)
@@ -278,7 +291,8 @@ class LLMEngine:
                      self.max_model_len, self.model_context, self.kv.capacity_tokens)
         request = Request(request_id, token_ids, params, next(self._arrivals), prompt=text,
                           token_ids=token_ids + resumed, cache_salt=cache_salt,
-                          salt=block_salt(self.weight_epoch, cache_salt))
+                          salt=block_salt(self.weight_epoch, cache_salt,
+                                          lora.identity if lora else None), lora=lora)
         if resumed:
             request.epoch_segments.append((self.weight_epoch, 0))
             # A seeded request continues the random stream of the engine it came from.
@@ -303,17 +317,22 @@ class LLMEngine:
     def add_pulled_request(self, request_id: str, prompt_token_ids: Sequence[int],
                            params: SamplingParams, resumed_token_ids: Sequence[int],
                            sent_chars: int = 0, cache_salt: str | None = None,
-                           proposals: Sequence[int] = ()) -> PullPlan:
+                           proposals: Sequence[int] = (), lora_name: str | None = None,
+                           lora_version: str | None = None) -> PullPlan:
         """A decode engine's side of a handoff: the prompt was computed elsewhere and its
         first token (`resumed_token_ids`) sampled there. Blocks are allocated (reusing
         this engine's own prefix hits); the returned plan lists the prompt's block
         positions still to pull and the local blocks to pull them into. Call
         `complete_pull` when the transfer ends. `proposals`: the prefill engine's
         speculative proposals for the tokens after the first, verified in this engine's
-        first step of the request (when it speculates at all)."""
+        first step of the request (when it speculates at all). `lora_name` and
+        `lora_version`: the adapter the prefill engine computed the prompt under; an
+        engine that does not serve that version refuses the pull (RequestRejected), so KV
+        of one adapter is never decoded under another."""
         with self._lock:
             request = self._admit(request_id, list(prompt_token_ids), params, cache_salt,
-                                  resumed_token_ids, sent_chars)
+                                  resumed_token_ids, sent_chars, lora_name=lora_name,
+                                  lora_version=lora_version)
             if request.finished:
                 self._publish()
                 return PullPlan(request_id, [], [], reused_blocks=0)
@@ -382,6 +401,7 @@ class LLMEngine:
             request.error = why
             self._finish(request, FinishReason.ERROR)
             outputs.append(self.outputs.output(request))
+        self.loras.assign(self.scheduler.waiting, self.requests.values())
         t0 = time.perf_counter()
         self.speculation.propose(self.scheduler.running, self.handoffs)
         scheduled = self.scheduler.schedule()
@@ -505,6 +525,15 @@ class LLMEngine:
                                                   self.scheduler.waiting)
             self._publish()
             return self.weight_epoch
+
+    def load_lora(self, lora: LoRARequest) -> None:
+        """Serve LoRA adapter `lora` under its name (read and checked now: CheckpointError,
+        RequestRejected; nothing changes on error)."""
+        with self._lock:
+            self.loras.load(lora)
+            self._publish()
+
+    unload_lora = _Published("loras", "unload")
 
     reset_prefix_cache = _Published(
         "kv", "reset_prefix_cache",

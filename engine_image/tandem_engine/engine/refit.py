@@ -88,5 +88,6 @@ class ServingWeights:
         # with KV keep their salt (their leading blocks are old-weight KV).
         for queued in waiting:
             if queued.num_computed_tokens == 0:
-                queued.resalt(block_salt(epoch, queued.cache_salt))
+                queued.resalt(block_salt(epoch, queued.cache_salt, queued.lora
+                                         and queued.lora.identity))
         return config

@@ -26,6 +26,7 @@ from tandem_engine.model.device import MemoryProfile, auto_dtype
 from tandem_engine.model.family import Family, ModelConfig
 from tandem_engine.model.flex_attention import FlexPagedAttention, kernel_options
 from tandem_engine.model.fused_decode import FusedDecode
+from tandem_engine.model.lora import LoRASlots
 from tandem_engine.model.host_memory import keep_freed_memory, release_freed_memory
 from tandem_engine.model.layers import (
     DecoderModel,
@@ -172,6 +173,9 @@ class PreparedStep:
     # the rows whose logits predict it and the positions after it).
     prompt_rows: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
     graph: DecodeInputs | None = None  # a decode-only step that a CUDA graph runs
+    # LoRA: each token's adapter slot (-1: the base model); None when no token has one
+    # (the step then runs exactly as without LoRA: fused, or from a CUDA graph).
+    lora_slots: list[int] | None = None
 
 
 @dataclass
@@ -225,6 +229,10 @@ class ModelRunner:
         # Decode-only steps of a few rows in one native call (model/fused_decode.py),
         # built for each load of the weights; None where it does not apply.
         self.fused: FusedDecode | None = None
+        # LoRA adapters' device slots (model/lora.py), hooked onto every loaded model.
+        self.lora = LoRASlots(model_config, engine_config.max_loras,
+                              engine_config.max_lora_rank, self.dtype, self.device) \
+            if engine_config.enable_lora else None
         self.load_weights(tensors)
 
     # ---- weights and KV memory (the engine's lifecycle calls these) ------------------------
@@ -279,6 +287,8 @@ class ModelRunner:
         self.last_refit_peak_bytes = peak
         # Its references are to the packed weights just replaced (also when streamed).
         self.fused = FusedDecode.build(self.model, self.native)
+        if self.lora is not None:  # hooks belong to the modules of the model just built
+            self.lora.attach(self.model)
 
     @property
     def weight_bytes(self) -> int:
@@ -363,6 +373,10 @@ class ModelRunner:
         sample_requests: list[Request] = []
         sample_drafts: list[tuple[int, ...]] = []
         prompt_rows: list[tuple[Request, int, torch.Tensor]] = []
+        lora_slots: list[int] | None = None
+        if self.lora is not None and any(c.request.lora_slot >= 0 for c in scheduled.chunks):
+            lora_slots = [c.request.lora_slot for c in decodes + prefills
+                          for _ in range(c.num_tokens)]
         for chunk in decodes + prefills:
             end = chunk.start + chunk.num_tokens
             table = chunk.block_table
@@ -389,7 +403,7 @@ class ModelRunner:
                 sample_drafts.append(draft)
         dev = self.device
         if (self.graphs is not None and not prefills and not prompt_rows
-                and not self.capture_hidden
+                and not self.capture_hidden and lora_slots is None
                 and bucket_for(len(decodes), self.graphs.sizes) is not None):
             return PreparedStep(
                 input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -416,6 +430,7 @@ class ModelRunner:
             requests=sample_requests,
             drafts=sample_drafts,
             prompt_rows=prompt_rows,
+            lora_slots=lora_slots,
         )
 
     @torch.inference_mode()
@@ -429,11 +444,20 @@ class ModelRunner:
             return StepBatch(logits.index_select(0, step.sample_rows), step.requests,
                              step.drafts)
         assert step.meta is not None
+        # The fused stack has no LoRA hooks: a step with adapters runs eagerly.
         fused = self.fused if self.fused is not None and FusedDecode.takes(step.meta) \
-            else None
+            and step.lora_slots is None else None
         run = fused or self.model
-        with one_term_activations(not step.meta.prefills):  # decode-only steps (fused or not)
-            hidden = run(step.input_ids, step.positions, self.kv_cache, step.meta)
+        if step.lora_slots is not None:
+            assert self.lora is not None
+            self.lora.activate(step.lora_slots)
+        try:
+            with one_term_activations(not step.meta.prefills):  # decode-only steps
+                hidden = run(step.input_ids, step.positions, self.kv_cache, step.meta)
+        finally:
+            if self.lora is not None:
+                self.lora.deactivate()
+        with one_term_activations(not step.meta.prefills):
             sampled = hidden.index_select(0, step.sample_rows)
             logits = run.logits(sampled)
         prompt_logits = [(request, first, self.model.logits(hidden.index_select(0, rows)))

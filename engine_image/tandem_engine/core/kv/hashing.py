@@ -1,4 +1,4 @@
-"""Chained block hashes for prefix caching, salted by weight epoch and tenant.
+"""Chained block hashes for prefix caching, salted by weight epoch, tenant and adapter.
 
 Block i's hash covers block i-1's hash, block i's tokens and the salt, so equal hashes
 mean an equal whole prefix under the same salt. The salt carries the engine's weight
@@ -20,11 +20,14 @@ from collections.abc import Sequence
 ROOT_HASH = 0  # the parent of a chain's first block
 
 
-def block_salt(weight_epoch: int = 0, cache_salt: str | None = None) -> bytes:
-    """The salt of a request's chain; empty for epoch 0 and no cache salt."""
-    if weight_epoch == 0 and not cache_salt:
+def block_salt(weight_epoch: int = 0, cache_salt: str | None = None,
+               adapter: str | None = None) -> bytes:
+    """The salt of a request's chain; empty for epoch 0, no cache salt and the base model.
+    `adapter`: the LoRA adapter's identity (name@version), so KV never crosses adapters."""
+    if weight_epoch == 0 and not cache_salt and not adapter:
         return b""
-    return f"epoch={weight_epoch};cache_salt={cache_salt or ''}".encode()
+    salt = f"epoch={weight_epoch};cache_salt={cache_salt or ''}"
+    return (salt + f";lora={adapter}" if adapter else salt).encode()
 
 
 def hash_block(parent: int, tokens: Sequence[int], salt: bytes = b"") -> int:

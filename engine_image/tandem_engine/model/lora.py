@@ -1,0 +1,219 @@
+"""LoRA adapters on the model's projections: PEFT files in, one batched delta per
+projection out.
+
+`read_adapter` reads a PEFT adapter (`adapter_config.json` + `adapter_model.safetensors`)
+and checks it against the served model: every target a projection this model has (q, k,
+v, o, gate, up, down of each decoder layer), every A [r, in] and B [out, r] of its
+projection's shape, its rank within `max_lora_rank`. The scaling (`lora_alpha / r`, or
+`/ sqrt(r)` with rslora) is folded into B.
+
+`LoRASlots` holds `max_loras` adapters on the model's device and adds their deltas to the
+projections' outputs through forward hooks, so the base model, its packed and quantized
+weights and its refit are untouched. Per projection it keeps every slot's A side by side
+([in, slots x rank]) and every B stacked ([slots x rank, out]); a step's tokens each
+name a slot (-1: the base model), and the delta of the whole batch is
+
+    ((x @ A_all) * mask) @ B_all
+
+with `mask` [tokens, slots x rank] one on the columns of the token's own slot: two
+matmuls per projection whatever the mix of adapters in the batch, never a loop over
+them (the rank columns of other slots are computed and zeroed; with ranks of 8-64 that
+is a few percent of the base projection's work).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tandem_engine.errors import CheckpointError
+from tandem_engine.model.family import ModelConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The projections an adapter may target: (the module that owns it, its name).
+TARGETS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's weights on the host: (layer, target) -> (A [r, in], B * scale
+    [out, r]), float32."""
+
+    name: str
+    path: str
+    rank: int
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def projection_shape(c: ModelConfig, target: str) -> tuple[int, int]:
+    """(in, out) features of a target projection of `c`'s decoder layers."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv),
+            "v_proj": (c.hidden_size, kv), "o_proj": (q, c.hidden_size),
+            "gate_proj": (c.hidden_size, c.intermediate_size),
+            "up_proj": (c.hidden_size, c.intermediate_size),
+            "down_proj": (c.intermediate_size, c.hidden_size)}[target]
+
+
+def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
+                 ) -> LoRAAdapter:
+    """The PEFT adapter in folder `path`, checked against the served model (CheckpointError
+    naming the file, the field and the fix)."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    where = f"LoRA adapter {name!r} ({folder})"
+    cfg_file, weights_file = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    if not cfg_file.is_file() or not weights_file.is_file():
+        raise CheckpointError(f"{where}: a PEFT adapter folder holds {ADAPTER_CONFIG} and "
+                              f"{ADAPTER_WEIGHTS}; one is missing")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {ADAPTER_CONFIG} is not JSON: {exc}") from None
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if not isinstance(rank, int) or rank < 1:
+        raise CheckpointError(f"{where}: {ADAPTER_CONFIG} r={rank!r} must be a positive rank")
+    if rank > max_rank:
+        raise CheckpointError(f"{where}: rank {rank} is over --max-lora-rank {max_rank}: "
+                              f"start the engine with --max-lora-rank {rank} or more")
+    for key, ok in (("use_dora", False), ("fan_in_fan_out", False), ("modules_to_save", None),
+                    ("rank_pattern", {}), ("alpha_pattern", {})):
+        if cfg.get(key, ok) not in (ok, None, {}, False):
+            raise CheckpointError(f"{where}: {ADAPTER_CONFIG} {key}={cfg[key]!r} is not "
+                                  "supported (plain LoRA on the attention and MLP "
+                                  "projections only)")
+    if cfg.get("bias", "none") != "none":
+        raise CheckpointError(f"{where}: bias={cfg['bias']!r} is not supported: train with "
+                              "bias='none'")
+    scale = alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(weights_file)).items():
+        parsed = _parse_key(key)
+        if parsed is None:
+            raise CheckpointError(f"{where}: tensor {key!r} is not a LoRA A or B weight of a "
+                                  f"decoder layer's {', '.join(TARGETS)} projection")
+        layer, target, side = parsed
+        if not 0 <= layer < config.num_layers:
+            raise CheckpointError(f"{where}: tensor {key!r} names layer {layer}; the model "
+                                  f"has {config.num_layers}")
+        pairs.setdefault((layer, target), {})[side] = tensor
+    if not pairs:
+        raise CheckpointError(f"{where}: {ADAPTER_WEIGHTS} holds no LoRA weights")
+    weights = {}
+    for (layer, target), sides in sorted(pairs.items()):
+        if set(sides) != {"A", "B"}:
+            raise CheckpointError(f"{where}: layer {layer} {target} has lora_{''.join(sides)} "
+                                  "without its other half")
+        a, b = sides["A"], sides["B"]
+        fan_in, fan_out = projection_shape(config, target)
+        if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
+            raise CheckpointError(
+                f"{where}: layer {layer} {target}: lora_A {tuple(a.shape)} and lora_B "
+                f"{tuple(b.shape)} do not fit the model's projection ({fan_in} -> {fan_out}) "
+                f"at rank {rank}: the adapter was trained for another base model")
+        weights[(layer, target)] = (a.float().contiguous(), (b.float() * scale).contiguous())
+    return LoRAAdapter(name, str(folder), rank, weights)
+
+
+def _parse_key(key: str) -> tuple[int, str, str] | None:
+    """`...layers.{i}.{owner}.{target}.lora_{A|B}[.default].weight` -> (i, target, side)."""
+    parts = key.split(".")
+    try:
+        at = parts.index("layers")
+        layer, owner, target, lora = int(parts[at + 1]), parts[at + 2], parts[at + 3], \
+            parts[at + 4]
+    except (ValueError, IndexError):
+        return None
+    if TARGETS.get(target) != owner or lora not in ("lora_A", "lora_B") \
+            or parts[-1] != "weight":
+        return None
+    return layer, target, lora[-1]
+
+
+class LoRASlots:
+    """`max_loras` adapter slots on the model's projections (forward hooks). `attach` a
+    model (again after every weight load: hooks belong to modules), `load`/`clear` a slot,
+    `activate` a step's per-token slots before its forward pass and `deactivate` after."""
+
+    def __init__(self, config: ModelConfig, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.config, self.num_slots, self.max_rank = config, max_loras, max_rank
+        self.dtype, self.device = dtype, device
+        width = max_loras * max_rank
+        self._a: dict[tuple[int, str], torch.Tensor] = {}
+        self._b: dict[tuple[int, str], torch.Tensor] = {}
+        for layer in range(config.num_layers):
+            for target in TARGETS:
+                fan_in, fan_out = projection_shape(config, target)
+                self._a[(layer, target)] = torch.zeros(fan_in, width, dtype=dtype,
+                                                       device=device)
+                self._b[(layer, target)] = torch.zeros(width, fan_out, dtype=dtype,
+                                                       device=device)
+        self._used: dict[int, set[tuple[int, str]]] = {}  # slot -> the projections it fills
+        self._column_slot = torch.arange(width, device=device) // max_rank
+        self._mask: torch.Tensor | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self._a.values(), *self._b.values()))
+
+    def attach(self, model: nn.Module) -> None:
+        """Hook every target projection of `model` (the previous model's hooks go)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for layer_index, layer in enumerate(model.model.layers):
+            for target, owner in TARGETS.items():
+                module = getattr(getattr(layer, owner, None), target, None)
+                if module is not None:
+                    self._handles.append(module.register_forward_hook(
+                        self._hook(layer_index, target)))
+
+    def _hook(self, layer: int, target: str):
+        key = (layer, target)
+
+        def add_delta(_module: nn.Module, inputs: tuple[torch.Tensor, ...],
+                      output: torch.Tensor) -> torch.Tensor | None:
+            mask = self._mask
+            if mask is None:
+                return None
+            x = inputs[0]
+            delta = ((x.to(self.dtype) @ self._a[key]) * mask) @ self._b[key]
+            return output + delta.to(output.dtype)
+
+        return add_delta
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.clear(slot)
+        cols = slice(slot * self.max_rank, slot * self.max_rank + adapter.rank)
+        for key, (a, b) in adapter.weights.items():
+            self._a[key][:, cols] = a.t().to(self.device, self.dtype)
+            self._b[key][cols, :] = b.t().to(self.device, self.dtype)
+        self._used[slot] = set(adapter.weights)
+
+    def clear(self, slot: int) -> None:
+        cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        for key in self._used.pop(slot, ()):
+            self._a[key][:, cols] = 0
+            self._b[key][cols, :] = 0
+
+    def activate(self, token_slots: list[int]) -> None:
+        """The next forward pass's tokens, each with its slot (-1: the base model)."""
+        slots = torch.tensor(token_slots, dtype=torch.long, device=self.device)
+        self._mask = (slots.unsqueeze(1) == self._column_slot.unsqueeze(0)).to(self.dtype)
+
+    def deactivate(self) -> None:
+        self._mask = None
