@@ -158,7 +158,7 @@ def test_bad_adapters_and_names_are_refused(tiny_llama: Path, llama_adapters: di
     (broken / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     with pytest.raises(CheckpointError, match="use_dora"):
         llm.engine.load_lora(LoRARequest("broken", str(broken)))
-    with pytest.raises(CheckpointError, match="adapter_model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"adapter_model\.safetensors"):
         llm.engine.load_lora(LoRARequest("empty", str(tmp_path)))
     with pytest.raises(RequestRejected, match="--enable-lora"):
         LLM(tiny_llama).engine.load_lora(_lora("a0", llama_adapters))

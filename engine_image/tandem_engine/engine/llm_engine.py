@@ -52,8 +52,8 @@ from tandem_engine.engine.speculative import Proposer
 from tandem_engine.engine.state_machine import StateMachine
 from tandem_engine.engine.stats import EngineStats, PrefixCacheStats, StepTiming
 from tandem_engine.errors import RequestRejected
-from tandem_engine.lora_request import LoRARequest
 from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode, Signal
+from tandem_engine.lora_request import LoRARequest
 from tandem_engine.model.checkpoint import LoadProgressCallback, load_checkpoint
 from tandem_engine.model.device import resolve_device
 from tandem_engine.model.family import ModelConfig

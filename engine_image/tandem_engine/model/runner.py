@@ -26,7 +26,6 @@ from tandem_engine.model.device import MemoryProfile, auto_dtype
 from tandem_engine.model.family import Family, ModelConfig
 from tandem_engine.model.flex_attention import FlexPagedAttention, kernel_options
 from tandem_engine.model.fused_decode import FusedDecode
-from tandem_engine.model.lora import LoRASlots
 from tandem_engine.model.host_memory import keep_freed_memory, release_freed_memory
 from tandem_engine.model.layers import (
     DecoderModel,
@@ -36,6 +35,7 @@ from tandem_engine.model.layers import (
     packing_supported,
     stream_weights,
 )
+from tandem_engine.model.lora import LoRASlots
 from tandem_engine.model.native import NativeKernelUnavailable, paged_decode_kernel
 from tandem_engine.model.quant import (
     QuantizedWeight,
