@@ -92,6 +92,22 @@ class CanaryRequest(AdminRequest):
         return body
 
 
+class LoadLoRAAdapterRequest(AdminRequest):
+    """`POST /v1/load_lora_adapter` (vLLM's body): serve the PEFT folder `lora_path` under
+    `lora_name` at `lora_version`. The engine reads it only inside its weights roots; the
+    name and version are checked as `LoRARequest` checks them."""
+
+    lora_name: Annotated[str, Meta(min_length=1, max_length=128)]
+    lora_path: URI
+    lora_version: Annotated[str, Meta(min_length=1, max_length=64)] = "1"
+
+
+class UnloadLoRAAdapterRequest(AdminRequest):
+    """`POST /v1/unload_lora_adapter` (vLLM's body): stop serving `lora_name`."""
+
+    lora_name: Annotated[str, Meta(min_length=1, max_length=128)]
+
+
 def decode_body(call: str, body: bytes, kind: type[AdminRequest], *,
                 optional: bool = False) -> Any:
     """The struct `kind` from an admin request's JSON `body`, or AdminBodyError naming
@@ -179,6 +195,10 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     # low_memory 1x the weights plus one tensor.
     last_refit_peak_bytes: int | UnsetType | None = UNSET
     loading: LoadingProgress | UnsetType = UNSET  # only while the checkpoint loads
+    # LoRA adapters (engines with --enable-lora), as identities "name@version": those it
+    # serves, and those on its device now.
+    loras: list[str] | UnsetType = UNSET
+    resident_loras: list[str] | UnsetType = UNSET
 
     @property
     def num_pinned_blocks(self) -> int:

@@ -405,6 +405,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "adapters kept read on the host (default: --max-loras); one evicted is read "
                "from disk again when next used", minimum=1, maximum=4096, whole=True,
                limit="must be an integer between 1 and 4096", metavar="N", serve=True),
+    # vLLM's flag; the process loads them once the model is (a bad one ends the start).
+    EngineFlag("lora_modules", "--lora-modules", str, None, "with --enable-lora: LoRA "
+               "adapters served from the start, each NAME=PATH or NAME@VERSION=PATH (a "
+               "PEFT folder; version default 1); a request names one in `model`. One that "
+               "cannot be loaded stops the engine before it serves",
+               scope="process", nargs="+", metavar="NAME[@VERSION]=PATH", serve=True),
 )
 ENGINE_CONFIG_FLAGS = tuple(flag for flag in ENGINE_FLAGS if flag.scope == "engine")  # its own
 SPECULATIVE_FLAGS = tuple(flag for flag in ENGINE_FLAGS if flag.scope == "speculative")

@@ -100,6 +100,9 @@ class EngineFlag:
     choices: tuple[str, ...] = ()
     limit: str = ""
     metavar: str | None = None
+    # "+": several values after one flag, as a list (a process flag such as
+    # --lora-modules); its default is None (unset), and it renders as one flag and them.
+    nargs: str | None = None
     serve: bool = False  # `tandem serve` takes it and gives it to every engine it starts
     ngram_only: bool = False  # means something to speculative method ngram only
     cuda_only: bool = False  # means nothing to an engine on the CPU: not rendered for one
@@ -131,6 +134,8 @@ class EngineFlag:
             options["type"] = self.type
         if self.metavar:
             options["metavar"] = self.metavar
+        if self.nargs:
+            options["nargs"] = self.nargs
         parser.add_argument(self.flag, **options)
 
     def check(self, value: Any, floor_value: Any = None) -> None:
@@ -158,6 +163,8 @@ class EngineFlag:
         """The flag with `value`, as a command line takes it (nothing for None)."""
         if value is None:
             return []
+        if self.nargs:
+            return [self.flag, *map(_text, value)] if value else []
         if self.type is bool:
             return [self.flag if value else "--no-" + self.flag.removeprefix("--")]
         return [self.flag, _text(value)]

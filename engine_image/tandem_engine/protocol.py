@@ -15,10 +15,13 @@ Torch-free: the router imports it without the model stack.
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
 
 from tandem_engine.lifecycle import EngineRole
+from tandem_engine.lora_request import ADAPTER_NAME
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.transfer.base import KVGeometry
 
@@ -35,7 +38,12 @@ from tandem_engine.transfer.base import KVGeometry
 #    that does not know them ignores them).
 # 5: SamplingParams carries structured_outputs. A version-4 engine would drop it and
 #    sample unconstrained, so the versions refuse each other.
-PROTOCOL_VERSION = 5
+# 6: Submit carries `lora`, the LoRA adapter (name and version) a request runs under. A
+#    version-5 engine would drop it and decode with the base weights alone, so the
+#    versions refuse each other. Load also lists the adapters an engine serves and those
+#    on its device, and the control kinds LORA_LOAD / LORA_UNLOAD / LORA_REPLY carry a
+#    router's adapter calls.
+PROTOCOL_VERSION = 6
 
 
 class ProtocolError(ValueError):
@@ -64,6 +72,9 @@ class Kind(enum.IntEnum):
     REJECT = 23  # engine -> router: the request could not be accepted
     # control: 50..69
     STATE = 50  # engine -> router: a lifecycle state change, sent at once
+    LORA_LOAD = 51  # router -> engine: serve a LoRA adapter (answered by LORA_REPLY)
+    LORA_UNLOAD = 52  # router -> engine: stop serving one (answered by LORA_REPLY)
+    LORA_REPLY = 53  # engine -> router: how a LORA_LOAD or LORA_UNLOAD went
     # transport: 70..99 (KV handoff between prefill and decode engines)
 
 
@@ -108,6 +119,27 @@ class Load(msgspec.Struct, frozen=True):
     weight_version: str
     weight_epoch: int
     draining: bool = False  # refusing new requests (a drain, a refit's verification)
+    # LoRA adapters as identities "name@version": those the engine serves (a request may
+    # name them), and those of them on its device now (no load before the first step).
+    loras: list[str] = []
+    resident_loras: list[str] = []
+
+
+_AdapterName = Annotated[str, Meta(pattern=ADAPTER_NAME.pattern)]  # lora_request's rule
+_AdapterVersion = Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+class LoRARef(msgspec.Struct, frozen=True):
+    """A LoRA adapter as a request names it on the wire: an engine runs the request
+    under it only where it serves this name at this version (else it REJECTs)."""
+
+    name: _AdapterName
+    version: _AdapterVersion
+
+    @property
+    def identity(self) -> str:
+        """"name@version", as `Load.loras` lists it and the prefix cache is salted."""
+        return f"{self.name}@{self.version}"
 
 
 class KVTransferInfo(msgspec.Struct, frozen=True):
@@ -185,6 +217,7 @@ class Submit(msgspec.Struct, frozen=True):
     pin_for_handoff: bool = False
     resume: Resume | None = None  # tokens generated elsewhere that this engine continues
     pull: PullSource | None = None  # decode: pull the prompt's KV instead of computing it
+    lora: LoRARef | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True):
@@ -228,6 +261,34 @@ class Reject(msgspec.Struct, frozen=True):
     message: str
 
 
+class LoadLoRA(msgspec.Struct, frozen=True):
+    """Serve the PEFT adapter at `path` (a folder on the engine's machine, inside its
+    weights roots) under `name` at `version` (vLLM's `POST /v1/load_lora_adapter`)."""
+
+    call_id: str  # the reply's, chosen by the router
+    name: _AdapterName
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    version: _AdapterVersion = "1"
+
+
+class UnloadLoRA(msgspec.Struct, frozen=True):
+    """Stop serving adapter `name`; requests already under it finish with it."""
+
+    call_id: str
+    name: _AdapterName
+
+
+class LoRAReply(msgspec.Struct, frozen=True):
+    """How a LORA_LOAD or LORA_UNLOAD went: an HTTP status (200; 400 a bad adapter or
+    LoRA off; 404 unloading a name not served) and a message naming the problem. `load`
+    is the engine's load after the call, so the router routes by it at once."""
+
+    call_id: str
+    status: int
+    message: str
+    load: Load | None = None
+
+
 BODIES: dict[Kind, type[msgspec.Struct]] = {
     Kind.HELLO: Hello,
     Kind.WELCOME: Welcome,
@@ -238,6 +299,9 @@ BODIES: dict[Kind, type[msgspec.Struct]] = {
     Kind.ABORT: Abort,
     Kind.REJECT: Reject,
     Kind.STATE: StateChange,
+    Kind.LORA_LOAD: LoadLoRA,
+    Kind.LORA_UNLOAD: UnloadLoRA,
+    Kind.LORA_REPLY: LoRAReply,
 }
 KIND_OF: dict[type[msgspec.Struct], Kind] = {body: kind for kind, body in BODIES.items()}
 assert set(BODIES) == set(Kind), "every kind needs a body struct"

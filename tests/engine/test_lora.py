@@ -53,6 +53,31 @@ def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     }
 
 
+def write_random_adapter(folder: Path, config, rank: int, targets: list[str],
+                         seed: int, std: float = 0.05) -> Path:
+    """A PEFT adapter folder for a model of `config` (a ModelConfig: any checkpoint the
+    engine loads, a GGUF file included), written directly: random A and B of the shapes
+    PEFT saves."""
+    from safetensors.torch import save_file
+    from tandem_engine.model.lora import projection_shape
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for target in targets:
+            owner = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            fan_in, fan_out = projection_shape(config, target)
+            key = f"base_model.model.model.layers.{layer}.{owner}.{target}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * std
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": targets,
+        "bias": "none"}))
+    return folder
+
+
 def _lora(name: str, adapters: dict[str, Path]) -> LoRARequest:
     return LoRARequest(name, str(adapters[name]))
 
@@ -164,3 +189,40 @@ def test_bad_adapters_and_names_are_refused(tiny_llama: Path, llama_adapters: di
         LLM(tiny_llama).engine.load_lora(_lora("a0", llama_adapters))
     with pytest.raises(RequestRejected, match="name"):
         LoRARequest("bad name!", str(broken))
+
+
+def test_suspend_with_the_kv_offloaded_keeps_adapters(tiny_llama: Path,
+                                                      llama_adapters: dict[str, Path]) -> None:
+    llm = LLM(tiny_llama, enable_lora=True, max_lora_rank=8)
+    lora = _lora("a0", llama_adapters)
+    want = llm.generate([PROMPTS[0]], GREEDY, lora_request=lora)[0].outputs[0].token_ids
+    llm.pause()
+    llm.suspend("offload")
+    llm.resume()
+    llm.unpause()
+    assert llm.generate([PROMPTS[0]], GREEDY, lora_request=lora)[0].outputs[0].token_ids \
+        == want
+
+
+@pytest.mark.slow
+def test_an_adapter_over_the_real_model_s_quantized_weights(smollm2_gguf: Path,
+                                                            tmp_path: Path) -> None:
+    """The GGUF stays int4 and the adapter's delta is added in float: greedy text equals
+    the dequantized float32 model's with the same adapter, or first differs at a near tie
+    (the quantized kernels' rounding, as without an adapter)."""
+    from tandem_engine.bench.quality import greedy_agreement
+
+    quantized = LLM(smollm2_gguf, enable_lora=True, max_lora_rank=8)
+    dense = LLM(smollm2_gguf, enable_lora=True, max_lora_rank=8, quantization="none",
+                dtype="float32")
+    folder = write_random_adapter(tmp_path / "smol", quantized.engine.model_config, 8,
+                                  ["q_proj", "v_proj", "down_proj"], 5)
+    lora = LoRARequest("smol", str(folder))
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    for c in greedy_agreement(dense, quantized, prompts, 24, lora_request=lora):
+        assert c.near_tie, (c.first_difference, c.reference_gap)
+    base = quantized.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    with_adapter = quantized.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0),
+                                      lora_request=lora)
+    assert [o.outputs[0].token_ids for o in base] != \
+        [o.outputs[0].token_ids for o in with_adapter]

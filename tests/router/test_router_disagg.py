@@ -49,6 +49,7 @@ class Call:
     pin: bool
     resume: p.Resume | None
     pull: p.PullSource | None
+    lora: p.LoRARef | None = None
 
 
 def scripted(client: EngineClient, role: str, script: Script, calls: list[Call],
@@ -64,9 +65,11 @@ def scripted(client: EngineClient, role: str, script: Script, calls: list[Call],
     def submit(request_id: str, prompt: list[int], sampling: SamplingParams,
                cache_salt: str | None = None, *, pin_for_handoff: bool = False,
                resume: p.Resume | None = None,
-               pull: p.PullSource | None = None) -> asyncio.Queue:
+               pull: p.PullSource | None = None,
+               lora: p.LoRARef | None = None) -> asyncio.Queue:
         assert isinstance(sampling, SamplingParams)
-        calls.append(Call(client.key, list(prompt), sampling, pin_for_handoff, resume, pull))
+        calls.append(Call(client.key, list(prompt), sampling, pin_for_handoff, resume, pull,
+                          lora))
         queue: asyncio.Queue = asyncio.Queue()
         for item in script(request_id, prompt, sampling, pin_for_handoff, resume, pull):
             queue.put_nowait((time.monotonic(), item))

@@ -78,7 +78,8 @@ def sample(flag: EngineFlag) -> Any:
         return flag.maximum
     if flag.minimum is not None:
         return int(flag.minimum) + 2
-    return {"device": "cpu", "dtype": "bfloat16", "model": "/models/draft"}.get(flag.field, 3)
+    return {"device": "cpu", "dtype": "bfloat16", "model": "/models/draft",
+            "lora_modules": ["a=/adapters/a", "b@2=/adapters/b"]}.get(flag.field, 3)
 
 
 @pytest.mark.parametrize("flag", POOL_FLAGS, ids=[f.field for f in POOL_FLAGS])

@@ -23,6 +23,7 @@ from tandem_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tandem_engine.engine.llm import LLM
+    from tandem_engine.lora_request import LoRARequest
 
 # The quantized kernels' rounded activations (int8 in groups of 32 natively, bfloat16 in
 # torch's) and int8's per-row scales move a token's logprob on the default model by
@@ -63,11 +64,14 @@ class GreedyComparison:
 
 
 def greedy_agreement(reference: LLM, llm: LLM, prompts: Sequence[list[int] | str],
-                     max_tokens: int) -> list[GreedyComparison]:
+                     max_tokens: int, lora_request: LoRARequest | None = None
+                     ) -> list[GreedyComparison]:
+    """Each prompt's greedy tokens under `reference` and `llm` (both with the LoRA adapter
+    `lora_request`, if given)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             logprobs=2)
-    want = reference.generate(list(prompts), params)
-    got = llm.generate(list(prompts), params)
+    want = reference.generate(list(prompts), params, lora_request=lora_request)
+    got = llm.generate(list(prompts), params, lora_request=lora_request)
     out = []
     for ref, mine in zip(want, got, strict=True):
         a, b = ref.outputs[0], mine.outputs[0]

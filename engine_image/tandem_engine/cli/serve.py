@@ -29,7 +29,10 @@ Its router's `/metrics` also serves the engines' series (`--engine-metrics-url`)
 
 The stack is authenticated by default: each `tandem serve` makes fresh CURVE keypairs
 for the engines' ZMQ sockets (only its router can connect to them) and a fresh admin
-token, and hands them to its children in their environment, never in argv. Refits may
+token, and hands them to its children in their environment, never in argv (the router
+gets the admin token too: it opens vLLM's LoRA adapter calls, `POST
+/v1/load_lora_adapter`, which the router does on every engine). `--lora-modules` goes to
+every engine, prefill and decode alike, so both halves of a pair serve the same adapters. Refits may
 load checkpoints from the folder holding `--model` (`tandem serve --demo`: the demo
 folder itself) and from each `--weights-root`.
 """
@@ -161,7 +164,9 @@ class LocalStack:
         inherited = {k: v for k, v in os.environ.items()
                      if k not in (*ALL_VARIABLES, "TANDEM_ADMIN_TOKEN")}
         self.engine_env = {**inherited, **engine_keys, "TANDEM_ADMIN_TOKEN": self.admin_token}
-        self.router_env = {**inherited, **router_keys}
+        # The router takes the admin token too: it opens the LoRA adapter calls, which it
+        # does on every engine (router/adapters.py).
+        self.router_env = {**inherited, **router_keys, "TANDEM_ADMIN_TOKEN": self.admin_token}
         # The router's API keys travel in its environment, never in argv (`ps`); these
         # are all it accepts (an inherited $TANDEM_API_KEY is not passed on).
         self.api_keys = tuple(api_keys)

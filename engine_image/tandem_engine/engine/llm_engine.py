@@ -50,7 +50,7 @@ from tandem_engine.engine.refit import ServingWeights, refit_request
 from tandem_engine.engine.speculation import Speculation, speculation_inputs
 from tandem_engine.engine.speculative import Proposer
 from tandem_engine.engine.state_machine import StateMachine
-from tandem_engine.engine.stats import EngineStats, PrefixCacheStats, StepTiming
+from tandem_engine.engine.stats import EngineStats, LoRAStats, PrefixCacheStats, StepTiming
 from tandem_engine.errors import RequestRejected
 from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode, Signal
 from tandem_engine.lora_request import LoRARequest
@@ -216,7 +216,18 @@ class LLMEngine:
 
     def _publish(self) -> None:
         """Called with the lock held (or before any other thread exists)."""
-        kv = self.kv
+        kv, loras = self.kv, self.loras
+        lora = None
+        if loras.enabled:
+            lora = LoRAStats(
+                served=tuple(known.identity for known in loras.known.values()),
+                resident=tuple(loras.resident()),
+                running=tuple(sorted({r.lora.lora_name for r in self.scheduler.running
+                                      if r.lora is not None})),
+                waiting=tuple(sorted({r.lora.lora_name for r in self.scheduler.waiting
+                                      if r.lora is not None})),
+                max_loras=self.config.max_loras, loads=loras.loads,
+                evictions=loras.evictions, hits=loras.hits)
         self.stats = EngineStats(
             state=self.lifecycle.state, weights=self.weights.identity,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -229,7 +240,7 @@ class LLMEngine:
             num_preemptions=self.num_preemptions,
             num_pull_fallbacks=self.handoffs.num_fallbacks,
             speculative=self.speculation.snapshot(), weight_bytes=self.weights.bytes,
-            last_refit_peak_bytes=self.weights.last_refit_peak_bytes)
+            last_refit_peak_bytes=self.weights.last_refit_peak_bytes, lora=lora)
 
     set_weights = _Published("weights", "name")
 
@@ -251,17 +262,19 @@ class LLMEngine:
                     params: SamplingParams | None = None,
                     cache_salt: str | None = None, pin_for_handoff: bool = False,
                     resumed_token_ids: Sequence[int] = (), sent_chars: int = 0,
-                    lora_name: str | None = None) -> Request:
+                    lora_name: str | None = None, lora_version: str | None = None) -> Request:
         """Queue a request (also while paused or suspended). Raises RequestRejected (and
         changes nothing) if it cannot run. `cache_salt` isolates its prefix cache. With
         `pin_for_handoff` (a prefill engine's request) it ends after its first token unless
         that token ends the generation, keeping the prompt's KV pinned (listed in its final
         output) until `unpin` or the pin TTL. `resumed_token_ids` continue a generation
         begun elsewhere (their text is re-derived; `sent_chars` of it were already shown).
-        `lora_name`: the LoRA adapter it runs under (one `load_lora` loaded)."""
+        `lora_name`: the LoRA adapter it runs under (one `load_lora` loaded), refused
+        unless at `lora_version` when that is given."""
         with self._lock:
             request = self._admit(request_id, prompt, params or SamplingParams(), cache_salt,
-                                  resumed_token_ids, sent_chars, pin_for_handoff, lora_name)
+                                  resumed_token_ids, sent_chars, pin_for_handoff, lora_name,
+                                  lora_version)
             if not request.finished:
                 self.scheduler.add(request)
             self._publish()

@@ -57,6 +57,20 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True)
+class LoRAStats:
+    """The LoRA adapters of an engine started with --enable-lora (engine/loras.py)."""
+
+    served: tuple[str, ...] = ()  # identities (name@version) a request may name
+    resident: tuple[str, ...] = ()  # identities on the device now
+    running: tuple[str, ...] = ()  # names of the running requests' adapters, sorted
+    waiting: tuple[str, ...] = ()  # names of the waiting requests' adapters, sorted
+    max_loras: int = 0  # device slots
+    loads: int = 0  # adapters copied into a device slot
+    evictions: int = 0  # adapters whose slot another took
+    hits: int = 0  # requests whose adapter was already in a slot
+
+
+@dataclass(frozen=True)
 class EngineStats:
     state: EngineState
     weights: WeightIdentity
@@ -77,6 +91,7 @@ class EngineStats:
     # Peak weight memory during the last refit (None: none yet): old + new, or with
     # low_memory 1x the weights plus one tensor.
     last_refit_peak_bytes: int | None = None
+    lora: LoRAStats | None = None  # None when LoRA is off (no --enable-lora)
 
     @property
     def has_unfinished_requests(self) -> bool:

@@ -9,16 +9,16 @@ projection's shape, its rank within `max_lora_rank`. The scaling (`lora_alpha / 
 
 `LoRASlots` holds `max_loras` adapters on the model's device and adds their deltas to the
 projections' outputs through forward hooks, so the base model, its packed and quantized
-weights and its refit are untouched. Per projection it keeps every slot's A side by side
-([in, slots x rank]) and every B stacked ([slots x rank, out]); a step's tokens each
-name a slot (-1: the base model), and the delta of the whole batch is
+weights and its refit are untouched. Per projection it keeps every slot's A
+([slots, in, rank]) and B ([slots, rank, out]). A step's tokens each name a slot (-1: the
+base model); they are grouped by slot, padded to the largest group, and the delta of the
+whole batch is one segmented matmul pair per projection,
 
-    ((x @ A_all) * mask) @ B_all
+    bmm(bmm(x[groups], A[slots present]), B[slots present])
 
-with `mask` [tokens, slots x rank] one on the columns of the token's own slot: two
-matmuls per projection whatever the mix of adapters in the batch, never a loop over
-them (the rank columns of other slots are computed and zeroed; with ranks of 8-64 that
-is a few percent of the base projection's work).
+added back to the grouped rows: two calls whatever the mix of adapters, never a loop
+over them, and each token multiplies by its own adapter's rank columns only (base-model
+tokens by none).
 """
 
 from __future__ import annotations
@@ -151,19 +151,19 @@ class LoRASlots:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.config, self.num_slots, self.max_rank = config, max_loras, max_rank
         self.dtype, self.device = dtype, device
-        width = max_loras * max_rank
+        # Per projection: every slot's A [slots, in, rank] and B [slots, rank, out], zero
+        # where a slot is empty or its adapter's rank is smaller.
         self._a: dict[tuple[int, str], torch.Tensor] = {}
         self._b: dict[tuple[int, str], torch.Tensor] = {}
         for layer in range(config.num_layers):
             for target in TARGETS:
                 fan_in, fan_out = projection_shape(config, target)
-                self._a[(layer, target)] = torch.zeros(fan_in, width, dtype=dtype,
-                                                       device=device)
-                self._b[(layer, target)] = torch.zeros(width, fan_out, dtype=dtype,
-                                                       device=device)
+                self._a[(layer, target)] = torch.zeros(max_loras, fan_in, max_rank,
+                                                       dtype=dtype, device=device)
+                self._b[(layer, target)] = torch.zeros(max_loras, max_rank, fan_out,
+                                                       dtype=dtype, device=device)
         self._used: dict[int, set[tuple[int, str]]] = {}  # slot -> the projections it fills
-        self._column_slot = torch.arange(width, device=device) // max_rank
-        self._mask: torch.Tensor | None = None
+        self._step: _Groups | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     @property
@@ -187,33 +187,69 @@ class LoRASlots:
 
         def add_delta(_module: nn.Module, inputs: tuple[torch.Tensor, ...],
                       output: torch.Tensor) -> torch.Tensor | None:
-            mask = self._mask
-            if mask is None:
+            step = self._step
+            if step is None:
                 return None
-            x = inputs[0]
-            delta = ((x.to(self.dtype) @ self._a[key]) * mask) @ self._b[key]
-            return output + delta.to(output.dtype)
+            return step.add(inputs[0], output, self._a[key], self._b[key])
 
         return add_delta
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
         self.clear(slot)
-        cols = slice(slot * self.max_rank, slot * self.max_rank + adapter.rank)
         for key, (a, b) in adapter.weights.items():
-            self._a[key][:, cols] = a.t().to(self.device, self.dtype)
-            self._b[key][cols, :] = b.t().to(self.device, self.dtype)
+            self._a[key][slot, :, :adapter.rank] = a.t().to(self.device, self.dtype)
+            self._b[key][slot, :adapter.rank, :] = b.t().to(self.device, self.dtype)
         self._used[slot] = set(adapter.weights)
 
     def clear(self, slot: int) -> None:
-        cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         for key in self._used.pop(slot, ()):
-            self._a[key][:, cols] = 0
-            self._b[key][cols, :] = 0
+            self._a[key][slot] = 0
+            self._b[key][slot] = 0
 
     def activate(self, token_slots: list[int]) -> None:
         """The next forward pass's tokens, each with its slot (-1: the base model)."""
-        slots = torch.tensor(token_slots, dtype=torch.long, device=self.device)
-        self._mask = (slots.unsqueeze(1) == self._column_slot.unsqueeze(0)).to(self.dtype)
+        self._step = _Groups.of(token_slots, self.num_slots, self.device)
 
     def deactivate(self) -> None:
-        self._mask = None
+        self._step = None
+
+
+class _Groups:
+    """One step's tokens grouped by adapter slot, padded to the largest group: the rows
+    each group gathers from the input (`rows`, [groups * width]; index T is a zero row),
+    and the slots present (`slots`; None when every slot is, in order). A projection's
+    delta is then two batched matmuls over the groups, [G, width, in] @ [G, in, rank] @
+    [G, rank, out], added back to the groups' rows (base-model tokens get nothing)."""
+
+    def __init__(self, rows: torch.Tensor, slots: torch.Tensor | None, groups: int,
+                 width: int, num_tokens: int) -> None:
+        self.rows, self.slots = rows, slots
+        self.groups, self.width, self.num_tokens = groups, width, num_tokens
+
+    @classmethod
+    def of(cls, token_slots: list[int], num_slots: int, device: torch.device) -> _Groups | None:
+        members: dict[int, list[int]] = {}
+        for token, slot in enumerate(token_slots):
+            if slot >= 0:
+                members.setdefault(slot, []).append(token)
+        if not members:
+            return None
+        present = sorted(members)
+        width = max(len(m) for m in members.values())
+        pad = len(token_slots)
+        rows = [t for slot in present for t in members[slot] + [pad] * (width - len(members[slot]))]
+        slots = None if present == list(range(num_slots)) else \
+            torch.tensor(present, dtype=torch.long, device=device)
+        return cls(torch.tensor(rows, dtype=torch.long, device=device), slots, len(present),
+                   width, pad)
+
+    def add(self, x: torch.Tensor, output: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+            ) -> torch.Tensor:
+        if self.slots is not None:
+            a, b = a.index_select(0, self.slots), b.index_select(0, self.slots)
+        padded = torch.cat([x.to(a.dtype), x.new_zeros((1, x.shape[1]), dtype=a.dtype)])
+        grouped = padded.index_select(0, self.rows).view(self.groups, self.width, -1)
+        delta = torch.bmm(torch.bmm(grouped, a), b).view(self.groups * self.width, -1)
+        out = torch.cat([output, output.new_zeros((1, output.shape[1]))])
+        out.index_add_(0, self.rows, delta.to(output.dtype))
+        return out[:self.num_tokens]

@@ -11,6 +11,14 @@ scrape (`OPEN_PATHS`); a request without a valid key gets 401 in the OpenAI erro
 Keys are compared as `tandem_engine.bearer` compares every token (SHA-256 digests,
 `hmac.compare_digest`, every key each time). With no key configured the router serves
 anyone (and `main` logs a warning saying so).
+
+The LoRA adapter calls (`ADMIN_PATHS`: vLLM's `/v1/load_lora_adapter` and
+`/v1/unload_lora_adapter`, `router/adapters.py`) are admin calls: they need the pool's
+admin token, the engines' own (`--admin-token-file`, else $TANDEM_ADMIN_TOKEN; `tandem
+serve` passes its stack's), and no API key opens them: a key is handed to every client,
+while a load makes every engine read a folder and changes what the pool serves. A router
+given no admin token refuses them (403, naming the fix); adapters are then loaded on
+each engine's admin API, or from the start (`--lora-modules`).
 """
 
 from __future__ import annotations
@@ -25,8 +33,11 @@ from tandem_engine.bearer import BearerTokens, bearer_token
 from tandem_engine.router.openai_format import error_body
 
 API_KEY_ENV = "TANDEM_API_KEY"  # a contract: the operator and `tandem serve` set it
+ADMIN_TOKEN_ENV = "TANDEM_ADMIN_TOKEN"  # the engines' variable: the pool's admin token
 # Kubernetes probes, Prometheus and vLLM's /health stay reachable without a key.
 OPEN_PATHS = frozenset({"/health", "/healthz", "/readyz", "/metrics"})
+# The admin calls: the admin token, never an API key.
+ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 MAX_KEY_FILE_BYTES = 1 << 20  # a key file is a few lines; anything larger is a mistake
 
 
@@ -75,40 +86,77 @@ def resolve_api_keys(flag_keys: Iterable[str] | None = None,
     return tuple(keys)
 
 
+def resolve_admin_token(path: Path | None, environ: Mapping[str, str] = os.environ
+                        ) -> str | None:
+    """The admin token: from `--admin-token-file` (ValueError naming it when it cannot be
+    read or is empty), else $TANDEM_ADMIN_TOKEN, else None."""
+    if path is None:
+        return environ.get(ADMIN_TOKEN_ENV, "").strip() or None
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--admin-token-file {path}: cannot be read ({exc}); give a "
+                         "readable file holding the pool's admin token") from None
+    if not token:
+        raise ValueError(f"--admin-token-file {path} is empty: write the pool's admin "
+                         "token in it")
+    return token
+
+
 class ApiKeyMiddleware:
     """ASGI middleware: answers 401 to an HTTP request outside `OPEN_PATHS` that does not
-    carry one of `keys` as a bearer token. A plain ASGI wrapper (not Starlette's
-    BaseHTTPMiddleware), so streamed responses and disconnects pass through untouched."""
+    carry one of `keys` as a bearer token (no keys: such requests pass), and to one of
+    `ADMIN_PATHS` that does not carry `admin_token` (403 when there is none). A plain
+    ASGI wrapper (not Starlette's BaseHTTPMiddleware), so streamed responses and
+    disconnects pass through untouched."""
 
-    def __init__(self, app: Any, keys: Iterable[str]) -> None:
+    def __init__(self, app: Any, keys: Iterable[str] = (),
+                 admin_token: str | None = None) -> None:
         self.app = app
-        try:
-            self._keys = BearerTokens(keys)
-        except ValueError:
-            raise ValueError("ApiKeyMiddleware needs at least one key") from None
+        keys = list(keys)
+        self._keys = BearerTokens(keys) if keys else None
+        self._admin = BearerTokens([admin_token]) if admin_token else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        message = self._refusal(bearer_token(scope["headers"]))
-        if message is None:
+        presented = bearer_token(scope["headers"])
+        refusal = (self._admin_refusal(presented) if scope["path"] in ADMIN_PATHS
+                   else self._key_refusal(presented))
+        if refusal is None:
             await self.app(scope, receive, send)
             return
+        status, code, message = refusal
         body = json.dumps(error_body(message, "invalid_request_error", None,
-                                     "invalid_api_key")).encode()
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b'Bearer realm="tandem"')]})
+                                     code)).encode()
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b'Bearer realm="tandem"'))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    def _refusal(self, presented: bytes | None) -> str | None:
-        """Why the presented key is refused, or None when it is one of the keys."""
-        if presented is None:
-            return ("no API key provided: send it in an Authorization header using Bearer "
-                    "auth (Authorization: Bearer YOUR_KEY; the openai client's api_key)")
-        if self._keys.accepts(presented):
+    def _admin_refusal(self, presented: bytes | None) -> tuple[int, str, str] | None:
+        if self._admin is None:
+            return (403, "admin_calls_off", "adapter calls through this router are off: "
+                    "start it with the pool's admin token (--admin-token-file, or "
+                    f"${ADMIN_TOKEN_ENV}), or call each engine's admin API")
+        if self._admin.accepts(presented):
             return None
-        return ("incorrect API key provided: use one of the keys the router was started "
-                f"with (tandem-router --api-key-file, --api-key, or ${API_KEY_ENV})")
+        return (401, "invalid_admin_token", "this admin call needs 'Authorization: Bearer "
+                "<token>' with the pool's admin token (the engines'; an API key does not "
+                "open it)")
+
+    def _key_refusal(self, presented: bytes | None) -> tuple[int, str, str] | None:
+        """Why the presented key is refused (status, code, message), or None when it is
+        one of the keys or none is configured."""
+        if self._keys is None or self._keys.accepts(presented):
+            return None
+        if presented is None:
+            return (401, "invalid_api_key", "no API key provided: send it in an "
+                    "Authorization header using Bearer auth (Authorization: Bearer "
+                    "YOUR_KEY; the openai client's api_key)")
+        return (401, "invalid_api_key", "incorrect API key provided: use one of the keys "
+                "the router was started with (tandem-router --api-key-file, --api-key, or "
+                f"${API_KEY_ENV})")

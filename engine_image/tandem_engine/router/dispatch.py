@@ -29,6 +29,14 @@ that pulls the pinned KV (`Submit.pull`) and resumes after the first token. KV i
 handed across weight versions. A prefill that fails falls back to the colocated path;
 a decode engine that fails is failed over like any engine (colocated, resumed).
 
+A choice under a LoRA adapter (the request's `model` named one) runs only on engines that
+serve it; its first engine fixes the adapter's version (`Submit.lora`), and the rest of
+the choice keeps that version: a decode engine is paired only where it serves it, a
+failover continues where it is served, and only when no alive engine serves that version
+any more does the choice continue under the name's current version by recompute (as
+with weights). Engines refuse a version they do not serve, so no token is ever made
+under another adapter's weights.
+
 Each finished choice gets one INFO line in the router's log (`finished_line`): its
 engines, prompt and output tokens, finish reason, time, and with speculative decoding
 the proposals its engines accepted of those they verified.
@@ -59,7 +67,7 @@ from tandem_engine.router.attempts import (
 from tandem_engine.router.engines import EngineClient, EnginePool, EngineUnavailable
 from tandem_engine.router.metrics import ChoiceLatency, RouterMetrics
 from tandem_engine.router.picker import EnginePicker, no_engine_message
-from tandem_engine.router.routing import DEFAULT_WEIGHTS, RoutingWeights
+from tandem_engine.router.routing import DEFAULT_WEIGHTS, RoutingWeights, adapter_identity
 from tandem_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -112,6 +120,13 @@ class _Choice:
     progress: Progress = field(default_factory=Progress)
     excluded: set[str] = field(default_factory=set)  # engines that refused or failed it
     resumed: bool = False  # failed over after tokens were streamed
+    adapter: str | None = None  # the LoRA adapter's name (None: the base model)
+    lora: p.LoRARef | None = None  # its version, as the latest attempt was submitted
+
+    @property
+    def lora_identity(self) -> str | None:
+        """The adapter as routing asks for it: its version once an attempt fixed one."""
+        return self.lora.identity if self.lora is not None else self.adapter
 
     @property
     def sub_id(self) -> str:
@@ -145,13 +160,15 @@ class Dispatcher:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams, cache_salt: str | None = None,
-                       arrival: float | None = None) -> AsyncIterator[Delta]:
-        """Stream one generation. Raises NoEngineAvailable / EngineRejected before any
-        token, GenerationFailed when it cannot be completed."""
+                       arrival: float | None = None, adapter: str | None = None
+                       ) -> AsyncIterator[Delta]:
+        """Stream one generation (under LoRA adapter `adapter`, a name, when given).
+        Raises NoEngineAvailable / EngineRejected before any token, GenerationFailed
+        when it cannot be completed."""
         arrival = time.monotonic() if arrival is None else arrival
         choice = _Choice(request_id, list(prompt_token_ids), sampling, cache_salt,
-                         ChoiceLatency(self.metrics, arrival))
-        pair = self.picker.pick_pair(choice.prompt, cache_salt)
+                         ChoiceLatency(self.metrics, arrival), adapter=adapter)
+        pair = self.picker.pick_pair(choice.prompt, cache_salt, adapter)
         leg = _Leg(pair[0], decode=pair[1]) if pair is not None else None
         finish_reason: str | None = None
         while True:
@@ -177,7 +194,7 @@ class Dispatcher:
                 if choice.resumed and self.metrics is not None:
                     self.metrics.resumed.inc()
                 self.picker.remember(leg.client, choice.prompt + choice.progress.generated,
-                                     cache_salt)
+                                     cache_salt, choice.lora_identity)
                 if log.isEnabledFor(logging.INFO):
                     log.info("%s", finished_line(choice, finish_reason))
                 return
@@ -205,12 +222,22 @@ class Dispatcher:
         progress.attempts += 1
         sub_id = choice.sub_id
         prefill = leg.decode is not None
+        lora = self._lora_on(choice, leg)
+        if choice.adapter is not None and lora is None:
+            yield FailOver("rejected", f"engine {client.key} does not serve LoRA adapter "
+                                       f"{choice.lora_identity} (any more)")
+            return
+        if lora != choice.lora and choice.lora is not None and progress.generated:
+            log.warning("request %s: no engine serves LoRA adapter %s any more; continuing "
+                        "its %d tokens under %s by recompute", choice.request_id,
+                        choice.lora.identity, len(progress.generated), lora.identity)
+        choice.lora = lora
         try:
             queue = client.submit(
                 sub_id, choice.prompt, choice.sampling, choice.cache_salt,
                 # Pin only when a decode engine may need the KV: not for a single token.
                 pin_for_handoff=prefill and choice.sampling.max_tokens > 1,
-                resume=progress.resume(), pull=leg.pull)
+                resume=progress.resume(), pull=leg.pull, lora=lora)
         except EngineUnavailable as exc:
             yield FailOver("unavailable", str(exc))
             return
@@ -235,6 +262,25 @@ class Dispatcher:
         finally:
             if not done:
                 client.abort(sub_id)  # failover, client gone, or an error: stop it there
+
+    @staticmethod
+    def _lora_on(choice: _Choice, leg: _Leg) -> p.LoRARef | None:
+        """The adapter version a choice runs under on `leg`'s engine: the version it has
+        run under so far where that engine serves it; else, unless the leg pulls KV made
+        under that version, the version the engine serves of the adapter's name. None:
+        the base model, or the engine does not serve the adapter."""
+        if choice.adapter is None:
+            return None
+        view = leg.client.view()
+        if choice.lora is not None and choice.lora.identity in view.loras:
+            return choice.lora
+        if leg.pull is not None:
+            return None
+        identity = adapter_identity(view, choice.adapter)
+        if identity is None:
+            return None
+        name, _, version = identity.partition("@")
+        return p.LoRARef(name, version)
 
     def _next_leg(self, choice: _Choice, leg: _Leg, outcome: FailOver | HandOff
                   ) -> _Leg | None:
@@ -268,14 +314,22 @@ class Dispatcher:
         before the first token, afterwards only one of the tokens' own version."""
         progress, exclude = choice.progress, sorted(choice.excluded)
         if not progress.generated:
-            client = self.picker.pick(choice.prompt, choice.cache_salt, exclude=exclude)
+            client = self.picker.pick(choice.prompt, choice.cache_salt, exclude=exclude,
+                                      adapter=choice.adapter)
             if client is None and await self.picker.wait_until_serving():
-                client = self.picker.pick(choice.prompt, choice.cache_salt, exclude=exclude)
+                client = self.picker.pick(choice.prompt, choice.cache_salt, exclude=exclude,
+                                          adapter=choice.adapter)
             if client is None:
-                raise NoEngineAvailable(no_engine_message(self.pool, choice.excluded))
+                raise NoEngineAvailable(no_engine_message(self.pool, choice.excluded,
+                                                          choice.adapter))
             return client
+        adapter = choice.lora_identity
+        if adapter is not None and not any(v.alive and adapter in v.loras
+                                           for v in self.pool.views()):
+            adapter = choice.adapter  # that version is gone everywhere: the name's current
         client = await self.picker.wait_for_version(
-            choice.prompt + progress.generated, choice.cache_salt, progress.version, exclude)
+            choice.prompt + progress.generated, choice.cache_salt, progress.version, exclude,
+            adapter)
         if client is None:
             raise GenerationFailed(
                 f"request {choice.request_id}: no RUNNING engine of weight version "

@@ -13,7 +13,9 @@ engine that stops hearing from it (the router died, or lost its network) forgets
 aborts its requests, so no orphan runs to max_tokens.
 
 Sends never block: the socket only queues to a live connection (ZMQ_IMMEDIATE), and a
-send that cannot be queued fails at once (`EngineUnavailable`), never waits. An
+send that cannot be queued fails at once (`EngineUnavailable`), never waits. A LoRA call
+(`lora_call`: LORA_LOAD or LORA_UNLOAD) waits for its LORA_REPLY within a deadline; the
+reply's load is taken at once, so the next request routes by the adapters it lists. An
 `Output` for a request this router no longer tracks (it failed over, or the client
 left) is answered with an `Abort`, so an engine never computes for nobody for long.
 
@@ -46,6 +48,9 @@ log = logging.getLogger(__name__)
 # How often a router PINGs each connected engine: the engines' default heartbeat interval,
 # well inside their default router timeout (10 s).
 PING_INTERVAL = 0.5
+# How long a LoRA call may take on an engine: it waits for the step in progress and reads
+# the adapter from disk.
+LORA_CALL_TIMEOUT = 60.0
 
 
 class EngineUnavailable(Exception):
@@ -95,6 +100,7 @@ class EngineClient:
         self._context = context
         self._socket: zmq.asyncio.Socket | None = None
         self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
+        self._lora_calls: dict[str, asyncio.Future[p.LoRAReply]] = {}  # call id -> reply
         self._hello_sent_at = float("-inf")
         self._pinged_at = float("-inf")  # when this router last told the engine it lives
         self._received_at = 0.0  # when the message being handled came off the socket
@@ -143,21 +149,23 @@ class EngineClient:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                cache_salt: str | None = None, *, pin_for_handoff: bool = False,
-               resume: p.Resume | None = None, pull: p.PullSource | None = None
-               ) -> asyncio.Queue[QueueItem]:
+               resume: p.Resume | None = None, pull: p.PullSource | None = None,
+               lora: p.LoRARef | None = None) -> asyncio.Queue[QueueItem]:
         """Hand a request to the engine; its outputs arrive on the returned queue.
 
         `pin_for_handoff` (prefill) stops after the first token and keeps the prompt's KV
         pinned for a decode engine; `resume` continues tokens generated elsewhere;
         `pull` (decode) pulls the prompt's KV from a prefill engine instead of computing
-        it."""
+        it; `lora` is the adapter it runs under (the engine refuses a version it does
+        not serve)."""
         if not self.connected:
             raise EngineUnavailable(f"engine {self.key} is not connected")
         queue: asyncio.Queue[QueueItem] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
             self._send(p.Submit(request_id, prompt_token_ids, sampling, cache_salt,
-                                pin_for_handoff=pin_for_handoff, resume=resume, pull=pull))
+                                pin_for_handoff=pin_for_handoff, resume=resume, pull=pull,
+                                lora=lora))
         except BaseException:  # unsendable (an id msgpack cannot encode, say): not in flight
             self._queues.pop(request_id, None)
             raise
@@ -184,6 +192,23 @@ class EngineClient:
         """Forget a finished request's queue."""
         self._queues.pop(request_id, None)
 
+    async def lora_call(self, call: p.LoadLoRA | p.UnloadLoRA,
+                        timeout: float = LORA_CALL_TIMEOUT) -> p.LoRAReply:
+        """Send a LoRA call and wait for its reply; EngineUnavailable when the engine is
+        not connected, is lost meanwhile, or does not answer within `timeout`."""
+        if not self.connected:
+            raise EngineUnavailable(f"engine {self.key} is not connected")
+        reply: asyncio.Future[p.LoRAReply] = asyncio.get_running_loop().create_future()
+        self._lora_calls[call.call_id] = reply
+        try:
+            self._send(call)
+            return await asyncio.wait_for(reply, timeout)
+        except TimeoutError:
+            raise EngineUnavailable(f"engine {self.key} did not answer the LoRA call "
+                                    f"within {timeout:.0f} s") from None
+        finally:
+            self._lora_calls.pop(call.call_id, None)
+
     @property
     def role(self) -> str:
         """mixed | prefill | decode, as the engine announced (mixed until it did)."""
@@ -207,7 +232,9 @@ class EngineClient:
             inflight=self.inflight,
             block_size=welcome.block_size if welcome else 16,
             max_model_len=welcome.max_model_len if welcome else 0,
-            draining=load.draining if load else False)
+            draining=load.draining if load else False,
+            loras=frozenset(load.loras) if load else frozenset(),
+            resident_loras=frozenset(load.resident_loras) if load else frozenset())
 
     def describe(self) -> dict[str, Any]:
         """What `GET /v1/engines` shows of this engine."""
@@ -221,6 +248,7 @@ class EngineClient:
                 "num_running": v.num_running, "num_waiting": v.num_waiting,
                 "kv_usage": v.kv_usage, "inflight": v.inflight,
                 "block_size": v.block_size, "max_model_len": v.max_model_len,
+                "loras": sorted(v.loras), "resident_loras": sorted(v.resident_loras),
                 "seconds_since_seen": round(time.monotonic() - self.last_seen, 3)
                 if self.last_seen else None}
 
@@ -257,6 +285,10 @@ class EngineClient:
         queues, self._queues = self._queues, {}
         for queue in queues.values():
             queue.put_nowait((time.monotonic(), EngineLost(reason)))
+        calls, self._lora_calls = self._lora_calls, {}
+        for call in calls.values():
+            if not call.done():
+                call.set_exception(EngineUnavailable(reason))
 
     async def _watch(self) -> None:
         """Handshake retries, the heartbeat deadline and this router's PINGs."""
@@ -313,6 +345,13 @@ class EngineClient:
             return
         if self.connected:
             self.last_seen = time.monotonic()
+        if isinstance(message, p.LoRAReply):
+            if message.load is not None and self.connected:
+                self._set_load(message.load)
+            call = self._lora_calls.get(message.call_id)
+            if call is not None and not call.done():
+                call.set_result(message)
+            return
         if isinstance(message, p.Output | p.Reject):
             queue = self._queues.get(message.request_id)
             if queue is None:

@@ -13,7 +13,9 @@ generation_config.json, or a known GGUF's registry entry; `generation_config.py`
 `--override-generation-config JSON` lays values over them.
 `--api-key-file` (one key a line), $TANDEM_API_KEY (comma-separated) and `--api-key` (shown
 in `ps`: for tests) set the keys clients must send (`router/auth.py`); without any, the API
-is open to anyone who reaches the port.
+is open to anyone who reaches the port. `--admin-token-file` (else $TANDEM_ADMIN_TOKEN), the
+pool's admin token, opens vLLM's LoRA adapter calls, which the router does on every engine
+(`router/adapters.py`); without it they are refused.
 A client gets `--header-timeout` seconds to send a request's headers (slowloris) and
 `--body-timeout` more for its body; a refused request is read to its end before the
 connection closes, so every client reads its answer (`http_guard.py`).
@@ -125,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", action="append", default=None, type=Path,
                    metavar="FILE", help="a file of keys clients may send, one a line "
                         "(repeatable); safe: keys stay out of `ps`")
+    p.add_argument("--admin-token-file", type=Path, default=None, metavar="FILE",
+                   help="the pool's admin token (the engines'; else "
+                        f"${auth.ADMIN_TOKEN_ENV}): POST /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter need it and load or unload the adapter on "
+                        "every engine. Default: none, those calls are refused")
     add_deadline_flags(p)
     p.add_argument("--allow-special-tokens-in-content", action="store_true",
                    help="tokenize chat message content that spells a special token "
@@ -162,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         limits = RequestLimits(max_body_bytes=args.max_body_bytes,
                                max_prompt_chars=args.max_prompt_chars)
         api_keys = auth.resolve_api_keys(args.api_key, key_files=args.api_key_file)
+        admin_token = auth.resolve_admin_token(args.admin_token_file)
         http = protocol_class(args.header_timeout, args.body_timeout, _error_body)
     except (TandemError, ValueError, OSError) as exc:
         print(f"tandem-router: error: {exc}", file=sys.stderr)
@@ -169,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     served = args.served_model_name or args.model.name or args.model.resolve().name
     dispatcher = Dispatcher(pool, config, RouterMetrics(args.engine_metrics_url))
     app = build_app(pool, tokenizer, served, dispatcher, limits, api_keys,
-                    args.allow_special_tokens_in_content, generation_defaults=defaults)
+                    args.allow_special_tokens_in_content, generation_defaults=defaults,
+                    admin_token=admin_token)
     _log_defaults(defaults, args.generation_config)
     if not api_keys:
         log.warning("the API is open to anyone who reaches port %d: no API key configured "

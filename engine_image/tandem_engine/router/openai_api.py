@@ -9,8 +9,14 @@ them on a FastAPI app. A streamed response starts only when the first choice has
 produced something, so errors found before any token (no engine, an engine's 400) still
 get a real HTTP status; later errors arrive as an `error` event before `[DONE]`.
 
+A request's `model` names the served model or a LoRA adapter an engine serves (its
+heartbeat lists it; `routing.served_adapters`); the choice then runs under it
+(`Dispatcher.generate(adapter=)`), and any other name is a 404 naming the served ones.
 A client that disconnects has its choices cancelled, which aborts them on the engines.
-Also served: `GET /v1/models`, `/v1/engines` (the router's view of each engine),
+Also served: `GET /v1/models` (the model, then each adapter with its `parent`, as vLLM
+lists them), vLLM's `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (admin
+calls done on every engine: `adapters.py`, `auth.py`), `/v1/engines` (the router's view
+of each engine),
 `/healthz`, `/readyz` (200 once an engine is RUNNING) and `/metrics`, and as vLLM serves
 them `/health` (200, empty, while an engine serves), `/version`, `/tokenize` and
 `/detokenize` (`tokenize_params`), and the OpenAPI description `/openapi.json`
@@ -39,12 +45,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from tandem_engine.generation_config import GenerationDefaults
+from tandem_engine.router import adapters
 from tandem_engine.router import openai_format as fmt
 from tandem_engine.router import openapi_schema as docs
 from tandem_engine.router.api_params import (
@@ -73,6 +80,7 @@ from tandem_engine.router.dispatch import Dispatcher
 from tandem_engine.router.engines import EnginePool
 from tandem_engine.router.metrics import RouterMetrics
 from tandem_engine.router.picker import no_engine_message
+from tandem_engine.router.routing import served_adapters
 from tandem_engine.router.structured_request import GrammarCheck
 from tandem_engine.router.tokenize_params import parse_detokenize, parse_tokenize
 from tandem_engine.router.tools import ToolRequest, render_for_template
@@ -107,19 +115,19 @@ class Choices:
     (index, exception) in arrival order, None when all are done."""
 
     def __init__(self, dispatcher: Dispatcher, request_id: str, jobs: list[Job],
-                 cache_salt: str | None, arrival: float) -> None:
+                 cache_salt: str | None, arrival: float, adapter: str | None = None) -> None:
         self._queue: asyncio.Queue[tuple[int, Delta | BaseException]] = asyncio.Queue()
         self._pending = len(jobs)
         self._tasks = [asyncio.create_task(self._run(dispatcher, f"{request_id}-{j.index}",
-                                                     j, cache_salt, arrival))
+                                                     j, cache_salt, arrival, adapter))
                        for j in jobs]
 
     async def _run(self, dispatcher: Dispatcher, request_id: str, job: Job,
-                   cache_salt: str | None, arrival: float) -> None:
+                   cache_salt: str | None, arrival: float, adapter: str | None) -> None:
         finished = False
         try:
             async for delta in dispatcher.generate(request_id, job.prompt_ids, job.sampling,
-                                                   cache_salt, arrival):
+                                                   cache_salt, arrival, adapter):
                 finished = delta.finished
                 self._queue.put_nowait((job.index, delta))
             if not finished:
@@ -185,7 +193,7 @@ class RouterApi:
         req = parse_completion(await self._body(request))
         check_prompt_chars(req, self.limits)
         options = req.options
-        self._check_model(options)
+        adapter = await self._adapter(options.model)
         await self._check_structured(options)
         limit = await self._context_limit()
         jobs: list[Job] = []
@@ -202,14 +210,15 @@ class RouterApi:
             jobs += [Job(i * options.n + j, i, ids,
                          engine_sampling(options, max_tokens, j, self.generation_defaults),
                          echo) for j in range(options.n)]
-        return await self._serve(request, "cmpl", jobs, options, prompt_tokens, arrival)
+        return await self._serve(request, "cmpl", jobs, options, prompt_tokens, arrival,
+                                 adapter=adapter)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
         req = parse_chat(await self._body(request))
         check_prompt_chars(req, self.limits)
         options = req.options
-        self._check_model(options)
+        adapter = await self._adapter(options.model)
         if self.chat_template is None:
             raise self._no_chat_template()
         await self._check_structured(options)
@@ -224,7 +233,7 @@ class RouterApi:
                                                 self.generation_defaults))
                 for j in range(options.n)]
         return await self._serve(request, "chatcmpl", jobs, options, len(ids), arrival,
-                                 req.tools)
+                                 req.tools, adapter)
 
     async def _check_structured(self, options: Options) -> None:
         """A 400 for a constraint the grammar library refuses (before any engine sees it)."""
@@ -272,15 +281,30 @@ class RouterApi:
                                  "(tandem-router --body-timeout)", None, 408) from None
         return await asyncio.to_thread(decode_body, b"".join(chunks))
 
-    def _check_model(self, options: Options) -> None:
-        self._check_model_name(options.model)
+    async def _adapter(self, model: str) -> str | None:
+        """`_resolve_model`, for a generation: a router that has not heard from its
+        engines yet (just started) waits for them (`wait_until_serving`) before it calls
+        an adapter's name unknown."""
+        try:
+            return self._resolve_model(model)
+        except InvalidRequest:
+            picker = self.dispatcher.picker
+            if picker.ready() or not await picker.wait_until_serving():
+                raise
+            return self._resolve_model(model)
 
-    def _check_model_name(self, model: str | None) -> None:
-        """404 unless `model` is the served model's name (None: /tokenize's default)."""
-        if model is not None and model != self.served_model_name:
-            raise InvalidRequest(f"the model {model!r} does not exist: this server "
-                                 f"serves {self.served_model_name!r}", "model", 404,
-                                 "model_not_found")
+    def _resolve_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, None for the served model (or no
+        name: /tokenize's default); 404 for any other name, naming the served ones."""
+        if model is None or model == self.served_model_name:
+            return None
+        served = served_adapters(self.pool.views())
+        if model in served:
+            return model
+        also = f" and the LoRA adapters {', '.join(map(repr, served))}" if served else ""
+        raise InvalidRequest(f"the model {model!r} does not exist: this server serves "
+                             f"{self.served_model_name!r}{also} (GET /v1/models)", "model",
+                             404, "model_not_found")
 
     async def _context_limit(self) -> int:
         await self.dispatcher.picker.wait_until_serving()
@@ -294,10 +318,13 @@ class RouterApi:
 
     async def _serve(self, request: Request, kind: str, jobs: list[Job], options: Options,
                      prompt_tokens: int, arrival: float,
-                     tools: ToolRequest | None = None) -> Response:
-        """Run the jobs; answer once the first choice produced something (or failed)."""
+                     tools: ToolRequest | None = None, adapter: str | None = None
+                     ) -> Response:
+        """Run the jobs (under LoRA adapter `adapter`, a name, when given); answer once
+        the first choice produced something (or failed)."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
-        choices = Choices(self.dispatcher, request_id, jobs, options.cache_salt, arrival)
+        choices = Choices(self.dispatcher, request_id, jobs, options.cache_salt, arrival,
+                          adapter)
         choices.watch(request)
         try:
             first = await choices.next()
@@ -308,7 +335,9 @@ class RouterApi:
         if isinstance(first[1], BaseException):
             choices.cancel()
             return self._failure(first[1])
-        render = fmt.Renderer(kind, request_id, self.served_model_name, options, len(jobs),
+        # The response names the model asked for: the adapter, as vLLM's does.
+        render = fmt.Renderer(kind, request_id, adapter or self.served_model_name, options,
+                              len(jobs),
                               self.strings,
                               [fmt.ChoicePrompt(j.prompt_ids, j.echo_text) for j in jobs],
                               tools=tools)
@@ -438,7 +467,7 @@ class RouterApi:
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         req = parse_tokenize(await self._body(request))
-        self._check_model_name(req.model)
+        self._resolve_model(req.model)  # an adapter tokenizes as its base model
         model = self.served_model_name
         if req.messages is not None:
             chat = parse_chat({"model": model, "messages": req.messages})
@@ -461,7 +490,7 @@ class RouterApi:
 
     async def detokenize(self, request: Request) -> dict[str, str]:
         req = parse_detokenize(await self._body(request), self.tokenizer.vocab_size)
-        self._check_model_name(req.model)
+        self._resolve_model(req.model)
         text = await asyncio.to_thread(self.tokenizer.decode, req.tokens, False)
         return {"prompt": text}
 
@@ -475,13 +504,45 @@ class RouterApi:
     # ---- the router's own endpoints -----------------------------------------------------------
 
     async def models(self) -> dict[str, Any]:
-        """The served model; `default_sampling_params` are what a request that leaves a
-        sampling parameter out gets, and `generation_config` says where they came from."""
-        return {"object": "list", "data": [{
-            "id": self.served_model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "tandem", "max_model_len": self.dispatcher.picker.max_model_len(),
-            "default_sampling_params": self.generation_defaults.sampling_kwargs(),
-            "generation_config": self.generation_defaults.source}]}
+        """The served model, then each LoRA adapter an engine serves, as vLLM lists them:
+        its `parent` is the served model, its `root` its identity "name@version" (the
+        version most engines serve). `default_sampling_params` are what a request that
+        leaves a sampling parameter out gets, and `generation_config` says where they
+        came from."""
+        created, max_model_len = int(time.time()), self.dispatcher.picker.max_model_len()
+        base = {"id": self.served_model_name, "object": "model", "created": created,
+                "owned_by": "tandem", "root": self.served_model_name, "parent": None,
+                "max_model_len": max_model_len,
+                "default_sampling_params": self.generation_defaults.sampling_kwargs(),
+                "generation_config": self.generation_defaults.source}
+        loras = [{"id": name, "object": "model", "created": created, "owned_by": "tandem",
+                  "root": identities[0], "parent": self.served_model_name,
+                  "max_model_len": max_model_len}
+                 for name, identities in served_adapters(self.pool.views()).items()]
+        return {"object": "list", "data": [base, *loras]}
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: serve an adapter on every engine (an admin call: `auth.ADMIN_PATHS`)."""
+        req = adapters.parse_load(await self._body(request), self.served_model_name)
+        return self._adapter_answer(await adapters.load_everywhere(self.pool, req))
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: stop serving an adapter on every engine (an admin call)."""
+        req = adapters.parse_unload(await self._body(request))
+        return self._adapter_answer(await adapters.unload_everywhere(self.pool, req))
+
+    @staticmethod
+    def _adapter_answer(result: adapters.CallResult) -> Response:
+        """vLLM's answers: its success text, or the error in the OpenAI shape."""
+        if result.status == 200:
+            return PlainTextResponse(result.message)
+        if result.status == 404:
+            return _error(404, result.message, "invalid_request_error", "lora_name",
+                          "lora_adapter_not_found")
+        if result.status >= 500:
+            return _error(result.status, result.message, "service_unavailable", None,
+                          "engine_unavailable")
+        return _error(result.status, result.message, "invalid_request_error", "lora_path")
 
     async def engines(self) -> dict[str, Any]:
         return {"router_id": self.pool.router_id,
@@ -504,9 +565,11 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
               limits: RequestLimits | None = None,
               api_keys: Sequence[str] = (),
               allow_special_tokens_in_content: bool = False,
-              generation_defaults: GenerationDefaults | None = None) -> FastAPI:
+              generation_defaults: GenerationDefaults | None = None,
+              admin_token: str | None = None) -> FastAPI:
     """The router app; its lifespan starts and closes the pool's connections. With
-    `api_keys`, every path but `auth.OPEN_PATHS` needs one of them."""
+    `api_keys`, every path but `auth.OPEN_PATHS` and `auth.ADMIN_PATHS` needs one of
+    them; the admin paths need `admin_token` (none: they answer 403)."""
     if dispatcher is None:
         dispatcher = Dispatcher(pool)
     if dispatcher.metrics is None:
@@ -533,8 +596,8 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
     app.add_exception_handler(RequestValidationError, api.validation_error)
     app.add_exception_handler(Exception, api.unexpected)
     _mount(app, api)
+    app.add_middleware(ApiKeyMiddleware, keys=api_keys, admin_token=admin_token)
     if api_keys:
-        app.add_middleware(ApiKeyMiddleware, keys=api_keys)
 
         def openapi() -> dict[str, Any]:
             if app.openapi_schema is None:
@@ -562,6 +625,9 @@ def _mount(app: FastAPI, api: RouterApi) -> None:
     app.get("/version", **docs.route_docs(None, docs.VERSION))(api.version)
     app.get("/health")(api.health)
     app.get("/v1/engines")(api.engines)
+    # Admin calls (auth.ADMIN_PATHS), left out of the API description clients read.
+    app.post("/v1/load_lora_adapter", include_in_schema=False)(api.load_lora_adapter)
+    app.post("/v1/unload_lora_adapter", include_in_schema=False)(api.unload_lora_adapter)
     app.get("/healthz")(api.healthz)
     app.get("/readyz")(api.readyz)
     app.get("/metrics")(api.render_metrics)

@@ -167,6 +167,9 @@ MODELS: Schema = {"type": "object", "required": ["object", "data"], "properties"
         "type": "object", "required": ["id", "object", "created", "owned_by"],
         "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                        "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                       # A LoRA adapter's: its identity (name@version) and the served
+                       # model; the served model's own: its name and null.
+                       "root": {"type": "string"}, "parent": {"type": ["string", "null"]},
                        "max_model_len": {"type": ["integer", "null"]},
                        "default_sampling_params": {"type": "object"},
                        "generation_config": {"type": "string"}}}}}}

@@ -10,6 +10,13 @@ left the pool holds none of the blocks remembered for it, so its index starts ov
 It also owns waiting for an engine: `wait_until_serving` while the whole pool is only
 away for now (a refit's window), `wait_for_version` while a choice that has tokens
 looks for an engine of their weight version.
+
+A request under a LoRA adapter (`adapter`: its name, or once it has tokens the identity
+"name@version" they were made with) is offered only engines that serve it, scored with
+the adapter's affinity too (`routing.choose`), and a disaggregated one only a prefill
+and a decode engine that serve it at the same version. Its prefix hashes are salted with
+the adapter's identity as each engine salts them (`block_salt`), so affinity never
+mistakes one adapter's cached prefix for another's.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from tandem_engine.router.routing import (
     EngineView,
     PrefixIndex,
     RoutingWeights,
+    adapter_identity,
     choose,
     eligible,
     retired,
@@ -86,17 +94,19 @@ class EnginePicker:
     # ---- picking ------------------------------------------------------------------------------
 
     def pick(self, token_ids: Sequence[int], cache_salt: str | None = None,
-             version: str | None = None, exclude: Sequence[str] = ()) -> EngineClient | None:
-        """The engine for `token_ids` (recorded in its prefix index), or None.
+             version: str | None = None, exclude: Sequence[str] = (),
+             adapter: str | None = None) -> EngineClient | None:
+        """The engine for `token_ids` (recorded in its prefix index), or None; one that
+        serves `adapter` (a name or an identity) when given.
 
         A colocated request avoids prefill-role engines while another engine can take it."""
-        candidates = eligible(self.pool.views(), version, exclude)
+        candidates = eligible(self.pool.views(), version, exclude, adapter)
         preferred = [e for e in candidates if self.pool.by_key[e.key].role != EngineRole.PREFILL]
-        return self._choose(preferred or candidates, token_ids, cache_salt)
+        return self._choose(preferred or candidates, token_ids, cache_salt, adapter)
 
     async def wait_for_version(self, token_ids: Sequence[int], cache_salt: str | None,
-                               version: str | None, exclude: Sequence[str] = ()
-                               ) -> EngineClient | None:
+                               version: str | None, exclude: Sequence[str] = (),
+                               adapter: str | None = None) -> EngineClient | None:
         """An engine of weight `version` to continue a generation on, waiting up to
         `wait_timeout` for one (its engines may be paused or reconnecting); None when
         none came. Once `version` is `retired` (no alive engine runs it, another serves),
@@ -105,18 +115,19 @@ class EnginePicker:
         Recompute refit does."""
         deadline = time.monotonic() + self.wait_timeout
         while True:
-            client = self.pick(token_ids, cache_salt, version, exclude)
+            client = self.pick(token_ids, cache_salt, version, exclude, adapter)
             if client is None and version is not None and retired(self.pool.views(), version):
-                client = self.pick(token_ids, cache_salt, None, exclude)
+                client = self.pick(token_ids, cache_salt, None, exclude, adapter)
             if client is not None or time.monotonic() > deadline:
                 return client
             await asyncio.sleep(POLL_INTERVAL)
 
-    def pick_pair(self, token_ids: Sequence[int], cache_salt: str | None = None
-                  ) -> tuple[EngineClient, EngineClient] | None:
+    def pick_pair(self, token_ids: Sequence[int], cache_salt: str | None = None,
+                  adapter: str | None = None) -> tuple[EngineClient, EngineClient] | None:
         """(prefill engine, decode engine) of the serving version for a disaggregated
-        request, or None when the serving version lacks a prefill or a decode engine."""
-        candidates = eligible(self.pool.views())
+        request, or None when the serving version lacks a prefill or a decode engine
+        (serving `adapter`, when given: both at the same version of it)."""
+        candidates = eligible(self.pool.views(), adapter=adapter)
         clients = self.pool.by_key
         if not (any(clients[e.key].role == EngineRole.PREFILL for e in candidates)
                 and any(clients[e.key].role == EngineRole.DECODE for e in candidates)):
@@ -129,44 +140,52 @@ class EnginePicker:
         # Prefer a dedicated prefill engine; a mixed one only when none is available.
         prefills = [e for e in prefills if clients[e.key].role == EngineRole.PREFILL] or prefills
         decodes = [e for e in able if clients[e.key].role in (EngineRole.DECODE, EngineRole.MIXED)]
-        prefill = self._choose(prefills, token_ids, cache_salt)
+        prefill = self._choose(prefills, token_ids, cache_salt, adapter)
         assert prefill is not None
-        decodes = [e for e in decodes if e.key != prefill.key]
+        # The decode engine continues under the adapter version the prefill ran.
+        identity = adapter_identity(prefill.view(), adapter) if adapter is not None else None
+        decodes = [e for e in decodes if e.key != prefill.key
+                   and (identity is None or identity in e.loras)]
         decodes = [e for e in decodes if clients[e.key].role == EngineRole.DECODE] or decodes
         if not decodes:
             return None
-        # Load only: the decode engine pulls whatever it lacks.
-        decode = choose(decodes, {}, self.weights, next(self._tie_break))
+        # Load (and the adapter on the device) only: the decode engine pulls the prompt.
+        decode = choose(decodes, {}, self.weights, next(self._tie_break), identity)
         assert decode is not None
-        self._index(decode.key).add(block_hashes(token_ids, decode.block_size,
-                                                 block_salt(decode.weight_epoch, cache_salt)))
+        self._index(decode.key).add(block_hashes(
+            token_ids, decode.block_size, block_salt(decode.weight_epoch, cache_salt,
+                                                     identity)))
         return prefill, clients[decode.key]
 
     def remember(self, client: EngineClient, token_ids: Sequence[int],
-                 cache_salt: str | None) -> None:
-        """After a choice finished on `client`: it also caches the generated blocks."""
+                 cache_salt: str | None, adapter: str | None = None) -> None:
+        """After a choice finished on `client` (under `adapter`, a name or an identity):
+        it also caches the generated blocks."""
         v = client.view()
-        self._index(client.key).add(
-            block_hashes(token_ids, v.block_size, block_salt(v.weight_epoch, cache_salt)))
+        identity = adapter_identity(v, adapter) if adapter is not None else None
+        self._index(client.key).add(block_hashes(
+            token_ids, v.block_size, block_salt(v.weight_epoch, cache_salt, identity)))
 
     # ---- internals ----------------------------------------------------------------------------
 
     def _choose(self, candidates: Sequence[EngineView], token_ids: Sequence[int],
-                cache_salt: str | None) -> EngineClient | None:
+                cache_salt: str | None, adapter: str | None = None) -> EngineClient | None:
         if not candidates:
             return None
         hashes: dict[str, list[int]] = {}
         fraction: dict[str, float] = {}
-        by_chain: dict[tuple[int, int], list[int]] = {}
+        by_chain: dict[tuple[int, int, str | None], list[int]] = {}
         for e in candidates:
-            chain = (e.weight_epoch, e.block_size)
+            # Each engine's chain as it salts it: its epoch and its version of the adapter.
+            identity = adapter_identity(e, adapter) if adapter is not None else None
+            chain = (e.weight_epoch, e.block_size, identity)
             if chain not in by_chain:
                 by_chain[chain] = block_hashes(token_ids, e.block_size,
-                                               block_salt(e.weight_epoch, cache_salt))
+                                               block_salt(e.weight_epoch, cache_salt, identity))
             hashes[e.key] = by_chain[chain]
             n = len(hashes[e.key])
             fraction[e.key] = self._index(e.key).match(hashes[e.key]) / n if n else 0.0
-        chosen = choose(candidates, fraction, self.weights, next(self._tie_break))
+        chosen = choose(candidates, fraction, self.weights, next(self._tie_break), adapter)
         assert chosen is not None
         self._index(chosen.key).add(hashes[chosen.key])
         return self.pool.by_key[chosen.key]
@@ -188,9 +207,10 @@ class EnginePicker:
         return self._indexes[key]
 
 
-def no_engine_message(pool: EnginePool, excluded: set[str] | frozenset[str] = frozenset()
-                      ) -> str:
+def no_engine_message(pool: EnginePool, excluded: set[str] | frozenset[str] = frozenset(),
+                      adapter: str | None = None) -> str:
     views = pool.views()
     states = ", ".join(f"{v.key}: {v.state if v.alive else 'unreachable'}" for v in views)
     refused = f"; refused by {', '.join(sorted(excluded))}" if excluded else ""
-    return f"no engine is available to serve the request (engines: {states}{refused})"
+    under = "" if adapter is None else f" under LoRA adapter {adapter!r}"
+    return f"no engine is available to serve the request{under} (engines: {states}{refused})"

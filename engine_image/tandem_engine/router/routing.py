@@ -1,4 +1,5 @@
-"""Which engine serves a request: weight version first, then load and prefix affinity.
+"""Which engine serves a request: weight version and LoRA adapter first, then load,
+prefix affinity and adapter affinity.
 
 Pure functions over `EngineView` snapshots, so every rule is tested without sockets.
 
@@ -14,6 +15,11 @@ Pure functions over `EngineView` snapshots, so every rule is tested without sock
   sent there (`PrefixIndex`, bounded LRU). The engine with the longest cached prefix
   wins unless it is much more loaded: a fully cached prompt is worth
   `affinity_weight` queued requests.
+* Adapters: a request under a LoRA adapter goes only to engines that serve it (at the
+  version its tokens so far were made with, once there are any: `adapter_identity`),
+  and an engine with the adapter already on its device (its heartbeat's
+  `resident_loras`) is worth `lora_weight` queued requests more: elsewhere the adapter
+  must be copied into a device slot first, or the request waits for a free one.
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ class EngineView:
     block_size: int
     max_model_len: int
     draining: bool = False  # refusing new requests (a drain, a refit's verification)
+    # LoRA adapters as identities "name@version": served, and on the device now.
+    loras: frozenset[str] = frozenset()
+    resident_loras: frozenset[str] = frozenset()
 
     @property
     def serving(self) -> bool:
@@ -60,6 +69,7 @@ class RoutingWeights:
     affinity_weight: float = 4.0  # a fully cached prompt is worth this many queued requests
     waiting_weight: float = 1.0  # a waiting request counts this much on top of queued
     kv_weight: float = 4.0  # a full KV pool counts as this many queued requests
+    lora_weight: float = 2.0  # the request's adapter on the device is worth this many
 
 
 DEFAULT_WEIGHTS = RoutingWeights()
@@ -96,14 +106,44 @@ def retired(engines: Iterable[EngineView], version: str) -> bool:
     return serving_version(engines) not in (None, version)
 
 
+def adapter_name(adapter: str) -> str:
+    """The name of an adapter given by name or by identity ("name@version": names hold
+    no "@", `lora_request.ADAPTER_NAME`)."""
+    return adapter.partition("@")[0]
+
+
+def adapter_identity(e: EngineView, adapter: str) -> str | None:
+    """The identity under which `e` serves `adapter` (a name: at whatever version it
+    serves; an identity: that one only), or None when it does not."""
+    if "@" in adapter:
+        return adapter if adapter in e.loras else None
+    return next((i for i in sorted(e.loras) if adapter_name(i) == adapter), None)
+
+
+def served_adapters(engines: Iterable[EngineView]) -> dict[str, list[str]]:
+    """Each adapter name alive engines serve, with its identities, the most served
+    first (then by identity): what a request's `model` may name, and `/v1/models`."""
+    counts: dict[str, int] = {}
+    for e in engines:
+        if e.alive:
+            for identity in e.loras:
+                counts[identity] = counts.get(identity, 0) + 1
+    names: dict[str, list[str]] = {}
+    for identity in sorted(counts, key=lambda i: (-counts[i], i)):
+        names.setdefault(adapter_name(identity), []).append(identity)
+    return dict(sorted(names.items()))
+
+
 def eligible(engines: Iterable[EngineView], version: str | None = None,
-             exclude: Iterable[str] = ()) -> list[EngineView]:
-    """Alive RUNNING engines of `version` (default: the serving version), minus `exclude`."""
+             exclude: Iterable[str] = (), adapter: str | None = None) -> list[EngineView]:
+    """Alive RUNNING engines of `version` (default: the serving version), minus `exclude`,
+    serving `adapter` (a name or an identity; None: the base model, which all serve)."""
     engines = list(engines)
     version = version if version is not None else serving_version(engines)
     skip = set(exclude)
     return [e for e in engines
-            if e.serving and e.weight_version == version and e.key not in skip]
+            if e.serving and e.weight_version == version and e.key not in skip
+            and (adapter is None or adapter_identity(e, adapter) is not None)]
 
 
 def load_cost(e: EngineView, w: RoutingWeights = DEFAULT_WEIGHTS) -> float:
@@ -112,17 +152,24 @@ def load_cost(e: EngineView, w: RoutingWeights = DEFAULT_WEIGHTS) -> float:
 
 
 def choose(candidates: Sequence[EngineView], cached_fraction: dict[str, float],
-           w: RoutingWeights = DEFAULT_WEIGHTS, tie_break: int = 0) -> EngineView | None:
-    """The best candidate: affinity bonus minus load cost, highest wins.
+           w: RoutingWeights = DEFAULT_WEIGHTS, tie_break: int = 0,
+           adapter: str | None = None) -> EngineView | None:
+    """The best candidate: affinity bonuses minus load cost, highest wins.
 
     `cached_fraction[key]` is the share (0..1) of the prompt's full blocks the engine is
-    believed to hold as a cached prefix. Equal scores rotate with `tie_break` (a counter
-    the caller advances), so idle engines share the work."""
+    believed to hold as a cached prefix; an engine with the request's `adapter` (name or
+    identity) on its device gets `lora_weight` more. Equal scores rotate with
+    `tie_break` (a counter the caller advances), so idle engines share the work."""
     if not candidates:
         return None
 
+    def resident(e: EngineView) -> bool:
+        identity = adapter_identity(e, adapter) if adapter is not None else None
+        return identity is not None and identity in e.resident_loras
+
     def score(e: EngineView) -> float:
-        return w.affinity_weight * cached_fraction.get(e.key, 0.0) - load_cost(e, w)
+        return (w.affinity_weight * cached_fraction.get(e.key, 0.0)
+                + (w.lora_weight if resident(e) else 0.0) - load_cost(e, w))
 
     best = max(score(e) for e in candidates)
     top = [e for e in candidates if score(e) >= best - 1e-9]

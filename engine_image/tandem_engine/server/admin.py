@@ -1,6 +1,7 @@
 """The engine's admin HTTP API: what the operator (and `tandem serve`) calls.
 
-State, lifecycle signals, refit, health, readiness and Prometheus metrics. Every
+State, lifecycle signals, refit, LoRA adapters (vLLM's `POST /v1/load_lora_adapter` and
+`/v1/unload_lora_adapter`), health, readiness and Prometheus metrics. Every
 mutating call goes through `EngineControl` (server/control.py); reads come from the
 engine's published snapshot. Lifecycle calls block on the engine lock, so they are
 plain (threadpool) handlers. `AdminGuard` (server/admin_guard.py) stands in front of
@@ -17,6 +18,7 @@ mutating API need not be reachable from wherever metrics are scraped.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,14 +35,17 @@ from tandem_engine.admin_wire import (
     CanaryReply,
     CanaryRequest,
     EngineStatus,
+    LoadLoRAAdapterRequest,
     RefitRequest,
     SuspendRequest,
+    UnloadLoRAAdapterRequest,
     decode_body,
     encode_status,
 )
-from tandem_engine.engine.stats import SpecDecodeStats
+from tandem_engine.engine.stats import LoRAStats, SpecDecodeStats
 from tandem_engine.errors import CheckpointError, RequestRejected
 from tandem_engine.lifecycle import EngineStateError
+from tandem_engine.server.adapters import AdapterCallError
 from tandem_engine.server.admin_guard import guard_admin_app
 from tandem_engine.server.control import EngineControl, ShuttingDown
 from tandem_engine.server.handoff import HandoffStats
@@ -79,6 +84,7 @@ def build_admin_app(control: EngineControl, admin_token: str | None = None,
 
     _add_lifecycle_routes(app, control)
     _add_serving_routes(app, control)
+    _add_lora_routes(app, control)
     _add_read_routes(app, control)
     _add_probe_routes(app, control, registry or engine_registry(control))
     return app
@@ -199,6 +205,30 @@ def _add_serving_routes(app: FastAPI, control: EngineControl) -> None:
             canary, await _body(request, CanaryRequest, optional=True))
 
 
+def _add_lora_routes(app: FastAPI, control: EngineControl) -> None:
+    """LoRA adapters, with vLLM's paths and bodies: 200 with the engine's state (which
+    lists the adapters it serves), 400 naming the problem (a bad adapter, name or path,
+    LoRA off), 404 unloading a name not served, 422 a body that does not decode. The
+    engine reads the adapter under its lock: on the threadpool."""
+
+    def call(fn: Callable[..., str], *args: Any) -> JSONResponse:
+        try:
+            message = fn(*args)
+        except AdapterCallError as exc:
+            raise HTTPException(exc.status, exc.message) from exc
+        return JSONResponse({**encode_status(control.status()), "message": message})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> JSONResponse:
+        body: LoadLoRAAdapterRequest = await _body(request, LoadLoRAAdapterRequest)
+        return await run_in_threadpool(call, control.load_lora, body)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> JSONResponse:
+        body: UnloadLoRAAdapterRequest = await _body(request, UnloadLoRAAdapterRequest)
+        return await run_in_threadpool(call, control.unload_lora, body.lora_name)
+
+
 def _add_read_routes(app: FastAPI, control: EngineControl) -> None:
     """State: open, and never waiting for a step."""
 
@@ -287,6 +317,8 @@ class _EngineCollector:
         yield from self._device_families(labels, v)
         if s.speculative is not None:  # only with speculative decoding on
             yield from self._spec_families(labels, v, s.speculative)
+        if s.lora is not None:  # only with --enable-lora
+            yield from self._lora_families(labels, v, s.lora)
 
     def _vllm_families(self, labels: list[str], v: list[str]):
         """The names vLLM v1 exports, meaning the same here (docs/metrics.md)."""
@@ -343,6 +375,25 @@ class _EngineCollector:
                       dict(w.stats.spec_steps))
         yield counter("tandem_spec_decode_step_seconds", "Time in engine steps with decode "
                       "tokens, by kind (verify, plain)", "kind", dict(w.stats.spec_step_seconds))
+
+    def _lora_families(self, labels: list[str], v: list[str], lora: LoRAStats):
+        """LoRA adapters: vLLM's info gauge (its labels say which adapters the running and
+        waiting requests use, comma-joined; its value is the time of the scrape, as
+        vLLM's is), and the device slots' loads, evictions and hits."""
+        _, counter = _family_builders(labels, v)
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info", "LoRA adapters of the running and waiting requests "
+            "(value: the time it was read)",
+            labels=[*labels, "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([*v, ",".join(lora.running), ",".join(lora.waiting),
+                         str(lora.max_loras)], time.time())
+        yield info
+        yield counter("tandem_lora_loads", "LoRA adapters copied into a device slot",
+                      values=lora.loads)
+        yield counter("tandem_lora_evictions", "LoRA adapters whose device slot another "
+                      "adapter took (least recently used first)", values=lora.evictions)
+        yield counter("tandem_lora_hits", "Requests whose LoRA adapter was already in a "
+                      "device slot", values=lora.hits)
 
     def _handoff_families(self, labels: list[str], v: list[str]):
         """KV handoff: pins on a prefill engine, pulls on a decode engine."""

@@ -1,7 +1,8 @@
 """Every lifecycle change of an engine process goes through one object.
 
 `EngineControl` is what the admin API (and through it the operator and `tandem
-refit`) calls: pause, unpause, suspend, resume, refit, drain, undrain, canary. Each
+refit`) calls: pause, unpause, suspend, resume, refit, drain, undrain, canary, and
+loading and unloading LoRA adapters (server/adapters.py holds their rules). Each
 call drives the engine's state machine, keeps what must follow it in step (the KV
 transfer agent's registration of a pool that a suspend moves; admission while
 draining) and tells every router about the change at once. Callers never need to
@@ -14,7 +15,14 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from tandem_engine.admin_wire import DeviceStatus, EngineStatus, RefitRequest
+from msgspec import UNSET
+
+from tandem_engine.admin_wire import (
+    DeviceStatus,
+    EngineStatus,
+    LoadLoRAAdapterRequest,
+    RefitRequest,
+)
 from tandem_engine.errors import CheckpointError
 from tandem_engine.lifecycle import EngineState, EngineStateError, KVMode
 from tandem_engine.model.device import DeviceReport, report_device
@@ -101,6 +109,22 @@ class EngineControl:
         admitted = path if self.weights_roots is None else self.weights_roots.admit(path)
         return resolve_checkpoint(admitted)
 
+    # ---- LoRA adapters --------------------------------------------------------------------
+
+    def load_lora(self, request: LoadLoRAAdapterRequest) -> str:
+        """Serve an adapter (vLLM's `POST /v1/load_lora_adapter`); routers hear of it at
+        once. AdapterCallError (400) when refused; the success message otherwise."""
+        message = self.worker.adapters.load(request.lora_name, request.lora_path,
+                                            request.lora_version)
+        self.worker.announce_state()
+        return message
+
+    def unload_lora(self, name: str) -> str:
+        """Stop serving an adapter; AdapterCallError (404) when it is not served."""
+        message = self.worker.adapters.unload(name)
+        self.worker.announce_state()
+        return message
+
     # ---- admission ------------------------------------------------------------------------
 
     def drain(self) -> None:
@@ -135,6 +159,7 @@ class EngineControl:
         """`GET /v1/state`: one snapshot of the engine and its process."""
         w, stats = self.worker, self.engine.stats
         handoff = (w.handoff.stats if w.handoff is not None else HandoffStats()).as_dict()
+        lora = stats.lora
         return EngineStatus(
             engine_id=w.engine_id, incarnation=w.incarnation, role=w.role, model=w.model_name,
             state=stats.state, weight_version=stats.weights.version,
@@ -145,4 +170,6 @@ class EngineControl:
             quarantined_blocks=stats.num_quarantined_blocks,
             kv_pulls={**handoff, "recomputed": stats.num_pull_fallbacks},
             device=DeviceStatus(**self.device_probe().as_dict()),
-            weight_bytes=stats.weight_bytes, last_refit_peak_bytes=stats.last_refit_peak_bytes)
+            weight_bytes=stats.weight_bytes, last_refit_peak_bytes=stats.last_refit_peak_bytes,
+            loras=list(lora.served) if lora is not None else UNSET,
+            resident_loras=list(lora.resident) if lora is not None else UNSET)

@@ -5,8 +5,10 @@ loads, /healthz is 200, /readyz 503 and /v1/state says LOADING with the load's p
 (server/loading.py); the ZMQ socket binds once the engine exists. A failed load exits 2.
 
 The ZMQ socket authenticates routers with CURVE when the environment holds the pool's
-keys (`tandem_engine.zmq_auth`); refits read checkpoints only inside `--weights-root`;
-`--metrics-port` serves metrics and probes read-only, apart from the admin API.
+keys (`tandem_engine.zmq_auth`); refits and LoRA adapters loaded at run time read only
+inside `--weights-root`; `--metrics-port` serves metrics and probes read-only, apart from
+the admin API. `--lora-modules` adapters are loaded before the socket binds: one that
+cannot be loaded ends the start (exit 2), so a router never sees an engine without them.
 
 SIGTERM (or SIGINT) stops admitting requests, lets in-flight ones finish within
 `--shutdown-grace` seconds, aborts the rest (their routers get final outputs), and
@@ -40,6 +42,8 @@ from tandem_engine.config import (
 from tandem_engine.engine_flags import add_flags, namespace_values
 from tandem_engine.http_guard import add_deadline_flags, protocol_class
 from tandem_engine.lifecycle import EngineRole
+from tandem_engine.lora_request import LoRARequest
+from tandem_engine.server.adapters import lora_modules
 from tandem_engine.server.loading import (
     KERNEL_BUILD_PHASE,
     TEST_LOAD_DELAY_ENV,
@@ -180,7 +184,7 @@ class _HttpServers:
 
 
 async def _run(args: argparse.Namespace, config: EngineConfig, curve: CurveServer | None,
-               roots: WeightsRoots, load_delay_s: float) -> int:
+               roots: WeightsRoots, load_delay_s: float, loras: list[LoRARequest]) -> int:
     from tandem_engine.server.admin_guard import guard_admin_app
     from tandem_engine.server.loading import build_loading_app
 
@@ -206,7 +210,8 @@ async def _run(args: argparse.Namespace, config: EngineConfig, curve: CurveServe
              args.host, args.admin_port, "" if args.metrics_port is None
              else f", metrics http://{args.host}:{args.metrics_port}")
     try:
-        return await _load_and_serve(args, config, curve, roots, token, loading, load, http)
+        return await _load_and_serve(args, config, curve, roots, token, loading, load, http,
+                                     loras)
     finally:  # a failed load ends the process: its probes must not outlive it
         await http.stop()
 
@@ -236,11 +241,14 @@ def _build_native_kernel(config: EngineConfig, load: ModelLoad) -> None:
 async def _load_and_serve(args: argparse.Namespace, config: EngineConfig,
                           curve: CurveServer | None,
                           roots: WeightsRoots, token: str | None, loading: LoadingEngine,
-                          load: ModelLoad, http: _HttpServers) -> int:
-    """Load the model, switch the HTTP servers to the full apps, serve until stopped."""
+                          load: ModelLoad, http: _HttpServers,
+                          loras: list[LoRARequest]) -> int:
+    """Load the model and the `--lora-modules` adapters, switch the HTTP servers to the
+    full apps, serve until stopped."""
     import torch
 
     from tandem_engine.engine.llm_engine import LLMEngine
+    from tandem_engine.server.adapters import EngineAdapters
     from tandem_engine.server.admin import build_admin_app, build_metrics_app, engine_registry
     from tandem_engine.server.control import EngineControl
     from tandem_engine.server.worker import EngineWorker
@@ -251,6 +259,11 @@ async def _load_and_serve(args: argparse.Namespace, config: EngineConfig,
                                      load.report)
     engine.set_weights(loading.weights)
     log.info("loaded %s in %.1f s", args.model, load.as_dict()["seconds"])
+    adapters = EngineAdapters(engine, roots)
+    await asyncio.to_thread(adapters.preload, loras)  # ValueError: exit 2 naming it
+    if loras:
+        log.info("serving LoRA adapters %s", ", ".join(
+            f"{lora.lora_name}@{lora.lora_version}" for lora in loras))
     engine_id = loading.engine_id
     transfer = None
     if args.role != "mixed":  # prefill and decode engines hand KV over with NIXL
@@ -263,7 +276,7 @@ async def _load_and_serve(args: argparse.Namespace, config: EngineConfig,
                           role=args.role, heartbeat_interval=args.heartbeat_interval,
                           transfer=transfer, pull_timeout=args.pull_timeout,
                           router_timeout=args.router_timeout,
-                          max_routers=args.max_routers)
+                          max_routers=args.max_routers, adapters=adapters)
 
     shutdown = asyncio.Event()
     control = EngineControl(worker, roots)
@@ -332,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "--port and --admin-port")
         load_delay_s = test_load_delay()
         config = engine_config(args)
-        code = asyncio.run(_run(args, config, curve, roots, load_delay_s))
+        loras = lora_modules(args.lora_modules, config.enable_lora)
+        code = asyncio.run(_run(args, config, curve, roots, load_delay_s, loras))
     except Exception as exc:  # report a startup failure in one line, not a traceback
         from tandem_engine.errors import TandemError
 

@@ -1,4 +1,5 @@
-"""Where a refit may read weights from: an allow-list of folders (`--weights-root`).
+"""Where a refit (or a LoRA adapter loaded at run time) may read weights from: an
+allow-list of folders (`--weights-root`).
 
 A refit names a checkpoint by URI; the admin API is reachable by the operator and the
 routers, and a refit reads whatever the engine can see. So the path is resolved
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem_engine.weights import weights_root_problem
+from tandem_engine.weights import nul_problem, weights_root_problem
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +26,22 @@ REFUSED = ("refit path refused: it is not a checkpoint inside the allowed weight
            "(--weights-root)")
 
 
+ADAPTER_REFUSED = ("LoRA adapter path refused: it is not inside the allowed weights roots "
+                   "(--weights-root)")
+
+
 class RefitPathRefused(ValueError):
     """A refit path outside the weights roots, or no checkpoint: always `REFUSED`."""
 
     def __init__(self) -> None:
         super().__init__(REFUSED)
+
+
+class AdapterPathRefused(ValueError):
+    """A LoRA adapter path outside the weights roots: always `ADAPTER_REFUSED`."""
+
+    def __init__(self) -> None:
+        super().__init__(ADAPTER_REFUSED)
 
 
 @dataclass(frozen=True)
@@ -58,3 +70,17 @@ class WeightsRoots:
             log.warning("refit to %r refused: %s", str(path), reason)
             raise RefitPathRefused()
         return Path(path).resolve()
+
+    def admit_adapter(self, path: str | Path) -> Path:
+        """The resolved LoRA adapter folder `path` names, if it lies inside a root; else
+        AdapterPathRefused (the reason is logged here only). What the folder holds is the
+        adapter reader's to check, once the path is admitted."""
+        reason = nul_problem(path)  # before resolve(), which would raise
+        resolved = Path(path).resolve() if reason is None else None
+        if resolved is not None and not any(resolved.is_relative_to(root)
+                                            for root in self.roots):
+            reason = f"{resolved} is outside the weights roots"
+        if resolved is None or reason is not None:
+            log.warning("LoRA adapter %r refused: %s", str(path), reason)
+            raise AdapterPathRefused()
+        return resolved

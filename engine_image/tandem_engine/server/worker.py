@@ -42,6 +42,7 @@ from tandem_engine.engine.stats import SpecDecodeStats, StepTiming
 from tandem_engine.errors import RequestRejected
 from tandem_engine.lifecycle import EngineState, EngineStateError
 from tandem_engine.sampling_params import SamplingParams
+from tandem_engine.server.adapters import EngineAdapters
 from tandem_engine.server.handoff import KVHandoff
 from tandem_engine.server.metric_families import (
     REQUEST_BUCKETS,
@@ -191,7 +192,9 @@ class EngineWorker:
                  role: str = p.EngineRole.MIXED, heartbeat_interval: float = 0.5,
                  transfer: KVTransferBackend | None = None,
                  pull_timeout: float = 10.0, router_timeout: float = 10.0,
-                 max_routers: int = 1024) -> None:
+                 max_routers: int = 1024, adapters: EngineAdapters | None = None) -> None:
+        """`adapters`: how routers' LoRA calls are done (default: loads read anywhere,
+        for in-process use; the engine process passes its weights roots)."""
         if router_timeout <= heartbeat_interval:
             raise ValueError(f"router timeout {router_timeout} s must exceed the heartbeat "
                              f"interval {heartbeat_interval} s (e.g. --router-timeout 10)")
@@ -228,15 +231,20 @@ class EngineWorker:
         # KV handoff (prefill/decode roles): pulls, the passive side's progress, pins.
         self.handoff = (KVHandoff(engine, transfer, pull_timeout=pull_timeout,
                                   wake=self._wake.set) if transfer is not None else None)
+        self.adapters = adapters or EngineAdapters(engine)
+        self._lora_calls: set[asyncio.Task] = set()  # routers' LoRA calls being done
 
     # ---- load, state and admission -----------------------------------------------------------
 
     def load(self) -> p.Load:
         s = self.engine.stats
+        lora = s.lora
         return p.Load(state=str(s.state), num_running=s.num_running,
                       num_waiting=s.num_waiting, kv_usage=s.kv_usage,
                       weight_version=s.weights.version, weight_epoch=s.weights.epoch,
-                      draining=self.draining)
+                      draining=self.draining,
+                      loras=list(lora.served) if lora is not None else [],
+                      resident_loras=list(lora.resident) if lora is not None else [])
 
     def announce_state(self) -> None:
         """Tell every router about a lifecycle change now (thread-safe)."""
@@ -355,8 +363,33 @@ class EngineWorker:
             self._inbox.append(functools.partial(self._abort, self._engine_id(
                 router, msg.request_id)))
             self._wake.set()
+        elif isinstance(msg, p.LoadLoRA | p.UnloadLoRA):
+            self._heard_from(router)
+            task = asyncio.create_task(self._lora_call(router, msg))
+            self._lora_calls.add(task)
+            task.add_done_callback(self._lora_calls.discard)
         else:
             log.warning("dropped a %s: engines do not accept it", type(msg).__name__)
+
+    async def _lora_call(self, router: bytes, call: p.LoadLoRA | p.UnloadLoRA) -> None:
+        """A router's LoRA call, done off the socket loop (it waits for the engine lock
+        and reads the adapter); every router hears of a change, the caller gets the
+        engine's load after it in the reply."""
+        status, message = await asyncio.to_thread(self.adapters.reply, call)
+        if status == 200:
+            self.announce_state()
+        self._queue(router, p.LoRAReply(call.call_id, status, message, self.load()))
+
+    def _serves(self, lora: p.LoRARef) -> bool:
+        """Whether this engine serves `lora` at its version now (published snapshot)."""
+        served = self.engine.stats.lora
+        return served is not None and lora.identity in served.served
+
+    def _not_served(self, lora: p.LoRARef) -> str:
+        served = self.engine.stats.lora
+        names = ", ".join(served.served) if served is not None and served.served else "none"
+        return (f"engine {self.engine_id} does not serve LoRA adapter {lora.identity} "
+                f"(it serves: {names})")
 
     def _abort(self, rid: str) -> None:
         self.engine.abort(rid)
@@ -430,6 +463,13 @@ class EngineWorker:
                 msg.request_id, 400, f"request id {msg.request_id!r} is already in use by "
                 "a running request of this router; give each request its own id")))
             return
+        lora = msg.lora
+        if lora is not None and not self._serves(lora):
+            # Not the request's fault: another engine may serve it (503: the router fails
+            # over). Never run it under another version's weights, nor the base's.
+            self._send_threadsafe(router, p.encode(p.Reject(msg.request_id, 503,
+                                                            self._not_served(lora))))
+            return
         # The client already has the resumed tokens and `sent_chars` of their text.
         self._streams[rid] = _Stream(router, msg.request_id, msg.sampling.logprobs,
                                      sent_tokens=len(resumed), sent_chars=sent_chars,
@@ -439,19 +479,24 @@ class EngineWorker:
                 if self.handoff is None:
                     raise RequestRejected(f"engine {self.engine_id} (role {self.role}) "
                                           "cannot pull KV: start it with --role decode")
-                plan = self.engine.add_pulled_request(rid, msg.prompt_token_ids,
-                                                      msg.sampling, resumed, sent_chars,
-                                                      cache_salt=msg.cache_salt,
-                                                      proposals=msg.pull.proposals)
+                plan = self.engine.add_pulled_request(
+                    rid, msg.prompt_token_ids, msg.sampling, resumed, sent_chars,
+                    cache_salt=msg.cache_salt, proposals=msg.pull.proposals,
+                    lora_name=lora.name if lora else None,
+                    lora_version=lora.version if lora else None)
                 self.handoff.start_pull(rid, msg.pull, plan)
             else:
                 self.engine.add_request(rid, msg.prompt_token_ids, msg.sampling,
                                         cache_salt=msg.cache_salt,
                                         pin_for_handoff=msg.pin_for_handoff,
-                                        resumed_token_ids=resumed, sent_chars=sent_chars)
+                                        resumed_token_ids=resumed, sent_chars=sent_chars,
+                                        lora_name=lora.name if lora else None,
+                                        lora_version=lora.version if lora else None)
         except (RequestRejected, EngineStateError) as exc:
             del self._streams[rid]
-            status = 400 if isinstance(exc, RequestRejected) else 503
+            # An adapter unloaded or replaced since the check above: the engine's, 503.
+            gone = lora is not None and not self._serves(lora)
+            status = 400 if isinstance(exc, RequestRejected) and not gone else 503
             self._send_threadsafe(router, p.encode(p.Reject(msg.request_id, status, str(exc))))
             return
         self.stats.prompt_tokens += len(msg.prompt_token_ids)
