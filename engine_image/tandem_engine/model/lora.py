@@ -215,16 +215,20 @@ class LoRASlots:
 
 
 class _Groups:
-    """One step's tokens grouped by adapter slot, padded to the largest group: the rows
-    each group gathers from the input (`rows`, [groups * width]; index T is a zero row),
-    and the slots present (`slots`; None when every slot is, in order). A projection's
-    delta is then two batched matmuls over the groups, [G, width, in] @ [G, in, rank] @
-    [G, rank, out], added back to the groups' rows (base-model tokens get nothing)."""
+    """One step's tokens grouped by adapter slot, padded to the largest group: the token
+    each group row reads (`rows`, [groups * width]; a padding row reads token 0 and its
+    result is dropped), the group rows that are real (`real`; None without padding) and
+    their tokens (`targets`), and the slots present (`slots`; None when every slot is, in
+    order). A projection's delta is then two batched matmuls over the groups, [G, width,
+    in] @ [G, in, rank] @ [G, rank, out], added into the real rows' tokens (base-model
+    tokens get nothing). The grouped input is shared by the projections that read the same
+    activations (q, k and v; gate and up)."""
 
-    def __init__(self, rows: torch.Tensor, slots: torch.Tensor | None, groups: int,
-                 width: int, num_tokens: int) -> None:
-        self.rows, self.slots = rows, slots
-        self.groups, self.width, self.num_tokens = groups, width, num_tokens
+    def __init__(self, rows: torch.Tensor, real: torch.Tensor | None, targets: torch.Tensor,
+                 slots: torch.Tensor | None, groups: int, width: int) -> None:
+        self.rows, self.real, self.targets, self.slots = rows, real, targets, slots
+        self.groups, self.width = groups, width
+        self._grouped: tuple[torch.Tensor, torch.Tensor] | None = None  # (input, grouped)
 
     @classmethod
     def of(cls, token_slots: list[int], num_slots: int, device: torch.device) -> _Groups | None:
@@ -236,20 +240,29 @@ class _Groups:
             return None
         present = sorted(members)
         width = max(len(m) for m in members.values())
-        pad = len(token_slots)
-        rows = [t for slot in present for t in members[slot] + [pad] * (width - len(members[slot]))]
-        slots = None if present == list(range(num_slots)) else \
-            torch.tensor(present, dtype=torch.long, device=device)
-        return cls(torch.tensor(rows, dtype=torch.long, device=device), slots, len(present),
-                   width, pad)
+        rows: list[int] = []
+        real: list[int] = []
+        for slot in present:
+            group = members[slot]
+            real += range(len(rows), len(rows) + len(group))
+            rows += group + [0] * (width - len(group))
+        targets = [rows[r] for r in real]
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        slots = None if present == list(range(num_slots)) else tensor(present)
+        return cls(tensor(rows), None if len(real) == len(rows) else tensor(real),
+                   tensor(targets), slots, len(present), width)
 
     def add(self, x: torch.Tensor, output: torch.Tensor, a: torch.Tensor, b: torch.Tensor
             ) -> torch.Tensor:
         if self.slots is not None:
             a, b = a.index_select(0, self.slots), b.index_select(0, self.slots)
-        padded = torch.cat([x.to(a.dtype), x.new_zeros((1, x.shape[1]), dtype=a.dtype)])
-        grouped = padded.index_select(0, self.rows).view(self.groups, self.width, -1)
-        delta = torch.bmm(torch.bmm(grouped, a), b).view(self.groups * self.width, -1)
-        out = torch.cat([output, output.new_zeros((1, output.shape[1]))])
-        out.index_add_(0, self.rows, delta.to(output.dtype))
-        return out[:self.num_tokens]
+        if self._grouped is None or self._grouped[0] is not x:
+            self._grouped = (x, x.to(a.dtype).index_select(0, self.rows)
+                             .view(self.groups, self.width, -1))
+        delta = torch.bmm(torch.bmm(self._grouped[1], a), b).view(self.groups * self.width, -1)
+        if self.real is not None:
+            delta = delta.index_select(0, self.real)
+        return output.index_add_(0, self.targets, delta.to(output.dtype))
