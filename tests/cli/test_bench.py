@@ -1,5 +1,6 @@
 """`tandem bench`: the pure parts (workloads, arrivals, percentiles, SLOs, sweeps,
-summaries) in-process, then the command against one `tandem serve --demo` per module."""
+summaries, the multi-adapter workload) in-process, then the command against one `tandem
+serve --demo` per module, and a multi-adapter run against a stack serving two adapters."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from tandem_engine.bench.metrics import (
     percentile,
     stats,
     summarize,
+    summarize_by_model,
     timeline,
 )
 from tandem_engine.bench.schema import REPORT_SCHEMA
@@ -33,14 +35,16 @@ from tandem_engine.bench.workloads import (
     LengthSpec,
     TextSource,
     WorkloadError,
+    assign_models,
     load_trace,
+    model_names,
     random_workload,
     save_trace,
     shared_prefix_workload,
     sharegpt_workload,
 )
 from tandem_engine.cli.serve import free_port
-from test_serve import start_serve
+from test_serve import start_serve, stop_serve
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -143,6 +147,64 @@ def test_trace_round_trip_and_errors(tmp_path: Path) -> None:
     path.write_text('{"tandem_bench_trace": 99}\n')
     with pytest.raises(WorkloadError, match="trace version 99"):
         load_trace(path)
+
+
+def test_a_multi_adapter_workload_draws_each_requests_model_by_the_seed() -> None:
+    """vLLM's --lora-modules: a random name per request; the same seed gives request i the
+    same name whatever the workload's lengths and words; a name given twice is drawn
+    about twice as often."""
+    assert model_names(["a,b", "base", " c "]) == ["a", "b", "base", "c"]
+    with pytest.raises(WorkloadError, match="--lora-modules"):
+        model_names(["a,,b"])
+    source = TextSource()
+    reqs = random_workload(600, source, LengthSpec(8, 4), LengthSpec(4, 2), seed=3)
+    models = [r.model for r in assign_models(reqs, ["a", "b", "b"], seed=3)]
+    assert Counter(models).keys() == {"a", "b"}
+    assert 1.6 < Counter(models)["b"] / Counter(models)["a"] < 2.5
+    other = random_workload(600, source, LengthSpec(50, 0), LengthSpec(9), seed=3, variant=2)
+    assert [r.model for r in assign_models(other, ["a", "b", "b"], seed=3)] == models
+    assert [r.model for r in assign_models(reqs, ["a", "b", "b"], seed=4)] != models
+    assert [r.prompt for r in assign_models(reqs, ["a"], seed=3)] == [r.prompt for r in reqs]
+
+
+def test_summaries_by_model_add_up_to_the_runs() -> None:
+    records = [_record(0, 0.0, [0.1, 0.2, 0.3], 10, 3, 4),
+               _record(1, 0.5, [1.5, 1.6, 2.5], 20, 3, 0),
+               _record(2, 0.6, [0.7, 0.9], 5, 2, 0),
+               RequestRecord(index=3, output_len=3, sent_s=0.2, error="HTTP 500: boom")]
+    for r, model in zip(records, ["a", "b", "a", "b"], strict=True):
+        r.model = model
+    whole = summarize(records, 4.0, {"ttft": 500.0})
+    parts = summarize_by_model(records, 4.0, {"ttft": 500.0})
+    assert list(parts) == ["a", "b"]
+    assert parts["a"]["requests"] == {"sent": 2, "completed": 2, "failed": 0}
+    assert parts["b"]["requests"] == {"sent": 2, "completed": 1, "failed": 1}
+    assert parts["a"]["latency_ms"]["ttft"]["count"] == 2
+    _assert_parts_add_up(whole, parts)
+
+
+def _assert_parts_add_up(whole: dict, parts: dict[str, dict]) -> None:
+    """Counts, tokens and throughputs of the per-model summaries sum to the run's."""
+    for key in ("sent", "completed", "failed"):
+        assert sum(p["requests"][key] for p in parts.values()) == whole["requests"][key]
+    for key in ("input", "output"):
+        assert sum(p["tokens"][key] for p in parts.values()) == whole["tokens"][key]
+    for key, value in whole["throughput"].items():
+        assert sum(p["throughput"][key] for p in parts.values()) == pytest.approx(value)
+    assert {p["duration_s"] for p in parts.values()} == {whole["duration_s"]}
+    assert sum(p["latency_ms"]["ttft"]["count"] for p in parts.values()
+               if p["latency_ms"]["ttft"]) == whole["latency_ms"]["ttft"]["count"]
+
+
+def test_a_trace_keeps_each_requests_model(tmp_path: Path) -> None:
+    reqs = [BenchRequest("one", 2, model="a"), BenchRequest("two", 3)]
+    save_trace(tmp_path / "t.jsonl", reqs, [0.0, 0.1])
+    assert [(r.prompt, r.model) for r in load_trace(tmp_path / "t.jsonl")] == [
+        ("one", "a"), ("two", None)]
+    (tmp_path / "bad.jsonl").write_text('{"arrival_s": 0, "prompt": "x", "output_len": 1, '
+                                        '"model": 5}\n')
+    with pytest.raises(WorkloadError, match=r"bad.jsonl:1: .*may name a model"):
+        load_trace(tmp_path / "bad.jsonl")
 
 
 def test_arrivals() -> None:
@@ -283,6 +345,7 @@ def _bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     (["--workload", "trace"], "--workload trace and --trace FILE go together"),
     (["--trace", "/nonexistent.jsonl", "--workload", "trace"], "no such file"),
     (["--num-requests", "0"], "--num-requests must be in [1, "),
+    (["--lora-modules", "a,"], "--lora-modules 'a,': give served model names"),
     (["--base-url", "localhost:1"], "needs http:// or https://"),
 ])
 def test_bad_input_gives_one_clear_line(args: list[str], words: str) -> None:
@@ -450,3 +513,87 @@ def test_a_vllm_style_burst_runs(demo_server: str, tmp_path: Path) -> None:
     (run,) = json.loads((tmp_path / "r.json").read_text())["runs"]
     assert run["arrivals"]["kind"] == "burst"
     assert run["summary"]["requests"] == {"sent": 3, "completed": 3, "failed": 0}
+
+
+# ---- a multi-adapter workload against a stack serving two adapters ---------------------
+
+
+@pytest.fixture(scope="module")
+def lora_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`tandem serve` of the tiny model as `tiny`: one engine serving adapters a and b.
+    Yields the router's URL and the engine's metrics URL."""
+    from test_lora import make_adapter
+
+    tmp = tmp_path_factory.mktemp("bench-lora")
+    a = make_adapter(tiny_llama, tmp / "adapters" / "a", 4, ["q_proj", "v_proj"], 1)
+    b = make_adapter(tiny_llama, tmp / "adapters" / "b", 8, ["down_proj"], 2)
+    port = free_port()
+    proc, _ = start_serve(tmp, "--model", str(tiny_llama), "--served-model-name", "tiny",
+                          "--port", str(port), "--engines", "1", "--threads", "1",
+                          "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                          "--lora-modules", f"a={a}", f"b={b}")
+    try:
+        stack = json.loads((tmp / f"tandem-{port}" / "stack.json").read_text())
+        yield f"http://127.0.0.1:{port}", stack["engines"][0]["metrics_url"]
+    finally:
+        stop_serve(proc)
+
+
+def _adapter_requests(metrics_url: str) -> float:
+    """Requests the engine ran under some adapter: each is a slot hit or a slot load."""
+    text = httpx.get(metrics_url, timeout=10).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(("tandem_lora_hits_total", "tandem_lora_loads_total")))
+
+
+@slow
+def test_a_multi_adapter_run_reaches_every_adapter_and_its_rows_add_up(
+        lora_server: tuple[str, str], tmp_path: Path) -> None:
+    """`--lora-modules a b,tiny` (vLLM's flag; the base model named among them) spreads
+    the requests over both adapters and the base model; the report's per-model summaries
+    add up to the run's, and the engine ran exactly the adapters' requests under one."""
+    url, metrics_url = lora_server
+    before = _adapter_requests(metrics_url)
+    got = _bench("--base-url", url, "--model", "tiny", "--lora-modules", "a", "b,tiny",
+                 "--num-requests", "18", "--concurrency", "3", "--input-len", "16",
+                 "--output-len", "6", "--output-spread", "0", "--warmup", "0", "--seed", "5",
+                 "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html"),
+                 "--save-trace", str(tmp_path / "t.jsonl"), "--quiet", timeout=120)
+    assert got.returncode == 0, got.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    jsonschema.validate(report, REPORT_SCHEMA)
+    assert report["config"]["workload"]["lora_modules"] == ["a", "b", "tiny"]
+    (run,) = report["runs"]
+    rows, parts = run["requests"], run["by_model"]
+    sent = Counter(r["model"] for r in rows)
+    assert list(parts) == ["a", "b", "tiny"] and set(sent) == set(parts)
+    for name, part in parts.items():
+        assert part["requests"] == {"sent": sent[name], "completed": sent[name], "failed": 0}
+        assert part["tokens"]["output"] == 6 * sent[name]
+        assert part["latency_ms"]["ttft"]["count"] == sent[name]
+    _assert_parts_add_up(run["summary"], parts)
+    assert _adapter_requests(metrics_url) - before == sent["a"] + sent["b"]
+    # the same seed sends the same request indices to the same adapters
+    again = _bench("--base-url", url, "--model", "tiny", "--lora-modules", "a,b,tiny",
+                   "--num-requests", "18", "--output-len", "2", "--warmup", "1", "--seed",
+                   "5", "--json", str(tmp_path / "again.json"), "--quiet", timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert [r["model"] for r in json.loads((tmp_path / "again.json").read_text())[
+        "runs"][0]["requests"]] == [r["model"] for r in rows]
+    assert [t.model for t in load_trace(tmp_path / "t.jsonl")] == [
+        r["model"] for r in sorted(rows, key=lambda r: r["sent_s"])]
+    table = got.stdout.splitlines()
+    head = next(i for i, line in enumerate(table) if line.split()[:3] == ["model", "sent", "ok"])
+    assert [line.split()[:3] for line in table[head + 1:head + 4]] == [
+        [name, str(sent[name]), str(sent[name])] for name in ("a", "b", "tiny")]
+    page = (tmp_path / "r.html").read_text()
+    assert "per model (latencies in ms)" in page and "TTFT p50" in page
+
+
+@slow
+def test_an_adapter_the_server_lacks_is_named_before_any_request(
+        lora_server: tuple[str, str]) -> None:
+    got = _bench("--base-url", lora_server[0], "--model", "tiny", "--lora-modules", "a,zz",
+                 "--quiet")
+    assert got.returncode == 2
+    assert "--lora-modules 'zz': not served at" in got.stderr and "a, b" in got.stderr

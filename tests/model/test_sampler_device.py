@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tandem_engine.model.sampler import Sampler, top_k_top_p_filter
+from tandem_engine.model.sampler import Sampler, draw_rows, top_k_top_p_filter
 from tandem_engine.sampling_params import SamplingParams
 
 VOCAB = 3000
@@ -170,3 +170,32 @@ def test_one_small_tensor_crosses_to_the_host_per_step(monkeypatch: pytest.Monke
     assert probe.reads == [("tolist", batch * cols)]
     assert all(n < VOCAB for _, n in probe.copies), probe.copies
     assert [n for name, n in probe.copies if name == "cpu"] == [batch * cols]
+
+
+def test_unseeded_rows_drawn_together_follow_their_distributions() -> None:
+    """Inverse-transform draws (unseeded rows with temperature alone): each token as often
+    as its probability says, never a token of probability 0, and a row that is no
+    distribution (NaN) reported by a score that is not > 0."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.25, 0.25, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]]).repeat(20_000, 1)
+    tokens, scores = draw_rows(probs, gen)
+    counts = torch.bincount(tokens[0::2], minlength=6).double() / 20_000
+    assert counts.tolist() == pytest.approx([0, 0.5, 0, 0.25, 0.25, 0], abs=0.015)
+    assert set(tokens[1::2].tolist()) == {5}
+    assert bool((scores > 0).all())
+    nan = torch.full((1, 6), float("nan"))
+    assert not bool(draw_rows(nan, gen)[1][0] > 0)
+
+
+def test_a_large_sampled_batch_without_seeds_draws_plausible_tokens() -> None:
+    sampler = Sampler(0)
+    logits = torch.full((64, VOCAB), -20.0)
+    logits[:, 7] = 5.0  # almost all the mass
+    params = [SamplingParams(temperature=1.0)] * 64
+    got = sampler.sample(logits, [f"r{i}" for i in range(64)], params, [()] * 64)
+    assert got.token_ids.count(7) >= 60 and not got.errors
+    masked = logits.clone()
+    masked[:, 7] = float("-inf")  # banned: never drawn
+    got = sampler.sample(logits, [f"r{i}" for i in range(64)], params, [(7,)] * 64)
+    assert 7 not in got.token_ids

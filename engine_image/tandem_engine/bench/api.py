@@ -30,7 +30,8 @@ def measure(base_url: str, model: str, requests: list[BenchRequest], arrivals: A
             slo: dict[str, float] | None = None, warmup: int = 0, seed: int = 0,
             api_key: str | None = None, connect_deadline_s: float = 30.0) -> dict:
     """Run `requests` against the server; returns the report's run entry (`point`
-    None): `summary`, `timeline`, `weight_versions`, `requests` (docs/bench.md)."""
+    None): `summary`, `by_model` (requests naming adapters: `workloads.assign_models`),
+    `timeline`, `weight_versions`, `requests` (docs/bench.md)."""
 
     async def go() -> dict:
         client = BenchClient(base_url, model, api_key=api_key)
@@ -40,6 +41,7 @@ def measure(base_url: str, model: str, requests: list[BenchRequest], arrivals: A
             result = await runner.run(client, requests, arrivals, seed=seed)
         finally:
             await client.aclose()
-        return run_entry(result, arrivals, slo or {}, None)
+        return run_entry(result, arrivals, slo or {}, None,
+                         by_model=any(r.model is not None for r in requests))
 
     return asyncio.run(go())

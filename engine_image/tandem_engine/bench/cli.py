@@ -10,12 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 from pathlib import Path
 
 from tandem_engine.bench import runner
 from tandem_engine.bench.arrivals import ArrivalError, Arrivals
-from tandem_engine.bench.client import BenchClient, EndpointError
+from tandem_engine.bench.client import BenchClient, EndpointError, resolve_api_key
 from tandem_engine.bench.metrics import parse_slo
 from tandem_engine.bench.progress import Progress
 from tandem_engine.bench.report import (
@@ -33,7 +32,9 @@ from tandem_engine.bench.workloads import (
     LengthSpec,
     TextSource,
     WorkloadError,
+    assign_models,
     load_trace,
+    model_names,
     random_workload,
     save_trace,
     shared_prefix_workload,
@@ -42,7 +43,6 @@ from tandem_engine.bench.workloads import (
 
 DEFAULT_CONCURRENCY = 4
 MAX_REQUESTS = 1_000_000
-API_KEY_VARIABLES = ("TANDEM_API_KEY", "OPENAI_API_KEY")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,6 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and, without an arrival flag, arrival times)")
     w.add_argument("--save-trace", type=Path, default=None, metavar="FILE",
                    help="write what the (first) run sent, and when, as a replayable trace")
+    w.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="vLLM's: each request asks for one of these served names (LoRA "
+                   "adapters) at random, drawn by --seed; NAME NAME or NAME,NAME. Name "
+                   "--model among them to mix in the base model, a name twice to send it "
+                   "twice as often. The report breaks results down per name")
     w.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals")
     a = p.add_argument_group("arrivals (one of; default: a closed loop of "
                              f"{DEFAULT_CONCURRENCY}, or a trace's own times)")
@@ -163,6 +168,8 @@ def _check(args: argparse.Namespace) -> None:
         raise WorkloadError(f"--trace {args.trace}: no such file")
     if args.dataset is not None and not args.dataset.is_file():
         raise WorkloadError(f"--dataset {args.dataset}: no such file")
+    if args.lora_modules is not None:
+        model_names(args.lora_modules)  # raises naming the flag
     if (args.plot or args.html) and not _has("matplotlib"):
         raise RuntimeError("--plot/--html need matplotlib: pip install 'tandem[bench]'")
 
@@ -176,7 +183,16 @@ def _has(module: str) -> bool:
 def build_workload(args: argparse.Namespace, tokens_per_word: float, variant: int = 0
                    ) -> list[BenchRequest]:
     """The requests of one run; `variant` (a sweep point's index; -1: the warm-up) draws
-    other words at the same lengths. A dataset or trace is the same every time."""
+    other words at the same lengths. A dataset or trace is the same every time. With
+    `--lora-modules` each request gets its model, the same for an index every time."""
+    requests = _requests(args, tokens_per_word, variant)
+    if args.lora_modules:
+        return assign_models(requests, model_names(args.lora_modules), args.seed)
+    return requests
+
+
+def _requests(args: argparse.Namespace, tokens_per_word: float, variant: int
+              ) -> list[BenchRequest]:
     source = TextSource(tokens_per_word)
     dist = "fixed" if args.workload == "fixed" else args.length_dist
     inp = LengthSpec(args.input_len, args.input_spread, dist)
@@ -203,6 +219,8 @@ def _config(args: argparse.Namespace, arrivals: Arrivals, slo: dict) -> dict:
         workload["dataset"] = str(args.dataset)
     if args.trace:
         workload["trace"] = str(args.trace)
+    if args.lora_modules:
+        workload["lora_modules"] = model_names(args.lora_modules)
     return {"workload": workload, "arrivals": arrivals.to_json(),
             "num_requests": args.num_requests, "seed": args.seed, "slo_ms": slo,
             "warmup": args.warmup, "ignore_eos": args.ignore_eos,
@@ -219,14 +237,13 @@ async def _bench(args: argparse.Namespace, progress: Progress) -> dict:
         raise ArrivalError("--sweep concurrency=... sets each run's concurrency: drop "
                            "--concurrency")
     points = sweep_points(*sweep, arrivals) if sweep else [(None, arrivals)]
-    api_key = args.api_key or next((os.environ[v] for v in API_KEY_VARIABLES
-                                    if os.environ.get(v)), None)
-    client = BenchClient(args.base_url, args.model, api_key=api_key,
+    client = BenchClient(args.base_url, args.model, api_key=resolve_api_key(args.api_key),
                          request_timeout_s=args.request_timeout, ignore_eos=args.ignore_eos,
                          temperature=args.temperature)
     try:
         progress.phase(f"waiting for {client.base_url} (up to {args.connect_deadline:g} s)")
-        await client.probe(args.connect_deadline)
+        await client.probe(args.connect_deadline,
+                           model_names(args.lora_modules) if args.lora_modules else ())
         version = await client.get_json("/version")
         measured = await client.tokens_per_word(TextSource.sample_text())
         if args.warmup:
@@ -244,7 +261,8 @@ async def _bench(args: argparse.Namespace, progress: Progress) -> dict:
                            f"{sum(r.ok for r in result.records)}/{len(requests)} ok")
             if args.save_trace and not runs:
                 save_trace(args.save_trace, requests, [r.sent_s for r in result.records])
-            runs.append(run_entry(result, point_arrivals, slo, point))
+            runs.append(run_entry(result, point_arrivals, slo, point,
+                                  by_model=any(r.model is not None for r in requests)))
     finally:
         await client.aclose()
     server = {"base_url": client.base_url, "model": args.model, "version": version,

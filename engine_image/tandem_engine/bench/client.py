@@ -15,14 +15,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
+API_KEY_VARIABLES = ("TANDEM_API_KEY", "OPENAI_API_KEY")
+
+
+def resolve_api_key(given: str | None) -> str | None:
+    """The API key a client sends: `given` (a flag), else $TANDEM_API_KEY, else
+    $OPENAI_API_KEY, else none (`tandem bench`, `tandem refit --adapter`)."""
+    return given or next((os.environ[v] for v in API_KEY_VARIABLES if os.environ.get(v)),
+                         None)
 
 
 class EndpointError(RuntimeError):
@@ -34,6 +43,7 @@ class RequestRecord:
     """One request as the client saw it; times are seconds on the run's clock."""
     index: int
     output_len: int  # max_tokens asked for
+    model: str | None = None  # the served name asked for; None: the client's model
     sent_s: float = 0.0
     first_token_s: float | None = None
     done_s: float | None = None
@@ -86,8 +96,9 @@ class BenchClient:
         except (httpx.HTTPError, ValueError):
             return None
 
-    async def probe(self, deadline_s: float) -> None:
-        """Wait until GET /v1/models answers 200 and lists `model`, up to `deadline_s`."""
+    async def probe(self, deadline_s: float, adapters: Sequence[str] = ()) -> None:
+        """Wait until GET /v1/models answers 200 and lists `model` (and each of
+        `adapters`, the names of `--lora-modules`), up to `deadline_s`."""
         end = time.monotonic() + deadline_s
         last = "no answer"
         while True:
@@ -99,10 +110,18 @@ class BenchClient:
                                         "$TANDEM_API_KEY / $OPENAI_API_KEY)")
                 if r.status_code == 200:
                     ids = [m.get("id") for m in r.json().get("data", [])]
-                    if self.model in ids:
-                        return
-                    raise EndpointError(f"--model {self.model!r} is not served at "
-                                        f"{self.base_url} (it serves: {', '.join(map(str, ids))})")
+                    served = ", ".join(map(str, ids))
+                    if self.model not in ids:
+                        raise EndpointError(f"--model {self.model!r} is not served at "
+                                            f"{self.base_url} (it serves: {served})")
+                    missing = [name for name in dict.fromkeys(adapters) if name not in ids]
+                    if missing:
+                        raise EndpointError(
+                            f"--lora-modules {', '.join(map(repr, missing))}: not served at "
+                            f"{self.base_url} (it serves: {served}); load the adapters "
+                            "first (vLLM's POST /v1/load_lora_adapter, `tandem refit "
+                            "--adapter`) or name only served ones")
+                    return
                 last = f"HTTP {r.status_code}"
             except httpx.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -128,8 +147,9 @@ class BenchClient:
 
     async def complete(self, record: RequestRecord, prompt: str,
                        clock: Callable[[], float]) -> RequestRecord:
-        """Send one streamed completion; fill `record` (times from `clock()`)."""
-        body: dict[str, Any] = {"model": self.model, "prompt": prompt,
+        """Send one streamed completion under `record.model` (default: the client's
+        model); fill `record` (times from `clock()`)."""
+        body: dict[str, Any] = {"model": record.model or self.model, "prompt": prompt,
                                 "max_tokens": record.output_len,
                                 "temperature": self.temperature, "stream": True,
                                 "stream_options": {"include_usage": True}}

@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from tandem_engine.bench.plots import write_plots
-from tandem_engine.bench.report import summary_rows, sweep_table
+from tandem_engine.bench.report import model_table, summary_rows, sweep_table
 
 _STYLE = ("body{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}"
           "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;"
@@ -37,6 +37,9 @@ def render(report: dict, figures: list[Path]) -> str:
         parts.extend(f"<tr><th>{e(label)}</th><td>{e(value)}</td></tr>"
                      for label, value in summary_rows(run["summary"]))
         parts.append("</table>")
+        if run.get("by_model"):
+            parts.append(f"<h3>per model (latencies in ms)</h3>"
+                         f"<pre>{e(chr(10).join(model_table(run['by_model'])))}</pre>")
     for path in figures:
         data = base64.b64encode(Path(path).read_bytes()).decode()
         parts.append(f"<h3>{e(Path(path).stem)}</h3>"

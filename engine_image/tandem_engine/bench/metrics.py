@@ -8,6 +8,8 @@ Definitions (all per request, from the client's clock):
   of completed requests, divided by the run's duration (its start -> last completion).
 * Goodput: completed requests per second that meet every SLO given; the ITL SLO applies
   to a request's own p99 gap, so one stall over the limit fails the request.
+* Per model (a multi-adapter workload): the same summary over each model's requests,
+  divided by the run's duration, so counts and throughputs add up to the run's.
 Percentiles interpolate linearly between order statistics (numpy's default).
 """
 
@@ -132,6 +134,16 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
     }
 
 
+def summarize_by_model(records: Sequence[RequestRecord], duration_s: float,
+                       slo: dict[str, float]) -> dict[str, dict]:
+    """`summarize` of each model's (adapter's) requests, by name in name order, each over
+    the run's whole duration: every count and throughput is that model's share."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        groups.setdefault(r.model or "", []).append(r)
+    return {name: summarize(group, duration_s, slo) for name, group in sorted(groups.items())}
+
+
 TIMELINE_BINS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -165,8 +177,8 @@ def request_rows(records: Sequence[RequestRecord]) -> list[dict]:
     for r in sorted(records, key=lambda r: r.index):
         m = RequestMetrics.of(r) if r.ok else None
         rows.append({
-            "index": r.index, "sent_s": r.sent_s, "ok": r.ok, "error": r.error,
-            "output_len": r.output_len, "prompt_tokens": r.prompt_tokens,
+            "index": r.index, "model": r.model, "sent_s": r.sent_s, "ok": r.ok,
+            "error": r.error, "output_len": r.output_len, "prompt_tokens": r.prompt_tokens,
             "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens,
             "finish_reason": r.finish_reason, "chunks": len(r.chunk_times),
             "ttft_ms": m.ttft_ms if m else None, "e2e_ms": m.e2e_ms if m else None,

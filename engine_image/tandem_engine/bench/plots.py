@@ -1,9 +1,10 @@
 """Figures of a report (`--plot DIR`): PNGs drawn with matplotlib's Agg backend.
 
-Per run: `latency_cdf.png` (TTFT, ITL and E2E CDFs) and `timeline.png` (output tokens/s
-and requests in flight over time, with the serving weights' version changes marked when
-the server is Tandem's router). A sweep adds `sweep.png` (throughput against latency) and
-suffixes the per-run files with the point (`latency_cdf_rate-4.png`).
+Per run: `latency_cdf.png` (TTFT, ITL and E2E CDFs; a multi-adapter run adds each
+model's TTFT CDF) and `timeline.png` (output tokens/s and requests in flight over time,
+with the serving weights' version changes marked when the server is Tandem's router). A
+sweep adds `sweep.png` (throughput against latency) and suffixes the per-run files with
+the point (`latency_cdf_rate-4.png`).
 """
 
 from __future__ import annotations
@@ -36,12 +37,15 @@ def latency_cdf(run: dict, path: Path) -> Path:
               "E2E": [r["e2e_ms"] for r in rows]}
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.2))
     for ax, (name, values) in zip(axes, series.items(), strict=True):
-        values = sorted(values)
+        _cdf(ax, values, "all" if run.get("by_model") else None)
         if values:
-            n = len(values)
-            ax.step(values, [(i + 1) / n for i in range(n)], where="post")
             for q in (0.5, 0.99):
                 ax.axhline(q, color="grey", lw=0.5, ls=":")
+        if name == "TTFT" and run.get("by_model"):  # each model's TTFT too
+            for model in run["by_model"]:
+                _cdf(ax, [r["ttft_ms"] for r in rows if r.get("model") == model], model,
+                     lw=0.8)
+            ax.legend(fontsize=7)
         ax.set_title(f"{name} ({len(values)} samples)")
         ax.set_xlabel("ms")
         ax.set_ylim(0, 1.02)
@@ -51,6 +55,13 @@ def latency_cdf(run: dict, path: Path) -> Path:
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+def _cdf(ax, values: list[float], label: str | None, **style) -> None:
+    values = sorted(values)
+    if values:
+        n = len(values)
+        ax.step(values, [(i + 1) / n for i in range(n)], where="post", label=label, **style)
 
 
 def timeline(run: dict, path: Path) -> Path:

@@ -15,7 +15,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from tandem_engine.bench.arrivals import Arrivals
-from tandem_engine.bench.metrics import request_rows, summarize, timeline
+from tandem_engine.bench.metrics import (
+    request_rows,
+    summarize,
+    summarize_by_model,
+    timeline,
+)
 from tandem_engine.bench.runner import RunResult
 from tandem_engine.bench.schema import SCHEMA_VERSION
 
@@ -28,9 +33,13 @@ def _tandem_version() -> str:
 
 
 def run_entry(result: RunResult, arrivals: Arrivals, slo: dict[str, float],
-              point: dict | None) -> dict:
+              point: dict | None, by_model: bool = False) -> dict:
+    """One run of the report; `by_model` (a multi-adapter workload) adds the summary of
+    each model's requests."""
     return {"point": point, "arrivals": arrivals.to_json(),
             "summary": summarize(result.records, result.duration_s, slo),
+            "by_model": summarize_by_model(result.records, result.duration_s, slo)
+            if by_model else None,
             "timeline": timeline(result.records, result.duration_s),
             "weight_versions": result.weight_versions,
             "requests": request_rows(result.records)}
@@ -97,9 +106,28 @@ def console_table(report: dict) -> str:
             changes = "; ".join(f"{c['t_s']:.1f}s {'+'.join(c['versions'])}"
                                 for c in run["weight_versions"])
             lines.append(f"  {'serving weights':<{width}}  {changes}")
+        if run.get("by_model"):
+            lines.extend("  " + line for line in model_table(run["by_model"]))
     if report["sweep"]:
         lines.append(sweep_table(report))
     return "\n".join(lines)
+
+
+def model_table(by_model: dict[str, dict]) -> list[str]:
+    """One line per model (adapter) of a multi-adapter run: its requests, throughput and
+    TTFT and ITL percentiles (ms); the console table and the HTML page."""
+    width = max(len("model"), *(len(name) for name in by_model))
+    out = [f"{'model':<{width}} {'sent':>5} {'ok':>5} {'req/s':>7} {'out tok/s':>10} "
+           f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"]
+    for name, s in by_model.items():
+        ttft, itl = s["latency_ms"]["ttft"] or {}, s["latency_ms"]["itl"] or {}
+        out.append(f"{name:<{width}} {s['requests']['sent']:>5} "
+                   f"{s['requests']['completed']:>5} "
+                   f"{s['throughput']['requests_per_s']:>7.3f} "
+                   f"{s['throughput']['output_tokens_per_s']:>10.1f} "
+                   f"{_ms(ttft.get('p50')):>9} {_ms(ttft.get('p99')):>9} "
+                   f"{_ms(itl.get('p50')):>8} {_ms(itl.get('p99')):>8}")
+    return out
 
 
 def sweep_table(report: dict) -> str:

@@ -58,7 +58,8 @@ async def run(client: BenchClient, requests: list[BenchRequest], arrivals: Arriv
     offsets = send_offsets(arrivals, len(requests), seed, [r.arrival_s for r in requests])
     limit = arrivals.in_flight_limit
     slots = asyncio.Semaphore(limit) if limit else None
-    records = [RequestRecord(index=i, output_len=r.output_len) for i, r in enumerate(requests)]
+    records = [RequestRecord(index=i, output_len=r.output_len, model=r.model or client.model)
+               for i, r in enumerate(requests)]
     clock = _Clock()
     versions: list[dict] = []
     poller = (asyncio.create_task(_poll_versions(client, clock, version_poll_s, versions))
@@ -100,10 +101,11 @@ async def run(client: BenchClient, requests: list[BenchRequest], arrivals: Arriv
 
 
 async def warm_up(client: BenchClient, requests: list[BenchRequest], n: int) -> None:
-    """`n` requests (the workload's first, short outputs) before measuring; not recorded."""
+    """`n` requests (the workload's first, short outputs, under their adapters) before
+    measuring; not recorded."""
     if n <= 0 or not requests:
         return
     clock = _Clock()
     picked = [requests[i % len(requests)] for i in range(n)]
-    await asyncio.gather(*(client.complete(RequestRecord(-1, min(r.output_len, 4)),
+    await asyncio.gather(*(client.complete(RequestRecord(-1, min(r.output_len, 4), r.model),
                                            r.prompt, clock) for r in picked))

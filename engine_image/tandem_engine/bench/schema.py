@@ -54,7 +54,8 @@ _REQUEST = {
                  "completion_tokens", "cached_tokens", "finish_reason", "chunks", "ttft_ms",
                  "e2e_ms", "tpot_ms", "itl_ms"],
     "properties": {
-        "index": _INT, "sent_s": _NUM, "ok": {"type": "boolean"},
+        "index": _INT, "model": {"type": ["string", "null"]}, "sent_s": _NUM,
+        "ok": {"type": "boolean"},
         "error": {"type": ["string", "null"]}, "output_len": _INT,
         "prompt_tokens": _INT_OR_NULL, "completion_tokens": _INT_OR_NULL,
         "cached_tokens": _INT_OR_NULL, "finish_reason": {"type": ["string", "null"]},
@@ -69,6 +70,9 @@ _RUN = {
         "point": {"type": ["object", "null"]},
         "arrivals": {"type": "object", "required": ["kind"]},
         "summary": _SUMMARY,
+        # A multi-adapter workload (--lora-modules): each model's summary, by name.
+        "by_model": {"oneOf": [{"type": "null"}, {"type": "object",
+                                                  "additionalProperties": _SUMMARY}]},
         "timeline": {"type": "object",
                      "required": ["bin_s", "t_s", "output_tokens_per_s", "running_requests"],
                      "properties": {"bin_s": _NUM,

@@ -7,15 +7,22 @@ server's `/tokenize` when it has one (else 1 token per word), so a "256-token pr
 close to 256 tokens on that server. The exact counts a report shows always come from the
 server's `usage`, never from this estimate.
 
-A trace (`save_trace` / `load_trace`, JSON Lines: `arrival_s`, `prompt`, `output_len`)
-holds exactly what was sent and when, and replays as the same requests.
+A multi-adapter workload (`assign_models`, vLLM's `--lora-modules`) names in each
+request's `model` one of several served names (LoRA adapters, the base model among them if
+asked), drawn at random by the seed alone, so the same seed sends each request index to the
+same adapter whatever the workload, sweep point or warm-up.
+
+A trace (`save_trace` / `load_trace`, JSON Lines: `arrival_s`, `prompt`, `output_len` and,
+for a multi-adapter workload, `model`) holds exactly what was sent and when, and replays
+as the same requests.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
@@ -34,6 +41,7 @@ class BenchRequest:
     output_len: int
     arrival_s: float | None = None  # a trace's send time, seconds after the run's start
     group: int | None = None  # shared-prefix: the system prompt this request shares
+    model: str | None = None  # the served name it asks for (an adapter); None: --model
 
 
 @dataclass(frozen=True)
@@ -149,15 +157,39 @@ def sharegpt_workload(path: Path, n: int, output: LengthSpec | None, seed: int,
     return [BenchRequest(p, output.sample(rng) if output else k) for p, k in picked]
 
 
+def model_names(values: Sequence[str]) -> list[str]:
+    """`--lora-modules` as given (`a b`, `a,b` or both) as a list of names, in order, a
+    name given twice kept twice (it is then drawn twice as often)."""
+    names = [name.strip() for value in values for name in value.split(",")]
+    if not names or not all(names):
+        raise WorkloadError(f"--lora-modules {' '.join(values)!r}: give served model names "
+                            "(LoRA adapters) separated by spaces or commas, e.g. "
+                            "--lora-modules sql support")
+    return names
+
+
+def assign_models(requests: Sequence[BenchRequest], models: Sequence[str], seed: int
+                  ) -> list[BenchRequest]:
+    """Each request's `model` drawn uniformly from `models` (vLLM's `--lora-modules`: a
+    random adapter per request), from its own generator of `seed`: request i gets the
+    same name whatever the lengths, words or variant."""
+    if not models:
+        raise WorkloadError("--lora-modules: give at least one name")
+    rng = random.Random(f"{seed}/models")
+    return [replace(r, model=rng.choice(models)) for r in requests]
+
+
 def save_trace(path: Path, requests: list[BenchRequest], send_times: list[float]) -> None:
     """One JSON line per request, in send order: what was sent and when."""
     order = sorted(range(len(requests)), key=lambda i: send_times[i])
     with open(path, "w") as f:
         f.write(json.dumps({"tandem_bench_trace": TRACE_VERSION}) + "\n")
         for i in order:
-            f.write(json.dumps({"arrival_s": round(send_times[i], 6),
-                                "prompt": requests[i].prompt,
-                                "output_len": requests[i].output_len}) + "\n")
+            row = {"arrival_s": round(send_times[i], 6), "prompt": requests[i].prompt,
+                   "output_len": requests[i].output_len}
+            if requests[i].model is not None:
+                row["model"] = requests[i].model
+            f.write(json.dumps(row) + "\n")
 
 
 def load_trace(path: Path) -> list[BenchRequest]:
@@ -182,13 +214,17 @@ def load_trace(path: Path) -> list[BenchRequest]:
         try:
             arrival, prompt, length = (float(row["arrival_s"]), str(row["prompt"]),
                                        int(row["output_len"]))
-        except (KeyError, TypeError, ValueError) as exc:
+            model = row.get("model")
+            if model is not None and not (isinstance(model, str) and model):
+                raise ValueError(f"model {model!r} is not a name")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise WorkloadError(f"--trace {path}:{number}: a row needs arrival_s (s), "
-                                f"prompt (text) and output_len (tokens): {exc}") from exc
+                                f"prompt (text) and output_len (tokens), and may name a "
+                                f"model: {exc}") from exc
         if arrival < 0 or length < 1:
             raise WorkloadError(f"--trace {path}:{number}: arrival_s must be >= 0 and "
                                 "output_len >= 1")
-        out.append(BenchRequest(prompt, length, arrival_s=arrival))
+        out.append(BenchRequest(prompt, length, arrival_s=arrival, model=model))
     if not out:
         raise WorkloadError(f"--trace {path}: no requests in it")
     return out

@@ -437,12 +437,27 @@ def _add_models(sub) -> None:
 
 
 def _add_refit(sub) -> None:
-    refit = sub.add_parser("refit", help="change the weights of a running `tandem serve` in "
-                           "place: every engine, without failing a request")
-    refit.add_argument("--uri", required=True, help="the new checkpoint: file:///path/to/dir")
-    refit.add_argument("--weights-version", "--version", dest="version", required=True,
-                       metavar="NAME", help="the new weights' version name (--version is "
-                       "an older spelling of the same flag)")
+    refit = sub.add_parser("refit", help="change the weights (or a LoRA adapter) of a "
+                           "running `tandem serve` in place: every engine, without failing a "
+                           "request")
+    refit.add_argument("--uri", help="the new checkpoint: file:///path/to/dir (with "
+                       "--weights-version)")
+    refit.add_argument("--weights-version", "--version", dest="version", metavar="NAME",
+                       help="the new weights' version name (--version is an older spelling "
+                       "of the same flag)")
+    adapter = refit.add_mutually_exclusive_group()
+    adapter.add_argument("--adapter", metavar="NAME[@VERSION]=URI",
+                         help="instead of the weights: load LoRA adapter NAME (file:///dir "
+                         "or a path) at VERSION (default 1) on every engine, one at a time, "
+                         "verified by a one-token completion under NAME; a failure puts the "
+                         "previous version back everywhere (stack started with "
+                         "--enable-lora)")
+    adapter.add_argument("--remove-adapter", metavar="NAME",
+                         help="unload LoRA adapter NAME from every engine, one at a time")
+    refit.add_argument("--api-key", default=None, metavar="KEY",
+                       help="with --adapter: a key of the stack's router (`tandem serve "
+                       "--api-key`), for the verifying completion; default: "
+                       "$TANDEM_API_KEY, else $OPENAI_API_KEY, else none")
     refit.add_argument("--port", type=int, default=8000, help="the stack's router port")
     refit.add_argument("--strategy", choices=choices(RefitStrategy),
                        default=str(RefitStrategy.ROLLING),

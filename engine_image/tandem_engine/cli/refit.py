@@ -1,4 +1,5 @@
 """`tandem refit`: a fleet-wide refit of a running `tandem serve`, with a progress display.
+(`--adapter` / `--remove-adapter` change a LoRA adapter instead: cli/adapter_refit.py.)
 
 The same transaction the operator runs on a pool (`tandem_engine.fleet`): it finds the
 stack by its router port (the `stack.json` that `tandem serve` writes), drives every
@@ -437,7 +438,19 @@ def _checked_input(args: argparse.Namespace, roots: list[str] | None) -> tuple[P
 
 def refit(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """`tandem refit`: ValueError for bad input (the CLI exits 2), else the exit status.
-    Every check of the input comes before any engine is touched."""
+    Every check of the input comes before any engine is touched. `--adapter` and
+    `--remove-adapter` change a LoRA adapter instead (cli/adapter_refit.py)."""
+    if args.adapter or args.remove_adapter:
+        if args.uri is not None or args.version is not None:
+            raise ValueError("--adapter/--remove-adapter change a LoRA adapter, --uri and "
+                             "--weights-version the weights: one change at a time")
+        from tandem_engine.cli.adapter_refit import refit_adapter
+
+        return refit_adapter(args, out)
+    if args.uri is None or args.version is None:
+        raise ValueError("give the new weights, --uri file:///dir and --weights-version "
+                         "NAME (or a LoRA adapter: --adapter NAME=URI, --remove-adapter "
+                         "NAME)")
     try:
         stack = read_stack(args.port)
     except TandemError:

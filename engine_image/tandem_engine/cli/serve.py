@@ -15,9 +15,10 @@ API checks its token and bounds every body before any route reads one
 (server/admin_guard.py).
 
 While it serves, `<log dir>/stack.json` describes the stack (router URL, each engine's
-name, role and admin URL; the engines' admin token; the weights roots; per child its pid,
-restarts and last exit cause), so other commands (`tandem refit`) find it by its port. It
-holds a secret, so only the user can read it (mode 0600).
+name, role and admin URL; the engines' admin token; the weights roots; the start-up
+`--lora-modules`, folders resolved; per child its pid, restarts and last exit cause), so
+other commands (`tandem refit`) find it by its port. It holds a secret, so only the user
+can read it (mode 0600).
 
 A stack never touches another. Before it starts anything it claims its router port and
 its log dir (cli/stack_claim.py: a port in use, or a folder a live stack holds, is
@@ -71,6 +72,7 @@ from tandem_engine.cli.supervision import (
     supervise_round,
 )
 from tandem_engine.lifecycle import EngineRole, EngineState
+from tandem_engine.lora_request import parse_lora_module
 from tandem_engine.router.auth import API_KEY_ENV
 from tandem_engine.weights import WeightsURIError, checkpoint_path, format_bytes
 from tandem_engine.zmq_auth import ALL_VARIABLES, stack_environments
@@ -118,6 +120,21 @@ def _drop_flags(args: list[str], flags: Sequence[str]) -> list[str]:
     return out
 
 
+def _lora_modules(engine_args: list[str]) -> list[str]:
+    """The `--lora-modules` every engine starts with, as NAME@VERSION=PATH with each folder
+    resolved here (where the engines start): `tandem refit --adapter` puts one of them
+    back from there when a change of its version fails. ValueError naming a bad one."""
+    values: list[str] = []
+    taking = False
+    for arg in engine_args:
+        if arg.startswith("--"):
+            taking = arg == "--lora-modules"
+        elif taking:
+            values.append(arg)
+    loras = [parse_lora_module(spec) for spec in values]
+    return [f"{lora.identity}={Path(lora.lora_path).resolve()}" for lora in loras]
+
+
 class LocalStack:
     def __init__(self, model: Path, *, engines: int = 1, prefill: int = 0, decode: int = 0,
                  host: str = "127.0.0.1",
@@ -146,6 +163,7 @@ class LocalStack:
         self.port = port
         self.name = served_model_name or (model.stem if model.suffix == ".gguf" else model.name)
         self.engine_args = engine_args or []
+        self.lora_modules = _lora_modules(self.engine_args)
         self.log_dir = log_dir or default_log_dir(port)
         self.out = out
         self.children: list[Child] = []
@@ -236,6 +254,7 @@ class LocalStack:
                        "router_id": self.router_id, "engines": self.engines,
                        "admin_token": self.admin_token,
                        "weights_roots": [str(r.resolve()) for r in self.weights_roots],
+                       "lora_modules": self.lora_modules,
                        "children": {c.name: c.describe() for c in self.children}}
         tmp = self.log_dir / f".{STACK_FILE}.tmp"
         tmp.unlink(missing_ok=True)

@@ -10,10 +10,14 @@ depend on what else is in the batch; every transform is per row, so neither do i
 logits. A batch where no row asks for a penalty or min-p takes the same path as before
 they existed: one attribute check per row.
 
-Everything runs on the logits' device (a GPU's logits never cross to the host whole):
-tokens are drawn with the exponential race `argmax(probs / Exp(1))`, which is exactly
-what `torch.multinomial` does for one sample (same random numbers, same token) but
-without its validity checks, each a host synchronisation. What crosses is one small
+Everything runs on the logits' device (a GPU's logits never cross to the host whole).
+A row with its own seed draws with the exponential race `argmax(probs / Exp(1))`, which
+is exactly what `torch.multinomial` does for one sample (same random numbers, same token)
+but without its validity checks, each a host synchronisation; its generator then
+advances by V numbers a token, whatever the batch (`skip_draws` relies on it). Rows
+without a seed and with temperature alone draw together from the engine's generator by
+inverse transform (`draw_rows`: one uniform number a row, not V), the common case of a
+large sampled batch. What crosses is one small
 tensor per step: [N, 3] (token, finite, draw score) or, when a row asks for logprobs,
 [N, 5 + 2k] (then logprob, rank, k top ids, k top logprobs), copied once and unpacked on
 the host. Host-built inputs (banned ids, penalty values, output tokens) go the other way
@@ -144,6 +148,23 @@ def draw_row(logits: torch.Tensor, params: SamplingParams,
     race = torch.empty_like(probs).exponential_(1, generator=generator)
     score, token = (probs / race).max(dim=-1)
     return token, score
+
+
+def draw_rows(probs: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor,
+                                                                         torch.Tensor]:
+    """One token from each row of `probs` [N, V] by inverse transform: one uniform number
+    per row against the row's cumulative distribution (in float64), where the exponential
+    race draws V. Returns (tokens, their probabilities): a probability > 0 exactly when
+    the row was a distribution (a NaN row gives NaN). The token always has a probability
+    > 0: the uniform lands strictly inside a token's share, and a rounding at the very top
+    falls back to the last token with any."""
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1:].contiguous()
+    u = torch.rand(total.shape, dtype=torch.float64, device=probs.device, generator=generator)
+    token = torch.searchsorted(cdf, u * total, right=True)
+    # The last token with any share (a NaN row finds none: its score stays NaN).
+    token = torch.minimum(token, torch.searchsorted(cdf, total)).clamp_(max=cdf.shape[-1] - 1)
+    return token.squeeze(1), probs.gather(1, token).squeeze(1)
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams,
@@ -321,26 +342,40 @@ class Sampler:
                 raise ValueError("sampling with penalties needs each request's tokens "
                                  "(histories)")
             logits = self.penalize(logits, penalized, request_ids, params, histories)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        draws = [draw_row(logits[row], params[row],
-                          self.generator_for(request_ids[row], params[row]))
-                 for row in sampled]
-        if draws and len(sampled) == len(params):  # no greedy row
-            tokens = torch.stack([t for t, _ in draws])
-            scores = torch.stack([s for _, s in draws])
-        else:
-            tokens = logits.argmax(dim=-1)  # greedy rows' tokens; sampled rows overwrite
-            scores = torch.ones(len(params), dtype=logits.dtype, device=dev)
-            if draws:
-                index = to_device(sampled, torch.long, dev)
-                tokens = tokens.index_copy(0, index, torch.stack([t for t, _ in draws]))
-                scores = scores.index_copy(0, index, torch.stack([s for _, s in draws]))
+        # Unseeded rows with temperature alone draw together from the engine's generator
+        # (one softmax and one race over [rows, V]); the rest row by row (a seeded row
+        # draws from its own generator, so its tokens do not depend on the batch).
+        together = [i for i, p in enumerate(params) if _plain_draw(p)]
+        alone = [i for i, p in enumerate(params) if not p.greedy and not _plain_draw(p)]
+        draws = {row: draw_row(logits[row], params[row],
+                               self.generator_for(request_ids[row], params[row]))
+                 for row in alone}
+        tokens = logits.argmax(dim=-1)  # greedy rows' tokens; sampled rows overwrite
+        scores = torch.ones(len(params), dtype=logits.dtype, device=dev)
+        if together:
+            index = to_device(together, torch.long, dev)
+            temperature = to_device([params[i].temperature for i in together], logits.dtype,
+                                    dev)
+            probs = (logits.index_select(0, index) / temperature.unsqueeze(1)).softmax(-1)
+            token, score = draw_rows(probs, self.generator)
+            tokens = tokens.index_copy(0, index, token)
+            scores = scores.index_copy(0, index, score)
+        if draws:
+            index = to_device(list(draws), torch.long, dev)
+            tokens = tokens.index_copy(0, index, torch.stack([t for t, _ in draws.values()]))
+            scores = scores.index_copy(0, index, torch.stack([s for _, s in draws.values()]))
         columns = [torch.stack([tokens.double(), finite.double(), scores.double()], dim=1)]
         if any(p.logprobs is not None for p in params):
             k = max(p.logprobs or 0 for p in params)
             columns.append(_logprob_columns(torch.log_softmax(raw, dim=-1),
                                             tokens.unsqueeze(1), k))
         return torch.cat(columns, dim=1)
+
+
+def _plain_draw(params: SamplingParams) -> bool:
+    """A sampled row with temperature alone and no seed of its own."""
+    return (not params.greedy and params.seed is None and params.min_p == 0.0
+            and params.top_k <= 0 and params.top_p >= 1.0)
 
 
 def _logprob_columns(logprobs: torch.Tensor, chosen: torch.Tensor, top: int
