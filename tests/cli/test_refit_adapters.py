@@ -17,9 +17,11 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,6 +145,9 @@ def test_the_ledger_keeps_each_names_last_version_and_removals(tmp_path: Path) -
     assert again.current("a") == LoRARequest("a", "/new/a", "2")
     assert again.current("b") is None and again.current("c") is None
     assert again.folders() == {"a@1": "/start/a", "b@4": "/start/b", "a@2": "/new/a"}
+    again.record("c", LoRARequest("c", "/new/c", "1"))
+    # What a restarted engine is given: the start-up list with the changes over it.
+    assert again.modules() == ["a@2=/new/a", "c@1=/new/c"]
     (tmp_path / "adapters.json").write_text('{"adapters": {"a": {"path": 3}}}')
     with pytest.raises(ValueError, match="cannot read the stack's adapter record"):
         _ledger(tmp_path)
@@ -465,6 +470,20 @@ def test_an_adapter_added_reversioned_under_load_refused_and_removed(
     assert len(v2) == 1 and v2 != {v1}
     assert stack.ledger()["adapters"]["sql"] == {"version": "2",
                                                  "path": str(adapters["sql-v2"])}
+    # An engine that `tandem serve` restarts comes back with what the stack serves now.
+    child = stack.description["children"]["engine-1"]
+    os.kill(child["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        restarted = stack.description["children"]["engine-1"]
+        if restarted["pid"] != child["pid"]:
+            try:
+                if stack.engine_loras()[1] == ["s@1", "sql@2"]:
+                    break
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+        time.sleep(0.2)
+    assert stack.engine_loras() == [["s@1", "sql@2"], ["s@1", "sql@2"]]
 
     # versions an engine refuses: the first engine refuses, none changes, v2 serves on
     for folder, words in (("shapes", "lora_B"), ("missing", "adapter_model.safetensors")):

@@ -140,6 +140,15 @@ class AdapterLedger:
             return self.changed[name]
         return next((lora for lora in self.startup if lora.lora_name == name), None)
 
+    def modules(self) -> list[str]:
+        """What the stack serves now, as `--lora-modules` values (NAME@VERSION=PATH): the
+        start-up ones with this command's changes over them. A restarted engine starts
+        with these (`tandem serve`), not with the start-up list alone."""
+        names = [lora.lora_name for lora in self.startup]
+        names += [name for name in self.changed if name not in names]
+        current = [self.current(name) for name in names]
+        return [f"{lora.identity}={lora.lora_path}" for lora in current if lora is not None]
+
     def folders(self) -> dict[str, str]:
         """identity -> folder of every version the stack has a record of."""
         out = {lora.identity: lora.lora_path for lora in self.startup}

@@ -288,7 +288,10 @@ class LocalStack:
     def _follow_refits(self, child: Child) -> None:
         """A restarted engine starts on the weights its peers serve now, under their
         epoch, not on the stack's start-up `--model`: else routers, which prefer the newest
-        epoch, would keep it out of traffic (or, with no peer, it serves what it had)."""
+        epoch, would keep it out of traffic (or, with no peer, it serves what it had). And
+        with the LoRA adapters the stack serves now (`tandem refit --adapter`'s record over
+        the start-up `--lora-modules`)."""
+        self._follow_adapters(child)
         weights = self.serving_weights(besides=child.name)
         if weights is None or not weights[0].startswith("file://"):
             return
@@ -300,6 +303,23 @@ class LocalStack:
         args = _drop_flags(child.args, ("--model", "--weight-version", "--weight-epoch"))
         child.args = [*args, "--model", path, "--weight-version", version,
                       "--weight-epoch", str(epoch)]
+
+    def _follow_adapters(self, child: Child) -> None:
+        from tandem_engine.cli.adapter_refit import AdapterLedger
+
+        try:
+            modules = AdapterLedger(self.log_dir, {"lora_modules": self.lora_modules}).modules()
+        except ValueError as exc:  # an unreadable record: the start-up adapters, said why
+            print(f"engine {child.name} restarts with its start-up adapters: {exc}",
+                  file=self.out)
+            return
+        args, taking = [], False
+        for arg in child.args:  # without --lora-modules and its values
+            if arg.startswith("--"):
+                taking = arg == "--lora-modules"
+            if not taking:
+                args.append(arg)
+        child.args = [*args, "--lora-modules", *modules] if modules else args
 
     def _start(self, timeout: float) -> None:
         engines = []
