@@ -13,10 +13,9 @@ import statistics
 import time
 
 import torch
+from lora import cpu_model  # benchmarks/lora.py
 from tandem_engine import LLM, SamplingParams
 from tandem_engine.cli.models import SMOLLM2_135M_INSTRUCT, pull
-
-from lora import cpu_model  # benchmarks/lora.py
 
 
 def main() -> None:
