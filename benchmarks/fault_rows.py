@@ -250,10 +250,19 @@ def refit_engine_kill(serve: Serve, target: Path, version: str, phase: str,
                     seen.set()
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
+        def phase_or_end() -> bool:
+            if refit.poll() is not None and not seen.is_set():
+                reader.join(10)
+                raise RuntimeError(f"`tandem refit` exited ({refit.returncode}) before its "
+                                   f"{phase} phase:\n{''.join(lines)[-3000:]}")
+            return seen.is_set() or due(state(e0), state(e1), version)
+
         try:
-            wait_for(f"the refit's {phase} phase",
-                     lambda: seen.is_set() or due(state(e0), state(e1), version),
-                     timeout=90, every=0.01)
+            try:
+                wait_for(f"the refit's {phase} phase", phase_or_end, timeout=90, every=0.01)
+            except TimeoutError as exc:  # say what the refit printed, and where it was
+                raise TimeoutError(f"{exc}; `tandem refit` printed:\n"
+                                   f"{''.join(lines)[-3000:]}") from None
             os.kill(pid, signal.SIGKILL)
             refit.wait(timeout=240)
         finally:

@@ -34,7 +34,7 @@ NUMERICS_FILES = frozenset({
     "test_engine_vs_hf.py", "test_speculative.py", "test_speculative_mtp.py",
     "test_near_tie.py", "test_score.py", "test_attention.py", "test_penalties.py",
     "test_sampler_device.py", "test_gemma3.py", "test_qwen3_moe.py", "test_quant.py",
-    "test_fused_decode.py",
+    "test_fused_decode.py", "test_lora.py",
 })
 
 

@@ -20,8 +20,9 @@ their `--weights-root` (server/adapters.py), whoever asks.
 What it does not do: an engine that is not connected at the time (restarting, or added
 by discovery later) is not told, and comes up with its `--lora-modules` only. Routing
 follows what each engine reports (its heartbeat's adapters), so requests for the adapter
-never go there; the operator's `spec.adapters` is the durable way to give a pool an
-adapter.
+never go there. The durable way to give every engine an adapter, one restarted or
+added later included, is `--lora-modules` (in a pool, `spec.engine.args`; the operator
+does not manage adapters yet).
 """
 
 from __future__ import annotations
