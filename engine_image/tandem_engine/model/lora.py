@@ -75,9 +75,13 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
     folder = Path(path)
     where = f"LoRA adapter {name!r} ({folder})"
     cfg_file, weights_file = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
-    if not cfg_file.is_file() or not weights_file.is_file():
-        raise CheckpointError(f"{where}: a PEFT adapter folder holds {ADAPTER_CONFIG} and "
-                              f"{ADAPTER_WEIGHTS}; one is missing")
+    if not folder.is_dir():
+        raise CheckpointError(f"{where}: no such folder; give the folder PEFT saved the "
+                              f"adapter to ({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})")
+    missing = [f.name for f in (cfg_file, weights_file) if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"{where}: {' and '.join(missing)} missing; a PEFT adapter "
+                              f"folder holds {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}")
     try:
         cfg = json.loads(cfg_file.read_text())
     except ValueError as exc:
