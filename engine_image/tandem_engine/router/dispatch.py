@@ -44,6 +44,7 @@ the proposals its engines accepted of those they verified.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -71,6 +72,8 @@ from tandem_engine.router.routing import DEFAULT_WEIGHTS, RoutingWeights, adapte
 from tandem_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+_READMIT_POLL_S = 0.05  # how often a choice with every engine excluded looks again
 
 
 @dataclass(frozen=True)
@@ -319,6 +322,8 @@ class Dispatcher:
             if client is None and await self.picker.wait_until_serving():
                 client = self.picker.pick(choice.prompt, choice.cache_salt, exclude=exclude,
                                           adapter=choice.adapter)
+            if client is None and choice.excluded:
+                client = await self._admitting_again(choice)
             if client is None:
                 raise NoEngineAvailable(no_engine_message(self.pool, choice.excluded,
                                                           choice.adapter))
@@ -342,6 +347,22 @@ class Dispatcher:
                         progress.version, len(progress.generated), client.key, version)
             progress.version = version
         return client
+
+    async def _admitting_again(self, choice: _Choice) -> EngineClient | None:
+        """Before the first token, with every engine that could serve the choice excluded:
+        one that refused it (a refit's wave was draining it) may admit again (the refit
+        re-planned that wave when another engine died). Wait, up to the failover timeout,
+        for an engine whose heartbeat says it serves, excluded or not; the attempts cap
+        bounds how often one is tried."""
+        deadline = time.monotonic() + self.config.failover_timeout
+        while time.monotonic() < deadline:
+            client = self.picker.pick(choice.prompt, choice.cache_salt,
+                                      adapter=choice.adapter)
+            if client is not None:
+                choice.excluded.discard(client.key)
+                return client
+            await asyncio.sleep(_READMIT_POLL_S)
+        return None
 
     def _failed_over(self, choice: _Choice, client: EngineClient, outcome: FailOver) -> None:
         log.warning("failing over from %s after %d tokens (%s)", client.key,

@@ -196,7 +196,10 @@ def route_docs(body: Schema | None, answer: Schema, *, stream: bool = False
     """Keyword arguments for a FastAPI route: its documented request body and responses."""
     ok = _json(answer, "the answer")
     if stream:
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+        # Each server-sent event: `data` is a chunk's JSON (or [DONE]).
+        ok["content"]["text/event-stream"] = {"schema": {
+            "type": "object", "required": ["data"],
+            "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}
     docs: dict[str, Any] = {"responses": {200: ok, **_ERRORS}}
     if body is not None:
         docs["openapi_extra"] = {"requestBody": {
