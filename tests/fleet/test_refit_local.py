@@ -85,6 +85,39 @@ class Stack:
              *args], capture_output=True, text=True, timeout=180,
             env={**os.environ, "TMPDIR": str(self.tmp)})
 
+    def primed_refit(self, *args: str) -> PrimedRefit:
+        return PrimedRefit(["refit", "--port", str(self.port), *args],
+                           {**os.environ, "TMPDIR": str(self.tmp)})
+
+
+class PrimedRefit:
+    """`tandem refit` with Python started and its modules imported, waiting for `go()`:
+    the transaction then begins within milliseconds, where a fresh `tandem refit` spends
+    seconds starting Python on a busy 2-core machine (long enough for a test's in-flight
+    requests to end before the refit reaches them)."""
+
+    _PRIME = ("import sys; import tandem_engine.cli.main as m; import tandem_engine.cli.refit; "
+              "print('primed', flush=True); sys.stdin.readline(); "
+              "sys.exit(m.main(sys.argv[1:]))")
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", self._PRIME, *argv],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if line.strip() != "primed":
+            self.proc.kill()
+            raise RuntimeError(f"tandem refit did not start: {line}{self.proc.stderr.read()}")
+
+    def go(self, timeout: float = 180) -> subprocess.CompletedProcess:
+        try:
+            out, err = self.proc.communicate("\n", timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+
 
 @dataclass
 class Record:
@@ -552,11 +585,12 @@ def test_all_at_once_with_recompute_keeps_every_inflight_request(
     old = current(stack)
     new = other(old)
     long_tokens = 1000
+    refit = stack.primed_refit("--uri", uri(checkpoints[new]), "--version", new,
+                               "--strategy", "AllAtOnce", "--inflight", "Recompute",
+                               "--low-memory")
     threads, results = start_long_generations(stack, 6, long_tokens)
     with Load(stack, threads=2) as load, AwayWatch(stack) as watch:
-        done = stack.refit("--uri", uri(checkpoints[new]), "--version", new,
-                           "--strategy", "AllAtOnce", "--inflight", "Recompute",
-                           "--low-memory")
+        done = refit.go()
         for t in threads:
             t.join(timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
