@@ -84,11 +84,19 @@ class CanaryRequest(AdminRequest):
         msgspec.field(default_factory=lambda: list(CANARY_DEFAULT_TOKEN_IDS)))
     max_tokens: Annotated[int, Meta(ge=1, le=64)] = 4
     timeout: Annotated[float, Meta(gt=0, le=600)] = 30.0
+    # Under a LoRA adapter the engine serves (an adapter transaction's verification): its
+    # name, and the version it must be at (refused otherwise).
+    lora_name: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    lora_version: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
 
     def to_body(self) -> dict[str, Any]:
-        """The JSON body, naming the one prompt it carries (the text, else the ids)."""
+        """The JSON body, naming the one prompt it carries (the text, else the ids), and
+        the adapter only when there is one."""
         body = msgspec.to_builtins(self)
         del body["prompt_token_ids" if self.prompt is not None else "prompt"]
+        for key in ("lora_name", "lora_version"):
+            if body[key] is None:
+                del body[key]
         return body
 
 
@@ -136,6 +144,7 @@ class CanaryReply(msgspec.Struct, frozen=True, kw_only=True):
     top1_mass: float | None = None  # None from an engine that does not report it
     weight_version: str = ""
     weight_epoch: int = 0
+    lora: str = ""  # the adapter's identity (name@version) it ran under; "" the base model
 
 
 class DeviceStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -8,12 +8,13 @@ pod's args, and with them its template hash, depend on the spec alone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import PurePosixPath
 from typing import Any
 
-from tandem_engine.config import POOL_FLAGS, flag_values
+from tandem_engine.config import POOL_FLAGS, engine_flag, flag_values
 from tandem_engine.engine_flags import flag_args
+from tandem_engine.fleet.adapters import AdapterRef
 from tandem_engine.weights import WeightsRef, checkpoint_path, weights_source
 
 from tandem_operator.spec import GPU_RESOURCE, EngineDevice, Group, PoolSpec, engine_config
@@ -34,8 +35,12 @@ def weights_roots(spec: PoolSpec, weights: WeightsRef, draft_uri: str | None = N
     paths = [PurePosixPath(weights.path)]
     if draft_uri is not None:
         paths.append(PurePosixPath(checkpoint_path(draft_uri)))
-    mounted = weights_source(weights.uri).mount_path  # a claim: refits within it
-    roots = [*spec.engine.weights_roots, *([mounted] if mounted else []),
+    # The adapters' folders, so the engines may load them at run time (spec.adapters: a
+    # pod's args and template depend on the spec alone).
+    paths += [PurePosixPath(checkpoint_path(a.uri)) for a in spec.adapters]
+    mounted = [m for m in (weights_source(uri).mount_path for uri in (
+        weights.uri, *(a.uri for a in spec.adapters))) if m]  # claims: refits within them
+    roots = [*spec.engine.weights_roots, *mounted,
              *(str(mount["mountPath"]) for path in paths for mount in spec.engine.volume_mounts
                if mount.get("mountPath") and path.is_relative_to(str(mount["mountPath"])))]
     return list(dict.fromkeys(roots))
@@ -65,11 +70,36 @@ def _positive(quantity: Any) -> bool:
         return False
 
 
+def lora_args(spec: PoolSpec) -> list[str]:
+    """spec.engine.lora as the engine's LoRA flags (none when it is unset)."""
+    lora = spec.engine.lora
+    if lora is None:
+        return []
+    args = [engine_flag("enable_lora").flag,
+            engine_flag("max_loras").flag, str(lora.max_loras),
+            engine_flag("max_lora_rank").flag, str(lora.max_lora_rank)]
+    if lora.max_cpu_loras is not None:
+        args += [engine_flag("max_cpu_loras").flag, str(lora.max_cpu_loras)]
+    return args
+
+
+def lora_modules(adapters: Sequence[AdapterRef]) -> list[str]:
+    """`--lora-modules NAME@VERSION=PATH ...` for the adapters a new engine starts with
+    (each folder as the pod sees it); none for none."""
+    if not adapters:
+        return []
+    return [engine_flag("lora_modules").flag,
+            *(f"{a.identity}={checkpoint_path(a.uri)}" for a in sorted(adapters,
+                                                                      key=lambda a: a.name))]
+
+
 def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: int,
-                epoch: int | None = None, draft_uri: str | None = None) -> list[str]:
-    """The engine's command line, loading `weights` and the draft checkpoint `draft_uri`;
-    `epoch` None leaves --weight-epoch out (the template hash, which a refit never
-    changes)."""
+                epoch: int | None = None, draft_uri: str | None = None,
+                adapters: Sequence[AdapterRef] | None = None) -> list[str]:
+    """The engine's command line, loading `weights`, the draft checkpoint `draft_uri` and
+    the LoRA adapters `adapters`; `epoch` and `adapters` None leave --weight-epoch and
+    --lora-modules out (the template hash, which neither a refit nor an adapter change
+    touches)."""
     e = spec.engine
     roots = weights_roots(spec, weights, draft_uri)
     args = ["--role", str(spec.engine_role(group)), "--model", weights.path,
@@ -91,4 +121,5 @@ def engine_args(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds
     # SIGTERM makes an engine stop admitting and finish what it runs: let it take as long as
     # an operator drain may (the pod's grace period leaves 10 s on top).
     args += ["--shutdown-grace", str(drain_seconds)]
+    args += lora_args(spec) + lora_modules(adapters or ())
     return [*args, *e.args]

@@ -14,8 +14,11 @@ import base64
 import hashlib
 import json
 import re
+from collections.abc import Sequence
 from typing import Any
 
+from tandem_engine.fleet.adapters import AdapterRef
+from tandem_engine.fleet.admin import admin_url
 from tandem_engine.weights import WeightsRef, weights_source
 
 from tandem_operator.engine_command import (
@@ -52,6 +55,9 @@ WEIGHTS_VERSION = "tandem.dev/weights-version"
 WEIGHTS_URI = "tandem.dev/weights-uri"
 WEIGHTS_EPOCH = "tandem.dev/weights-epoch"  # the pool-wide refit number of those weights
 DRAFT_URI = "tandem.dev/draft-uri"  # the draft checkpoint loaded with them (method Draft)
+# The LoRA adapters the engine serves (JSON: [{name, version, uri}]), as it was started with
+# them or an adapter transaction verified them on it: where a later transaction starts from.
+ADAPTERS = "tandem.dev/adapters"
 DRAINING_SINCE = "tandem.dev/draining-since"  # set by the operator when it starts a drain
 ADMIN_TOKEN_KEY = "token"
 # The pool's ZMQ CURVE keypairs (Z85) in the same Secret: engines serve with the server's
@@ -222,7 +228,8 @@ def _probes(port: str, startup_timeout_s: int) -> dict[str, Any]:
 
 
 def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: int,
-              epoch: int | None = None, draft_uri: str | None = None) -> dict[str, Any]:
+              epoch: int | None = None, draft_uri: str | None = None,
+              adapters: Sequence[AdapterRef] | None = None) -> dict[str, Any]:
     """The group's pod spec; spec.pod.overrides is merged in last (it may not touch the
     weights' volume, which `_with_weights` adds after)."""
     e = spec.engine
@@ -247,7 +254,7 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: 
     container = {
         "name": "engine", "image": e.image, "imagePullPolicy": e.image_pull_policy,
         "command": ["tandem-engine"],
-        "args": engine_args(spec, group, weights, drain_seconds, epoch, draft_uri),
+        "args": engine_args(spec, group, weights, drain_seconds, epoch, draft_uri, adapters),
         "env": _engine_env(spec),
         "ports": [{"name": "zmq", "containerPort": ENGINE_ZMQ_PORT, "protocol": "TCP"},
                   {"name": "admin", "containerPort": ENGINE_ADMIN_PORT, "protocol": "TCP"},
@@ -333,11 +340,12 @@ def template_hash(spec: PoolSpec, group: Group) -> str:
     refit in place, weights on another need new engine pods. Routers keep theirs (they read
     the tokenizer at start, and a refit never restarts them either)."""
     weights = _hash_weights(spec.weights) if group != "router" else _HASH_WEIGHTS
+    pod_spec = _with_weights(_pod_spec(spec, group, weights, _HASH_DRAIN_SECONDS,
+                                       draft_uri=_HASH_DRAFT if spec.draft_uri else None),
+                             weights)
     template = {"labels": _pod_labels(spec, group),
                 "annotations": dict(spec.pod.annotations or {}),
-                "spec": _with_weights(_pod_spec(spec, group, weights, _HASH_DRAIN_SECONDS,
-                                                draft_uri=_HASH_DRAFT if spec.draft_uri
-                                                else None), weights)}
+                "spec": _with_adapter_volumes(pod_spec, spec, group)}
     canonical = json.dumps(template, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
@@ -350,11 +358,13 @@ def _scrape_annotations(group: Group) -> dict[str, str]:
             "prometheus.io/path": "/metrics"}
 
 
-def pod(spec: PoolSpec, group: Group, weights: WeightsRef, epoch: int = 0) -> dict[str, Any]:
+def pod(spec: PoolSpec, group: Group, weights: WeightsRef, epoch: int = 0,
+        adapters: Sequence[AdapterRef] = ()) -> dict[str, Any]:
     """A new pod of `group` (created with generateName `<pool>-<group>-`) on `weights`, whose
     pool-wide weight epoch is `epoch` (engines start with it; routers prefer the highest).
     Engines load the spec's draft checkpoint, named in their DRAFT_URI annotation (where a
-    refit's rollback finds it)."""
+    refit's rollback finds it), and start serving the LoRA `adapters` (named in their
+    ADAPTERS annotation, where an adapter transaction finds them)."""
     meta = _meta(spec, "", _pod_labels(spec, group))
     del meta["name"]
     meta["generateName"] = f"{spec.name}-{group}-"
@@ -366,11 +376,34 @@ def pod(spec: PoolSpec, group: Group, weights: WeightsRef, epoch: int = 0) -> di
         meta["annotations"][WEIGHTS_EPOCH] = str(epoch)
         if spec.draft_uri is not None:
             meta["annotations"][DRAFT_URI] = spec.draft_uri
+        if spec.engine.lora is not None:
+            meta["annotations"][ADAPTERS] = adapters_annotation(adapters)
+    engine = group != "router"
+    pod_spec = _with_weights(_pod_spec(spec, group, weights, spec.refit.drain_timeout_seconds,
+                                       epoch if engine else None, spec.draft_uri,
+                                       adapters if engine else None), weights)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-            "spec": _with_weights(_pod_spec(spec, group, weights,
-                                            spec.refit.drain_timeout_seconds,
-                                            None if group == "router" else epoch,
-                                            spec.draft_uri), weights)}
+            "spec": _with_adapter_volumes(pod_spec, spec, group)}
+
+
+def engine_admin_url(ip: str | None) -> str:
+    """The admin API of the engine pod at `ip`."""
+    return admin_url(ip or "", ENGINE_ADMIN_PORT)
+
+
+def adapters_annotation(adapters: Sequence[AdapterRef]) -> str:
+    return json.dumps([a.to_dict() for a in sorted(adapters, key=lambda a: a.name)],
+                      separators=(",", ":"))
+
+
+def read_adapters_annotation(value: str | None) -> tuple[AdapterRef, ...] | None:
+    """The ADAPTERS annotation's adapters; None when absent or not ours."""
+    if value is None:
+        return None
+    try:
+        return tuple(AdapterRef.from_dict(a) for a in json.loads(value))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 # ---- the weights' volume ------------------------------------------------------------------------
@@ -416,6 +449,43 @@ def _with_weights(pod: dict[str, Any], weights: WeightsRef) -> dict[str, Any]:
         *pod["containers"][0].get("volumeMounts", ()),
         {"name": WEIGHTS_VOLUME, "mountPath": mount, "readOnly": True}]
     return pod
+
+
+def _with_adapter_volumes(pod: dict[str, Any], spec: PoolSpec, group: Group
+                          ) -> dict[str, Any]:
+    """An engine pod's volumes for the spec's adapters on `pvc://` claims and `oci://`
+    images (as `_with_weights` mounts the weights': one per claim or image not mounted
+    already). They depend on the spec's adapters' volumes only, never on versions or paths
+    within them: another version on a mounted claim loads in place; an adapter on a claim
+    or image the pods do not mount yet rolls them once (they start with it)."""
+    if group == "router":
+        return pod
+    mounted = {m.get("mountPath") for m in pod["containers"][0].get("volumeMounts", ())}
+    sources = {}
+    for adapter in spec.adapters:
+        source = weights_source(adapter.uri)
+        if source.mount_path is not None and source.mount_path not in mounted:
+            sources.setdefault(source.mount_path, source)
+    for i, (mount, source) in enumerate(sorted(sources.items())):
+        name = f"{ADAPTER_VOLUME}-{i}"
+        if source.claim is not None:
+            volume = {"name": name,
+                      "persistentVolumeClaim": {"claimName": source.claim, "readOnly": True}}
+        else:
+            volume = {"name": name, "emptyDir": {}}
+            copy = {"name": name, "image": source.image, "imagePullPolicy": "IfNotPresent",
+                    "command": ["cp", "-R", "/model/.", f"{mount}/"],
+                    "volumeMounts": [{"name": name, "mountPath": mount}],
+                    "securityContext": _container_security()}
+            pod["initContainers"] = [*pod.get("initContainers", ()), copy]
+        pod["volumes"] = [*pod.get("volumes", ()), volume]
+        pod["containers"][0]["volumeMounts"] = [
+            *pod["containers"][0].get("volumeMounts", ()),
+            {"name": name, "mountPath": mount, "readOnly": True}]
+    return pod
+
+
+ADAPTER_VOLUME = "tandem-adapters"
 
 
 # ---- the pool's other objects -------------------------------------------------------------------

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem_engine.fleet.adapters import AdapterRef
 from tandem_engine.weights import WeightsRef
 
 from tandem_operator import manifests as m
@@ -57,6 +58,8 @@ class PodView:
     created: str = ""
     ip: str | None = None
     uid: str = ""
+    # the LoRA adapters its engine serves (tandem.dev/adapters); None: not annotated
+    adapters: tuple[AdapterRef, ...] | None = None
 
     @property
     def failed(self) -> bool:
@@ -96,7 +99,8 @@ class PodView:
                    deleting=bool(meta.get("deletionTimestamp")),
                    draining_since=ann.get(m.DRAINING_SINCE) or None,
                    ready_since=str((condition or {}).get("lastTransitionTime") or ""),
-                   created=meta.get("creationTimestamp") or "", ip=status.get("podIP") or None)
+                   created=meta.get("creationTimestamp") or "", ip=status.get("podIP") or None,
+                   adapters=m.read_adapters_annotation(ann.get(m.ADAPTERS)))
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,9 @@ class Observed:
     now: float | None = None  # when it was observed (wall clock); None: every Ready pod counts
     # as available at once (rollout.minReadySeconds needs the clock)
     revisions: tuple[Mapping[str, Any], ...] = ()  # its ControllerRevisions (rollout.py)
+    # the LoRA adapters new engine pods start with, when an adapter transaction decides
+    # them (adapters.py); None: the spec's
+    pod_adapters: tuple[AdapterRef, ...] | None = None
 
     def group(self, group: Group) -> list[PodView]:
         return [p for p in self.pods if p.group == group and not p.deleting]
@@ -288,6 +295,12 @@ def plan(spec: PoolSpec, observed: Observed) -> list[Action]:
     return actions
 
 
+def pod_adapters(spec: PoolSpec, observed: Observed) -> tuple[AdapterRef, ...]:
+    """The adapters a new engine pod starts with: the adapter transaction's choice, else
+    the spec's."""
+    return observed.pod_adapters if observed.pod_adapters is not None else spec.adapters
+
+
 def _plan_objects(spec: PoolSpec, observed: Observed) -> list[Action]:
     actions: list[Action] = []
     secret = m.admin_secret_name(spec.name)
@@ -383,7 +396,9 @@ def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: Weigh
     partner_ok = _partner_allows(spec, group, observed, old)
 
     def create(n: int) -> list[Action]:
-        return [CreatePod(group, m.pod(spec, group, weights, epoch), reason) for _ in range(n)]
+        adapters = pod_adapters(spec, observed)
+        return [CreatePod(group, m.pod(spec, group, weights, epoch, adapters), reason)
+                for _ in range(n)]
 
     if not old:
         if len(new) < replicas:
@@ -417,6 +432,7 @@ def _plan_group(spec: PoolSpec, group: Group, observed: Observed, weights: Weigh
 # ---- status -------------------------------------------------------------------------------------
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Refitting")
+ADAPTER_CONDITION = "AdapterRefitting"  # with spec.engine.lora only
 
 Condition = tuple[bool, str, str]  # status, reason, message
 
@@ -431,6 +447,20 @@ class RefitReport:
     refitting: Condition
     degraded: Condition | None = None
     current: str | None = None
+
+
+@dataclass(frozen=True)
+class AdapterReport:
+    """What the pool's adapter transaction says for status (built by `adapters`): its
+    record (`status.adapterRefit`), the AdapterRefitting condition, a Degraded one while a
+    failed change stands, each adapter's versions per role (`status.adapters`) and the
+    kubectl column's text (`status.adapterSummary`)."""
+
+    record: Mapping[str, Any]
+    refitting: Condition
+    degraded: Condition | None = None
+    adapters: list[dict[str, str]] = field(default_factory=list)
+    summary: str = ""
 
 
 @dataclass(frozen=True)
@@ -481,10 +511,10 @@ def _counts(groups: Mapping[str, Mapping[str, int]], spec: PoolSpec, key: str) -
 
 
 def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, ...] = (),
-           refit: RefitReport | None = None, rollout: RolloutReport | None = None
-           ) -> dict[str, Any]:
+           refit: RefitReport | None = None, rollout: RolloutReport | None = None,
+           adapters: AdapterReport | None = None) -> dict[str, Any]:
     """The status block for this observation (plus the errors met acting on it, and what the
-    refit transaction and the rollout, if any, report)."""
+    refit transaction, the adapter transaction and the rollout, if any, report)."""
     prev, gen = observed.previous, spec.generation
     groups = {g: group_status(spec, g, observed) for g in GROUPS}
     current = current_version(observed)
@@ -499,6 +529,8 @@ def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, .
         degraded = (True, "ApplyFailed", "; ".join(errors))
     elif refit is not None and refit.degraded is not None:
         degraded = refit.degraded
+    elif adapters is not None and adapters.degraded is not None:
+        degraded = adapters.degraded
     elif failed:
         degraded = (True, "PodFailed", f"pods failed and are being replaced: "
                                        f"{', '.join(sorted(failed))}")
@@ -553,6 +585,8 @@ def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, .
 
     conditions = [condition(prev, t, *c, gen, now) for t, c in zip(
         CONDITION_TYPES, (ready, progressing, degraded, refitting), strict=True)]
+    if adapters is not None:  # pools whose engines serve LoRA adapters (spec.engine.lora)
+        conditions.append(condition(prev, ADAPTER_CONDITION, *adapters.refitting, gen, now))
     # The epoch new engines start with: that of the weights they load.
     epoch = pod_epoch(observed, observed.pod_weights or serving_weights(spec, observed))
     out = {"observedGeneration": gen, "conditions": conditions, **groups,
@@ -562,6 +596,14 @@ def status(spec: PoolSpec, observed: Observed, *, now: str, errors: tuple[str, .
         out["refit"] = dict(refit.record)
     elif "refit" in prev:
         out["refit"] = prev["refit"]
+    if adapters is not None:
+        out["adapterRefit"] = dict(adapters.record)
+        out["adapters"] = list(adapters.adapters)
+        out["adapterSummary"] = adapters.summary
+    else:  # the kubectl column says it (an empty cell would shift the row's words)
+        out["adapterSummary"] = "none"
+        if "adapterRefit" in prev:
+            out["adapterRefit"] = prev["adapterRefit"]
     if rollout is not None:
         out["rollout"] = dict(rollout.record)
     elif "rollout" in prev:

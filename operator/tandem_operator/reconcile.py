@@ -33,6 +33,7 @@ from tandem_engine.weights import CHECKPOINT_FORMS, WeightsRef, checkpoint_probl
 
 from tandem_operator import manifests as m
 from tandem_operator import metrics, rollout
+from tandem_operator.adapters import AdapterPass, adapter_pass
 from tandem_operator.autoscaler import Autoscalers, ScalePass
 from tandem_operator.kube import POOL_OBJECT_KINDS, Kube, KubeError, now, parse_time
 from tandem_operator.plan import (
@@ -225,6 +226,9 @@ async def reconcile(pool: Mapping[str, Any], ctx: Context, watched: Watched | No
     refit = await _refit(ctx, spec, pool, observed)
     if refit.pod_weights is not None:
         observed = dataclasses.replace(observed, pod_weights=refit.pod_weights)
+    changing = await _adapters(ctx, spec, pool, observed, refit.running)
+    if changing.pod_adapters is not None:
+        observed = dataclasses.replace(observed, pod_adapters=changing.pod_adapters)
     scaled, scale_errors = await _autoscale(ctx, spec, observed, refit.running)
     if scaled.targets and not scale_errors:
         try:
@@ -236,9 +240,9 @@ async def reconcile(pool: Mapping[str, Any], ctx: Context, watched: Watched | No
     effective = rolled.effective
     actions = plan(effective, observed)
     errors = await act(ctx, effective, pool, actions) + rollout_errors
-    errors += refit.errors + scale_errors
+    errors += refit.errors + changing.errors + scale_errors
     new = status(effective, observed, now=now(), errors=tuple(errors), refit=refit.report,
-                 rollout=rolled.report)
+                 rollout=rolled.report, adapters=changing.report)
     if spec.autoscaling is not None:
         block = scaled.status if scaled.status is not None else previous.get("autoscaling")
         if block is not None:
@@ -254,8 +258,8 @@ async def reconcile(pool: Mapping[str, Any], ctx: Context, watched: Watched | No
     metrics.record_pool_engines(spec.namespace, spec.name, metrics.pool_engines(spec, observed))
     metrics.record_conditions(spec.namespace, spec.name, new.get("conditions") or ())
     metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-    soon = [t for t in (REQUEUE_SECONDS if refit.running else None, scaled.next_in)
-            if t is not None]
+    soon = [t for t in (REQUEUE_SECONDS if refit.running or changing.running else None,
+                        scaled.next_in) if t is not None]
     return Outcome(tuple(actions), tuple(errors), new, min(soon) if soon else None)
 
 
@@ -314,6 +318,20 @@ async def _refit(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], observed
     except Exception as exc:  # a bug in one pass must not stop the pool's other steps
         log.exception("%s/%s: refit pass failed", spec.namespace, spec.name)
         return RefitPass(errors=[f"refit: {type(exc).__name__}: {exc}"])
+    for event in result.events:
+        await _event(ctx, pool, event.reason, event.message,
+                     "Warning" if event.warning else "Normal")
+    return result
+
+
+async def _adapters(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], observed: Observed,
+                    weights_refitting: bool) -> AdapterPass:
+    """One pass of the pool's adapter transaction, its events posted; never raises."""
+    try:
+        result = await adapter_pass(ctx.kube, ctx.fleet, spec, observed, weights_refitting)
+    except Exception as exc:  # a bug in one pass must not stop the pool's other steps
+        log.exception("%s/%s: adapter pass failed", spec.namespace, spec.name)
+        return AdapterPass(errors=[f"adapters: {type(exc).__name__}: {exc}"])
     for event in result.events:
         await _event(ctx, pool, event.reason, event.message,
                      "Warning" if event.warning else "Normal")

@@ -34,7 +34,6 @@ from tandem_engine.fleet import (
     Event,
     Phase,
     Transaction,
-    admin_url,
     advance,
     observe,
 )
@@ -154,9 +153,21 @@ def configure(tx: Transaction, spec: PoolSpec) -> None:
     tx.min_uncertainty_ratio = spec.refit.min_uncertainty_ratio
     tx.low_memory = spec.refit.low_memory
     tx.drain_timeout = float(spec.refit.drain_timeout_seconds)
-    # one number for both roles: the smaller role's budget (a percentage resolves per role)
-    tx.max_unavailable = max(1, min((spec.rollout.budget(spec.replicas(g))[1]
-                                     for g in ENGINE_GROUPS if spec.replicas(g) > 0), default=1))
+    tx.max_unavailable = wave_size(spec)
+
+
+def wave_size(spec: PoolSpec) -> int:
+    """Engines per role a wave takes (a refit's, an adapter change's): one number for both
+    roles, the smaller role's rollout budget (a percentage resolves per role)."""
+    return max(1, min((spec.rollout.budget(spec.replicas(g))[1]
+                       for g in ENGINE_GROUPS if spec.replicas(g) > 0), default=1))
+
+
+async def pool_admin(fleet: FleetClients, spec: PoolSpec, observed: Observed) -> EngineAdmin:
+    """The admin client of the pool's engines, with the pool's admin token."""
+    secret = observed.objects.get(("Secret", m.admin_secret_name(spec.name)))
+    token = m.secret_token(dict(secret)) if secret else None
+    return await fleet.admin(spec.namespace, spec.name, token)
 
 
 def settled_weights(old: Transaction | None, observed: Observed,
@@ -313,11 +324,9 @@ async def refit_pass(kube: Kube, fleet: FleetClients, spec: PoolSpec, observed: 
     tx.engines = {n: r for n, r in tx.engines.items() if n in pods}
     engines: list[EngineObs] = []
     if pods:
-        secret = observed.objects.get(("Secret", m.admin_secret_name(spec.name)))
-        token = m.secret_token(dict(secret)) if secret else None
-        admin = await fleet.admin(spec.namespace, spec.name, token)
+        admin = await pool_admin(fleet, spec, observed)
         engines = await observe(admin, [
-            (p.name, p.role, admin_url(p.ip or "", m.ENGINE_ADMIN_PORT)) for p in pods.values()])
+            (p.name, p.role, m.engine_admin_url(p.ip)) for p in pods.values()])
         # One that does not answer yet (starting) joins once it does.
         engines = [e for e in engines if e.state is not None or e.name in tx.engines]
         out.events += _rejoin(tx, engines, now)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError
@@ -40,8 +41,10 @@ from tandem_engine.config import (
     engine_flag,
 )
 from tandem_engine.engine_flags import EngineOptionError
+from tandem_engine.fleet.adapters import STAGING_PREFIX, AdapterRef
 from tandem_engine.fleet.verify import DEFAULT_MIN_UNCERTAINTY_RATIO, uncertainty_ratio_problem
 from tandem_engine.lifecycle import EngineRole
+from tandem_engine.lora_request import ADAPTER_NAME
 from tandem_engine.refit_policy import (
     DEFAULT_DRAIN_TIMEOUT_S,
     InFlight,
@@ -226,12 +229,19 @@ RENDERED_ENGINE_FLAGS: dict[str, str] = {
     "--weight-epoch": "the refit transaction (status.weights.epoch)",
     "--weights-root": "spec.engine.weightsRoots (and the volume mounts holding the weights)",
     "--shutdown-grace": "spec.refit.drainTimeoutSeconds",
+    "--enable-lora": "spec.engine.lora",
+    "--max-loras": "spec.engine.lora.maxLoras",
+    "--max-lora-rank": "spec.engine.lora.maxLoraRank",
+    "--max-cpu-loras": "spec.engine.lora.maxCpuLoras",
+    "--lora-modules": "spec.adapters",
     **{flag: "the pod's address, ports and name"
        for flag in ("--host", "--port", "--admin-port", "--metrics-port", "--engine-id")},
 }
 SPECULATIVE_FLAG_PREFIX = "--speculative"  # any other --speculative-* is spec.engine.speculative
 
 # The CRD's CEL messages of the engine's sizing rules, which _check_rules states again.
+ADAPTERS_NEED_LORA = ("adapters need engine.lora (the engines' LoRA slots: maxLoras, "
+                      "maxLoraRank): set it, e.g. engine: {lora: {maxLoras: 4}}")
 KV_CACHE_SIZES = "set at most one of kvCache.numBlocks, kvCache.memory and kvCache.memoryMiB"
 GPU_MEMORY_ON_CPU = ("engine.gpuMemoryUtilization sizes a CUDA engine's memory; remove it "
                      "for device CPU")
@@ -277,6 +287,22 @@ class EngineSettings:
     startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT_S  # the startupProbe's budget
     rdma_ipc_lock: bool = False  # spec.engine.rdma.ipcLock: adds the IPC_LOCK capability
     speculative: Speculative | None = None  # spec.engine.speculative; None: off
+    lora: LoRASettings | None = None  # spec.engine.lora; None: engines serve no adapters
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """spec.engine.lora: the engines start with --enable-lora and these slots (vLLM's
+    --max-loras, --max-lora-rank, --max-cpu-loras; the engine's own defaults)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: --max-loras
+
+
+MAX_ADAPTERS = 64  # spec.adapters' maxItems
+# the CRD's pattern, as spec.model.weights.version's
+ADAPTER_VERSION = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -398,6 +424,9 @@ class PoolSpec:
     pod: PodSettings = field(default_factory=PodSettings)
     # spec.autoscaling, validated: the planner (autoscale.py) the operator runs (autoscaler.py)
     autoscaling: Autoscaling | None = None
+    # spec.adapters: the LoRA adapters every engine serves, changed in place by an adapter
+    # transaction (tandem_operator.adapters) when edited
+    adapters: tuple[AdapterRef, ...] = ()
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> PoolSpec:
@@ -652,7 +681,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
                                              _ENGINE.startup_timeout_seconds, 10, 86400),
         rdma_ipc_lock=bool_field(object_field(e, "rdma", "spec.engine"), "ipcLock",
                                  "spec.engine.rdma", _ENGINE.rdma_ipc_lock),
-        speculative=_speculative(e))
+        speculative=_speculative(e),
+        lora=_lora(e))
     _check_tmpvolume_mounts(engine.volume_mounts, "spec.engine")
     for i, c in enumerate(engine.init_containers):
         _check_tmpvolume_mounts(c.volume_mounts, f"spec.engine.initContainers[{i}]")
@@ -727,7 +757,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         pod=pod_settings(spec, frozenset(str(v.get("name")) for v in engine.volumes
                                          if isinstance(v, Mapping)),
                          frozenset(str(m["mountPath"]).rstrip("/") for m in engine.volume_mounts)),
-        autoscaling=autoscaling_settings(spec))
+        autoscaling=autoscaling_settings(spec),
+        adapters=_adapters(spec))
     _check_rules(pool)
     _check_engine_config(pool)
     return pool
@@ -791,6 +822,49 @@ def autoscaling_settings(spec: Mapping[str, Any]) -> Autoscaling | None:
         raise SpecError(str(exc)) from None
 
 
+def _lora(e: Mapping[str, Any]) -> LoRASettings | None:
+    """spec.engine.lora, or None when absent (engines start without LoRA)."""
+    if e.get("lora") is None:
+        return None
+    d, path, flags = object_field(e, "lora", "spec.engine"), "spec.engine.lora", LoRASettings()
+    return LoRASettings(
+        max_loras=required_int(d, "maxLoras", path, flags.max_loras, 1, 64),
+        max_lora_rank=required_int(d, "maxLoraRank", path, flags.max_lora_rank, 1, 512),
+        max_cpu_loras=int_field(d, "maxCpuLoras", path, None, 1, 4096))
+
+
+def _adapters(spec: Mapping[str, Any]) -> tuple[AdapterRef, ...]:
+    """spec.adapters, each entry's name, version and uri checked as the CRD checks them
+    (the uri as the weights' is: file://, pvc:// or oci://)."""
+    out: list[AdapterRef] = []
+    for i, item in enumerate(list_field(spec, "adapters", "spec", MAX_ADAPTERS)):
+        path = f"spec.adapters[{i}]"
+        if not isinstance(item, Mapping):
+            raise SpecError(f"{path} must be an object with name, version and uri")
+        name = str_field(item, "name", path, None, 128, min_len=1)
+        if not ADAPTER_NAME.match(name):
+            raise SpecError(f"{path}.name {name!r}: 1-128 letters, digits and . _ : - "
+                            "(starting with a letter or digit); requests name it in `model`")
+        if name.startswith(STAGING_PREFIX):
+            raise SpecError(f"{path}.name {name!r}: names starting {STAGING_PREFIX!r} are "
+                            "the operator's (it verifies an adapter under one before it "
+                            "serves); choose another")
+        version = str_field(item, "version", path, None, 63, min_len=1)
+        if not ADAPTER_VERSION.match(version):
+            raise SpecError(f"{path}.version {version!r}: 1-63 letters, digits and . _ - "
+                            "(starting and ending with a letter or digit), e.g. 2 or step-1200")
+        uri = str_field(item, "uri", path, None, 1024, min_len=8)
+        try:
+            checkpoint_path(uri, what=f"{path}.uri")
+        except WeightsURIError as exc:
+            raise SpecError(str(exc)) from None
+        if any(a.name == name for a in out):
+            raise SpecError(f"{path}.name {name!r} is listed twice in spec.adapters: one "
+                            "entry per adapter name (edit its version to change it)")
+        out.append(AdapterRef(name, version, uri))
+    return tuple(out)
+
+
 def _check_rules(pool: PoolSpec) -> None:
     """The CRD's cross-field CEL rules, with the CRD's messages."""
     if pool.prefill.replicas > 0 and pool.decode.replicas < 1:
@@ -814,6 +888,11 @@ def _check_rules(pool: PoolSpec) -> None:
             raise SpecError(GPU_MEMORY_ON_CPU)
         if kv.num_blocks is not None or kv.memory_bytes is not None:
             raise SpecError(GPU_MEMORY_WITH_KV_SIZE)
+    if pool.adapters and pool.engine.lora is None:
+        raise SpecError(ADAPTERS_NEED_LORA)
+    if any(a.name == pool.model_name for a in pool.adapters):
+        raise SpecError(f"spec.adapters: an adapter cannot be named {pool.model_name!r}, "
+                        "spec.model.name: requests name the model to run without an adapter")
     speculative = pool.engine.speculative
     drafting = speculative is not None and speculative.method is SpeculativeMethod.DRAFT
     if drafting and pool.draft_uri is None:

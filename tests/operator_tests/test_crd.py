@@ -31,13 +31,28 @@ from tandem_engine.config import (
     DEFAULT_THREADS,
     MAX_PROMPT_LOOKUP,
     MAX_SPECULATIVE_TOKENS,
+    engine_flag,
 )
-from tandem_engine.fleet.transaction import Phase
+from tandem_engine.fleet.adapters import (
+    AdapterEngineRecord,
+    AdapterObs,
+    AdapterRef,
+    AdapterTransaction,
+    adapter_set,
+)
+from tandem_engine.fleet.transaction import Failure, Phase
+from tandem_engine.lifecycle import EngineState
+from tandem_engine.lora_request import ADAPTER_NAME
 from tandem_engine.refit_policy import DEFAULT_DRAIN_TIMEOUT_S, InFlight, OnFailure, RefitStrategy
+from tandem_operator.adapters import MESSAGE_LIMIT as ADAPTER_MESSAGE_LIMIT
+from tandem_operator.adapters import report as adapter_report
 from tandem_operator.autoscale import SLO as PlannerSLO
 from tandem_operator.autoscale import Autoscaling, Bounds
+from tandem_operator.plan import ADAPTER_CONDITION, CONDITION_TYPES, PodView, condition
 from tandem_operator.pod_spec import NetworkPolicySettings
 from tandem_operator.spec import (
+    ADAPTER_VERSION,
+    ADAPTERS_NEED_LORA,
     DEFAULT_MIN_READY_S,
     DEFAULT_PROGRESS_DEADLINE_S,
     DEFAULT_REVISION_HISTORY_LIMIT,
@@ -47,9 +62,11 @@ from tandem_operator.spec import (
     GPU_MEMORY_ON_CPU,
     GPU_MEMORY_WITH_KV_SIZE,
     KV_CACHE_SIZES,
+    MAX_ADAPTERS,
     RENDERED_ENGINE_FLAGS,
     Dtype,
     EngineDevice,
+    LoRASettings,
     PoolSpec,
     SpecError,
     SpeculativeMethod,
@@ -71,7 +88,8 @@ OVERRIDES_PRESERVED = {"spec.pod.overrides", *(f"spec.pod.overrides.{p}" for p i
     "containers[].readinessProbe", "containers[].livenessProbe", "containers[].env[]",
     "containers[].volumeMounts[]", "initContainers[]", "volumes[]"))}
 PRESERVE_UNKNOWN_PATHS = {*OVERRIDES_PRESERVED, "spec.prefill.affinity", "spec.decode.affinity",
-                          "spec.router.affinity", "status.refit", "spec.engine.volumes[]"}
+                          "spec.router.affinity", "status.refit", "status.adapterRefit",
+                          "spec.engine.volumes[]"}
 
 
 # --- the API server's work, offline --------------------------------------------------------------
@@ -170,12 +188,31 @@ def cel_errors(obj: dict[str, Any]) -> list[tuple[str, str]]:
     return errors
 
 
+def list_map_errors(obj: dict[str, Any]) -> list[tuple[str, str]]:
+    """(item, message) of every item of an `x-kubernetes-list-type: map` list whose keys an
+    earlier item has, as the API server refuses it ("Duplicate value")."""
+    errors = []
+    for path, node, value in walk_values(SCHEMA, obj, ""):
+        if node.get("x-kubernetes-list-type") != "map" or not isinstance(value, list):
+            continue
+        keys, seen = node["x-kubernetes-list-map-keys"], set()
+        for i, item in enumerate(value):
+            if not isinstance(item, dict):
+                continue
+            key = tuple(item.get(k) for k in keys)
+            if key in seen:
+                value = dict(zip(keys, key, strict=True))
+                errors.append((f"{path}[{i}]", f"Duplicate value: {value}"))
+            seen.add(key)
+    return errors
+
+
 def validate(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     """(field, message) of everything the API server would reject in a new InferencePool."""
     obj = apply_defaults(SCHEMA, manifest)
     schema_errors = [
         (field_path(error.absolute_path), error.message) for error in VALIDATOR.iter_errors(obj)
-    ]
+    ] + list_map_errors(obj)
     # The API server runs CEL rules only on objects that pass the schema.
     return schema_errors or cel_errors(obj)
 
@@ -236,7 +273,7 @@ def test_printer_columns():
     columns = {c["name"]: c for c in VERSION["additionalPrinterColumns"]}
     assert [c["name"] for c in VERSION["additionalPrinterColumns"]] == [
         "Prefill", "Prefill-Ready", "Decode", "Decode-Ready", "Weights", "Target", "Refit", "Ready",
-        "Endpoint", "Age",
+        "Adapters", "Endpoint", "Age",
     ]
     assert columns["Prefill"]["jsonPath"] == ".spec.prefill.replicas"
     assert columns["Prefill-Ready"]["jsonPath"] == ".status.prefill.ready"
@@ -246,6 +283,7 @@ def test_printer_columns():
     assert columns["Target"]["jsonPath"] == ".status.weights.target"
     assert columns["Refit"]["jsonPath"] == ".status.refit.phase"
     assert columns["Ready"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert columns["Adapters"]["jsonPath"] == ".status.adapterSummary"
     assert columns["Age"] == {
         "name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp",
     }
@@ -345,7 +383,7 @@ def all_cel_rules() -> list[dict[str, str]]:
 
 def test_every_cel_rule_compiles():
     rules = [rule["rule"] for rule in all_cel_rules()]
-    assert len(rules) == 31
+    assert len(rules) == 34
     for rule in rules:
         CEL_ENV.compile(rule)
 
@@ -451,6 +489,8 @@ OWNED_DEFAULTS = [
     ("spec.networkPolicy.enabled", NetworkPolicySettings().enabled),
     ("spec.router.resources.requests", DEFAULT_ROUTER_RESOURCES["requests"]),
     ("spec.router.resources.limits", DEFAULT_ROUTER_RESOURCES["limits"]),
+    ("spec.engine.lora.maxLoras", engine_flag("max_loras").default),
+    ("spec.engine.lora.maxLoraRank", engine_flag("max_lora_rank").default),
 ]
 OWNED_ENUMS = [
     ("spec.engine.dtype", Dtype),
@@ -463,6 +503,9 @@ OWNED_ENUMS = [
     ("status.refit.strategy", RefitStrategy),
     ("status.refit.inflight", InFlight),
     ("status.refit.phase", Phase),
+    ("status.adapterRefit.phase", Phase),
+    ("status.adapterRefit.strategy", RefitStrategy),
+    ("status.adapterRefit.on_failure", OnFailure),
 ]
 
 
@@ -479,11 +522,15 @@ def test_engine_image_is_the_operators():
     assert ENGINE_IMAGE_ENV in node["description"]
 
 
-# The engine's limits (SpeculativeConfig.validate), stated again as the schema's bounds.
+# The engine's limits (SpeculativeConfig.validate, the LoRA flags'), stated again as the
+# schema's bounds.
 OWNED_LIMITS = [
     ("spec.engine.speculative.numSpeculativeTokens", 1, MAX_SPECULATIVE_TOKENS),
     ("spec.engine.speculative.promptLookupMin", 1, MAX_PROMPT_LOOKUP),
     ("spec.engine.speculative.promptLookupMax", 1, MAX_PROMPT_LOOKUP),
+    *((f"spec.engine.lora.{key}", engine_flag(field).minimum, engine_flag(field).maximum)
+      for key, field in (("maxLoras", "max_loras"), ("maxLoraRank", "max_lora_rank"),
+                         ("maxCpuLoras", "max_cpu_loras"))),
 ]
 
 
@@ -505,6 +552,30 @@ def test_the_prompt_lookup_rule_uses_the_engines_defaults():
 @pytest.mark.parametrize(("path", "kind"), OWNED_ENUMS, ids=[p for p, _ in OWNED_ENUMS])
 def test_crd_enums_are_the_refits(path: str, kind: type):
     assert schema_node(path)["enum"] == [member.value for member in kind]
+
+
+def test_condition_types_are_the_ones_the_operator_writes():
+    node = schema_node("status.conditions")["items"]["properties"]["type"]
+    assert node["enum"] == [*CONDITION_TYPES, ADAPTER_CONDITION]
+
+
+def test_lora_is_off_unless_set_and_defaults_to_the_engines_slots():
+    """No default: a pool without engine.lora starts its engines without --enable-lora. Set
+    (even empty), its slots are the engine's flag defaults, --max-cpu-loras the engine's own
+    (maxLoras) unless given."""
+    assert "default" not in schema_node("spec.engine.lora")
+    assert "default" not in schema_node("spec.engine.lora.maxCpuLoras")
+    assert engine_flag("max_cpu_loras").default is None
+    assert PoolSpec.from_body(minimal_pool()).engine.lora is None
+    body = minimal_pool(engine={"lora": {}})
+    defaulted = apply_defaults(SCHEMA, body)
+    assert defaulted["spec"]["engine"]["lora"] == {"maxLoras": 1, "maxLoraRank": 16}
+    assert validate(body) == []
+    assert PoolSpec.from_body(body).engine.lora == PoolSpec.from_body(defaulted).engine.lora \
+        == LoRASettings(engine_flag("max_loras").default, engine_flag("max_lora_rank").default)
+    given = minimal_pool(engine={"lora": {"maxLoras": 4, "maxLoraRank": 64, "maxCpuLoras": 32}})
+    assert validate(given) == []
+    assert PoolSpec.from_body(given).engine.lora == LoRASettings(4, 64, 32)
 
 
 # --- the examples --------------------------------------------------------------------------------
@@ -597,6 +668,14 @@ def test_rl_example_refits_all_at_once_and_recomputes():
 
 
 # --- rejected manifests --------------------------------------------------------------------------
+
+SQL = {"name": "sql", "version": "2", "uri": "file:///adapters/sql-v2"}
+
+
+def adapters(*items: dict[str, Any]) -> dict[str, Any]:
+    """A patch serving `items` as spec.adapters, with the LoRA slots they need."""
+    return {"engine": {"lora": {"maxLoras": 4}}, "adapters": list(items)}
+
 
 SCHEMA_REJECTS = [
     # out-of-bounds integers
@@ -744,6 +823,41 @@ SCHEMA_REJECTS = [
     ({"model": {"weights": {"draft": {"uri": "file://"}}},
       "engine": {"speculative": {"method": "Draft"}}},
      "spec.model.weights.draft.uri", "is too short"),
+    # LoRA: the engine's slot limits; each adapter named, versioned and found as weights are
+    ({"engine": {"lora": {"maxLoras": 0}}}, "spec.engine.lora.maxLoras", "minimum of 1"),
+    ({"engine": {"lora": {"maxLoras": 65}}}, "spec.engine.lora.maxLoras", "maximum of 64"),
+    ({"engine": {"lora": {"maxLoras": 2.5}}}, "spec.engine.lora.maxLoras",
+     "is not of type 'integer'"),
+    ({"engine": {"lora": {"maxLoraRank": 0}}}, "spec.engine.lora.maxLoraRank", "minimum of 1"),
+    ({"engine": {"lora": {"maxLoraRank": 513}}}, "spec.engine.lora.maxLoraRank",
+     "maximum of 512"),
+    ({"engine": {"lora": {"maxCpuLoras": 0}}}, "spec.engine.lora.maxCpuLoras", "minimum of 1"),
+    ({"engine": {"lora": {"maxCpuLoras": 4097}}}, "spec.engine.lora.maxCpuLoras",
+     "maximum of 4096"),
+    ({"engine": {"lora": {"slots": 4}}}, "spec.engine.lora", "'slots' was unexpected"),
+    (adapters({**SQL, "name": "-sql"}), "spec.adapters[0].name", "match"),
+    (adapters({**SQL, "name": "my sql"}), "spec.adapters[0].name", "match"),
+    (adapters({**SQL, "name": "org/sql"}), "spec.adapters[0].name", "match"),
+    (adapters({**SQL, "name": "a" * 129}), "spec.adapters[0].name", "is too long"),
+    (adapters({**SQL, "name": ""}), "spec.adapters[0].name", "should be non-empty"),
+    (adapters({**SQL, "version": "v2."}), "spec.adapters[0].version", "match"),
+    (adapters({**SQL, "version": "v 2"}), "spec.adapters[0].version", "match"),
+    (adapters({**SQL, "version": "v" * 64}), "spec.adapters[0].version", "is too long"),
+    (adapters({**SQL, "version": ""}), "spec.adapters[0].version", "should be non-empty"),
+    (adapters({**SQL, "version": 2}), "spec.adapters[0].version", "is not of type 'string'"),
+    (adapters({**SQL, "uri": "file://"}), "spec.adapters[0].uri", "is too short"),
+    (adapters({**SQL, "uri": "file:///" + "a" * 1017}), "spec.adapters[0].uri", "is too long"),
+    (adapters({"name": "sql", "version": "2"}), "spec.adapters[0]",
+     "'uri' is a required property"),
+    (adapters({"name": "sql", "uri": SQL["uri"]}), "spec.adapters[0]",
+     "'version' is a required property"),
+    (adapters({"version": "2", "uri": SQL["uri"]}), "spec.adapters[0]",
+     "'name' is a required property"),
+    (adapters({**SQL, "rank": 8}), "spec.adapters[0]", "'rank' was unexpected"),
+    (adapters(*({**SQL, "name": f"a{i}"} for i in range(MAX_ADAPTERS + 1))), "spec.adapters",
+     "is too long"),
+    # a list-map keyed by name: one entry per adapter
+    (adapters(SQL, {**SQL, "version": "3"}), "spec.adapters[1]", "Duplicate value"),
 ]
 
 
@@ -812,6 +926,13 @@ def test_schema_accepts_what_it_should():
                   "volumeMounts": [{"name": "tandem-tmp", "mountPath": "/logs"}]}],
              "volumes": [{"name": "scratch", "emptyDir": {}}],
              "initContainers": [{"name": "warm", "image": "busybox:1", "command": ["true"]}]}}},
+        {"engine": {"lora": {}}},
+        {"engine": {"lora": {"maxLoras": 64, "maxLoraRank": 512, "maxCpuLoras": 4096}}},
+        {"adapters": []},  # no adapters need no LoRA slots
+        adapters(SQL, {"name": "Org:chat_v1.2-x", "version": "step-1200.ckpt_2",
+                       "uri": "pvc://adapters/chat"},
+                 {"name": "7", "version": "7", "uri": "oci://registry.example.com/sql:2"}),
+        adapters(*({**SQL, "name": f"a{i}"} for i in range(MAX_ADAPTERS))),
         {"engine": {"volumes": [{"name": "models", "emptyDir": {}}],
                     "initContainers": [{"name": "pull", "image": "busybox:1", "command": ["sh"],
                                         "args": ["-c", "true"],
@@ -903,6 +1024,9 @@ OVERRIDE_POD_FIELDS = ("pod.overrides must not set terminationGracePeriodSeconds
                        "pod.labels and pod.annotations)")
 OVERRIDE_ENGINE_VOLUMES = ("pod.overrides.volumes must not name a volume of engine.volumes; "
                            "edit it there")
+ADAPTER_NAMED_AS_MODEL = ("adapters: an adapter cannot be named as model.name: requests name "
+                          "the model to run without an adapter")
+ADAPTER_URI = "adapters[].uri must be a file://, pvc:// or oci:// URI"
 SLO = {"ttftSeconds": "1.5", "itlSeconds": "0.1"}
 AUTOSCALING_BOUNDS = ("with autoscaling, prefill.replicas and decode.replicas must lie within "
                       "their autoscaling minReplicas..maxReplicas")
@@ -933,6 +1057,12 @@ SPEC_PY_SAYS = {
                          r"operator's to set: use spec\.(refit\.drainTimeoutSeconds|pod\.labels)",
     OVERRIDE_ENGINE_VOLUMES: r"spec\.pod\.overrides\.volumes\[0\]\.name 'models': a volume of "
                              r"spec\.engine\.volumes: edit it there",
+    ADAPTERS_NEED_LORA: re.escape(ADAPTERS_NEED_LORA),
+    ADAPTER_NAMED_AS_MODEL: r"spec\.adapters: an adapter cannot be named 'demo', "
+                            r"spec\.model\.name: requests name the model to run without an "
+                            r"adapter",
+    ADAPTER_URI: r"spec\.adapters\[0\]\.uri '[^']+': must be file:///ABSOLUTE/PATH, "
+                 r"pvc://CLAIM/PATH .* or oci://",
 }
 CEL_REJECTS = [
     ({"prefill": {"replicas": 2}, "decode": {"replicas": 0}},
@@ -1034,6 +1164,11 @@ CEL_REJECTS = [
                                             "maxDecodePerPrefill": "2.5"}}},
      "spec.autoscaling.ratio",
      "autoscaling.ratio.minDecodePerPrefill must not exceed maxDecodePerPrefill"),
+    ({"adapters": [SQL]}, "spec.adapters", ADAPTERS_NEED_LORA),
+    (adapters({**SQL, "name": "demo"}), "spec.adapters", ADAPTER_NAMED_AS_MODEL),
+    (adapters(SQL, {**SQL, "name": "demo"}), "spec.adapters", ADAPTER_NAMED_AS_MODEL),
+    (adapters({**SQL, "uri": "s3://bucket/adapters/sql"}), "spec.adapters[0].uri", ADAPTER_URI),
+    (adapters({**SQL, "uri": "/adapters/sql/file://"}), "spec.adapters[0].uri", ADAPTER_URI),
 ]
 
 
@@ -1062,8 +1197,8 @@ def test_cel_rules_see_defaults():
                          [c for c in CEL_REJECTS if c[2] in SPEC_PY_SAYS])
 def test_the_operator_refuses_what_the_engine_and_override_rules_refuse(
         patch: dict[str, Any], field: str, message: str):
-    """spec.py states the speculative, KV sizing, engine.args and pod.overrides rules again
-    (an API server that skipped them must not make the operator act): the same specs are
+    """spec.py states the speculative, KV sizing, engine.args, pod.overrides and adapter rules
+    again (an API server that skipped them must not make the operator act): the same specs are
     refused, naming the field and the fix."""
     with pytest.raises(SpecError, match=SPEC_PY_SAYS[message]):
         PoolSpec.from_body(minimal_pool(**patch))
@@ -1149,6 +1284,108 @@ def test_speculative_specs_the_schema_accepts_parse_to_the_same_values():
     assert parsed == undefaulted.engine.speculative
     assert parsed is not None and parsed.method is SpeculativeMethod.MTP
     assert parsed.num_speculative_tokens == DEFAULT_SPECULATIVE_TOKENS
+
+
+# --- spec.engine.lora and spec.adapters -------------------------------------------------------
+
+LORA_REJECTS = [c for c in SCHEMA_REJECTS
+                if c[1].startswith(("spec.adapters", "spec.engine.lora"))]
+
+
+@pytest.mark.parametrize(("patch", "field", "message"),
+                         [c for c in LORA_REJECTS if "unexpected" not in c[2]])
+def test_the_operator_refuses_what_the_lora_and_adapter_schema_refuses(
+        patch: dict[str, Any], field: str, message: str):
+    """Duplicate names too: the API server refuses them as list-map keys, the operator names
+    the entry listed twice."""
+    with pytest.raises(SpecError, match=re.escape(field)):
+        PoolSpec.from_body(minimal_pool(**patch))
+
+
+def test_adapter_fields_are_the_operators_and_the_engines():
+    """spec.adapters' bounds and patterns are those spec.py checks again and the engine's
+    adapter names (lora_request.ADAPTER_NAME): what the schema takes, the operator takes."""
+    assert schema_node("spec.adapters")["maxItems"] == MAX_ADAPTERS
+    item = schema_node("spec.adapters")["items"]["properties"]
+    assert item["version"]["pattern"] == ADAPTER_VERSION.pattern
+    assert item["version"]["pattern"] == schema_node("spec.model.weights.version")["pattern"]
+    for name in ("a", "A" * 128, "7", "org:sql_v1.2-x", "a-", "a:"):
+        assert re.fullmatch(item["name"]["pattern"], name) and len(name) <= 128, name
+        assert ADAPTER_NAME.match(name), name
+    for name in ("", "-a", ".a", "a b", "org/sql", "a" * 129, "sql@2"):
+        schema_takes = re.fullmatch(item["name"]["pattern"], name) and len(name) <= 128
+        assert not schema_takes and not ADAPTER_NAME.match(name), name
+
+
+def test_adapters_the_schema_accepts_parse_to_the_same_adapters():
+    body = minimal_pool(**adapters(SQL, {"name": "chat", "version": "1",
+                                         "uri": "pvc://adapters/chat-v1"}))
+    assert validate(body) == []
+    pool = PoolSpec.from_body(body)
+    assert pool == PoolSpec.from_body(apply_defaults(SCHEMA, body))
+    assert pool.adapters == (AdapterRef("sql", "2", "file:///adapters/sql-v2"),
+                             AdapterRef("chat", "1", "pvc://adapters/chat-v1"))
+    assert pool.engine.lora == LoRASettings(max_loras=4)
+    assert PoolSpec.from_body(minimal_pool()).adapters == ()
+
+
+def adapter_status(tx: AdapterTransaction, served: dict[str, tuple[str, ...]]
+                   ) -> dict[str, Any]:
+    """The status the operator writes for `tx` while the engines named in `served`
+    (prefill-* or decode-*) serve those adapter identities."""
+    engines = [AdapterObs(name, name.split("-")[0], f"http://{name}", EngineState.RUNNING,
+                          loras) for name, loras in served.items()]
+    pods = {name: PodView(name, name.split("-")[0]) for name in served}  # type: ignore[arg-type]
+    report = adapter_report(tx, engines, pods)
+    return {"conditions": [condition({}, ADAPTER_CONDITION, *report.refitting, 1,
+                                     "2025-01-01T00:00:00Z")],
+            "adapterRefit": dict(report.record), "adapters": report.adapters,
+            "adapterSummary": report.summary}
+
+
+def test_status_takes_what_the_adapter_transaction_writes():
+    sql1, sql2 = AdapterRef("sql", "1", "file:///adapters/sql-v1"), AdapterRef(**SQL)
+    chat = AdapterRef("chat", "1", "pvc://adapters/chat-v1")
+    tx = AdapterTransaction(
+        target=adapter_set([sql2, chat]), previous=adapter_set([sql1]), wave=1,
+        max_unavailable=1, started_at=1700000000.5,
+        engines={"decode-a": AdapterEngineRecord(since=1700000001.25, verified=["chat@1"])},
+        scores={"chat@1": 0.25})
+    manifest = minimal_pool(**adapters(SQL))
+    manifest["status"] = adapter_status(tx, {"prefill-a": ("sql@1",),
+                                             "decode-a": ("sql@2", "chat@1")})
+    assert validate(manifest) == []
+    status = manifest["status"]
+    assert status["adapterSummary"] == "chat@1 sql@1|2"  # chat is on decode-a alone
+    assert status["adapters"][1] == {"name": "sql", "version": "2", "current": "",
+                                     "prefill": "1", "decode": "2"}
+    # a failed change keeps the engine's error, cut to the schema's bound
+    tx.phase, tx.finished_at = Phase.ROLLED_BACK, 1700000100.0
+    tx.failure = Failure("decode-a", "/v1/load_lora_adapter", "x" * 10000)
+    manifest["status"] = adapter_status(tx, {"prefill-a": ("sql@1",), "decode-a": ("sql@1",)})
+    assert validate(manifest) == []
+    assert len(manifest["status"]["adapterRefit"]["failure"]["message"]) == ADAPTER_MESSAGE_LIMIT
+    assert schema_node("status.adapterRefit.failure.message")["maxLength"] == ADAPTER_MESSAGE_LIMIT
+    manifest["status"]["adapterRefit"]["phase"] = "Done"
+    manifest["status"]["adapters"][0]["current"] = "v" * 64
+    assert {f for f, _ in validate(manifest)} == {"status.adapterRefit.phase",
+                                                  "status.adapters[0].current"}
+
+
+def test_status_fits_the_most_adapters_the_operator_writes():
+    """64 adapters of the longest names and versions going to 64 others, each name served at
+    two versions: the progress, the rows and the kubectl column stay within their bounds."""
+    def refs(prefix: str, version: str) -> list[AdapterRef]:
+        return [AdapterRef(f"{prefix}{i:02d}".ljust(128, "x"), version.ljust(63, "v"),
+                           "file:///" + "a" * 1016) for i in range(MAX_ADAPTERS)]
+    target, previous = refs("t", "1"), refs("p", "1")
+    tx = AdapterTransaction(target=adapter_set(target), previous=adapter_set(previous))
+    served = {"prefill-a": tuple(a.identity for a in [*target, *previous]),
+              "decode-a": tuple(f"{a.name}@{'2'.ljust(63, 'v')}" for a in [*target, *previous])}
+    manifest = minimal_pool(**adapters(SQL))
+    manifest["status"] = adapter_status(tx, served)
+    assert len(manifest["status"]["adapters"]) == 2 * MAX_ADAPTERS
+    assert validate(manifest) == []
 
 
 # --- spec.autoscaling ------------------------------------------------------------------------

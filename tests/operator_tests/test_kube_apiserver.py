@@ -522,7 +522,7 @@ def test_crd_is_served_with_printer_columns(cluster: TestCluster) -> None:
                                              "lastTransitionTime": "2026-12-01T00:00:00Z"}],
                              "prefill": {"ready": 1}, "decode": {"ready": 1},
                              "weights": {"current": "v1", "target": "v1"},
-                             "refit": {"phase": "Succeeded"}}}))
+                             "refit": {"phase": "Succeeded"}, "adapterSummary": "none"}}))
     header, row = cluster.kubectl("get", "ipool").stdout.splitlines()
     crd = json.loads(cluster.kubectl("get", "crd", "inferencepools.tandem.dev",
                                           "-o", "json").stdout)

@@ -227,7 +227,7 @@ def test_apply_creates_the_pool_with_owned_objects_and_printer_columns(
 
     table = cluster.kubectl("get", "ipool").stdout.splitlines()
     assert table[0].split() == ["NAME", "PREFILL", "PREFILL-READY", "DECODE", "DECODE-READY",
-                                "WEIGHTS", "TARGET", "REFIT", "READY", "AGE"]
+                                "WEIGHTS", "TARGET", "REFIT", "READY", "ADAPTERS", "AGE"]
     # Refit stays blank until the first weights edit.
     assert table[1].split()[:8] == ["demo", "1", "0", "1", "0", "v1", "v1", "False"]
 

@@ -201,3 +201,19 @@ def test_an_engine_without_lora_refuses_loads_and_exports_no_lora_series(
         assert proc.client().welcome.load.loras == []
     finally:
         proc.close()
+
+
+def test_a_canary_runs_under_an_adapter_the_engine_serves(engine: EngineProcess) -> None:
+    """An adapter transaction's verification: `/v1/canary` with `lora_name` (and
+    `lora_version`) runs under that adapter, says so, and is refused for one not served."""
+    body = {"prompt_token_ids": PROMPT, "max_tokens": 8}
+    code, base = engine.http("POST", "/v1/canary", body, TOKEN)
+    assert code == 200 and base["lora"] == ""
+    code, under = engine.http("POST", "/v1/canary", {**body, "lora_name": "a",
+                                                     "lora_version": "1"}, TOKEN)
+    assert code == 200 and under["lora"] == "a@1"
+    assert under["token_ids"] != base["token_ids"] and under["mean_nll"] != base["mean_nll"]
+    for lora, words in (({"lora_name": "nope"}, "nope"),
+                        ({"lora_name": "a", "lora_version": "9"}, "not 9")):
+        code, answer = engine.http("POST", "/v1/canary", {**body, **lora}, TOKEN)
+        assert code == 400 and words in answer["error"]["message"], answer

@@ -183,7 +183,7 @@ def _add_serving_routes(app: FastAPI, control: EngineControl) -> None:
     def canary(body: CanaryRequest) -> JSONResponse:
         try:
             result = control.canary(body.prompt or body.prompt_token_ids, body.max_tokens,
-                                    body.timeout)
+                                    body.timeout, body.lora_name, body.lora_version)
         except RuntimeError as exc:
             raise HTTPException(409, str(exc)) from exc
         except TimeoutError as exc:
@@ -193,7 +193,8 @@ def _add_serving_routes(app: FastAPI, control: EngineControl) -> None:
         weights = control.engine.stats.weights
         return JSONResponse(msgspec.to_builtins(CanaryReply(
             token_ids=result.token_ids, mean_nll=result.mean_nll, top1_mass=result.top1_mass,
-            weight_version=weights.version, weight_epoch=weights.epoch)))
+            weight_version=weights.version, weight_epoch=weights.epoch,
+            lora=result.lora)))
 
     @app.post("/v1/canary")
     async def canary_route(request: Request) -> JSONResponse:

@@ -142,11 +142,13 @@ class EngineControl:
                                f"({self.worker.unhealthy}); restart it to serve again")
         self.worker.set_draining(False)
 
-    def canary(self, prompt: str | list[int], max_tokens: int, timeout: float) -> Canary:
+    def canary(self, prompt: str | list[int], max_tokens: int, timeout: float,
+               lora_name: str | None = None, lora_version: str | None = None) -> Canary:
         """A short greedy generation no router sees, its prompt scored (a refit's
-        verification). A text prompt is tokenized with the engine's tokenizer."""
+        verification), under LoRA adapter `lora_name` (at `lora_version`) when given. A text
+        prompt is tokenized with the engine's tokenizer."""
         token_ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        return self.worker.canary(token_ids, max_tokens, timeout)
+        return self.worker.canary(token_ids, max_tokens, timeout, lora_name, lora_version)
 
     # ---- what it reports ------------------------------------------------------------------
 

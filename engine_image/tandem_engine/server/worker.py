@@ -72,6 +72,7 @@ class Canary:
     token_ids: list[int]
     mean_nll: float
     top1_mass: float
+    lora: str = ""  # the adapter identity it ran under (name@version); "" the base model
 
 
 @dataclass
@@ -504,11 +505,14 @@ class EngineWorker:
 
     # ---- verification ---------------------------------------------------------------------------
 
-    def canary(self, prompt_token_ids: list[int], max_tokens: int, timeout: float) -> Canary:
+    def canary(self, prompt_token_ids: list[int], max_tokens: int, timeout: float,
+               lora_name: str | None = None, lora_version: str | None = None) -> Canary:
         """A short greedy generation outside any router's traffic (it runs while the engine
         refuses new requests), with the prompt scored too: a refit is verified with it
-        before the engine serves. Raises TimeoutError, or RuntimeError when the engine is
-        not RUNNING or the weights produce non-finite logits."""
+        before the engine serves, an adapter change with one under the adapter
+        (`lora_name`, at `lora_version` when given). Raises TimeoutError, RequestRejected
+        (an adapter not served at that version), or RuntimeError when the engine is not
+        RUNNING or the weights produce non-finite logits."""
         state = self.engine.stats.state
         if state is not EngineState.RUNNING:
             raise RuntimeError(f"a canary needs a RUNNING engine; this one is {state} "
@@ -522,8 +526,9 @@ class EngineWorker:
         done, result = threading.Event(), []
         self._canaries[rid] = (done, result)
         try:
-            self.engine.add_request(rid, prompt_token_ids, SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=1))
+            request = self.engine.add_request(rid, prompt_token_ids, SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=1),
+                lora_name=lora_name, lora_version=lora_version)
             self._wake.set()
             if not done.wait(timeout):
                 self.engine.abort(rid)
@@ -541,7 +546,8 @@ class EngineWorker:
             raise RuntimeError("canary failed: the prompt's logprobs are not finite (the "
                                "weights produce NaN or Inf logits)")
         return Canary(list(out.token_ids), -score.total_logprob / len(score.logprobs),
-                      mean_top1_mass(result[0]))
+                      mean_top1_mass(result[0]),
+                      request.lora.identity if request.lora is not None else "")
 
     # ---- the stepping thread ----------------------------------------------------------------
 
