@@ -185,6 +185,14 @@ def test_bad_adapters_and_names_are_refused(tiny_llama: Path, llama_adapters: di
         llm.engine.load_lora(LoRARequest("broken", str(broken)))
     with pytest.raises(CheckpointError, match=r"adapter_model\.safetensors"):
         llm.engine.load_lora(LoRARequest("empty", str(tmp_path)))
+    # A weights file cut short (a copy interrupted): named, not a crash of the call.
+    cut = tmp_path / "cut"
+    shutil.copytree(llama_adapters["a0"], cut)
+    data = (cut / "adapter_model.safetensors").read_bytes()
+    (cut / "adapter_model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"adapter_model\.safetensors cannot be read as "
+                                              "safetensors"):
+        llm.engine.load_lora(LoRARequest("cut", str(cut)))
     with pytest.raises(RequestRejected, match="--enable-lora"):
         LLM(tiny_llama).engine.load_lora(_lora("a0", llama_adapters))
     with pytest.raises(RequestRejected, match="name"):

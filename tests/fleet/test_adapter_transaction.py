@@ -152,3 +152,34 @@ def test_the_record_survives_status_as_json() -> None:
 def test_describe_names_identities_in_order() -> None:
     assert describe(adapter_set([SQL2, CHAT1])) == "chat@1, sql@2"
     assert describe({}) == "none"
+
+
+class StuckAdmin:
+    """An admin client whose every call answers HTTP 500 (an engine that keeps failing):
+    the one stand-in here, for the engine's side of `advance`, which the operator test
+    runs against real engines."""
+
+    async def call(self, engine: str, url: str, path: str, body=None, timeout=None):
+        from tandem_engine.fleet.admin import AdminError
+
+        raise AdminError(engine, f"POST {path}", "HTTP 500: internal error", 500)
+
+
+def test_an_engine_that_keeps_failing_fails_the_transaction_after_the_step_timeout() -> None:
+    import asyncio
+
+    from tandem_engine.fleet.adapters import advance
+
+    tx = tx_to([SQL2], [SQL1], step_timeout=300.0)
+    fleet = [engine("decode-a", "sql@1")]
+    paths = {"sql": "/adapters/sql-v2"}
+    asyncio.run(advance(tx, fleet, StuckAdmin(), paths, 100.0))
+    assert tx.phase is Phase.PROGRESSING and tx.engines["decode-a"].last_error.endswith(
+        "internal error")
+    asyncio.run(advance(tx, fleet, StuckAdmin(), paths, 350.0))  # retried: within the timeout
+    assert tx.phase is Phase.PROGRESSING
+    events = asyncio.run(advance(tx, fleet, StuckAdmin(), paths, 401.0))
+    assert tx.phase is Phase.ROLLING_BACK
+    assert tx.failure is not None and tx.failure.engine == "decode-a"
+    assert "no progress in 300 s" in tx.failure.message
+    assert [e.reason for e in events] == ["AdapterRefitFailed", "AdapterRefitRollingBack"]

@@ -587,9 +587,22 @@ def load_example(name: str) -> dict[str, Any]:
 
 def test_examples_exist():
     assert [p.name for p in EXAMPLES] == [
-        "inferencepool-autoscaling.yaml", "inferencepool-gpu.yaml", "inferencepool-mixed.yaml",
-        "inferencepool-rl.yaml", "inferencepool.yaml",
+        "inferencepool-autoscaling.yaml", "inferencepool-gpu.yaml", "inferencepool-lora.yaml",
+        "inferencepool-mixed.yaml", "inferencepool-rl.yaml", "inferencepool.yaml",
     ]
+
+
+def test_lora_example_serves_adapters_from_one_mounted_claim():
+    from tandem_operator import manifests as m
+
+    pool = PoolSpec.from_body(load_example("inferencepool-lora.yaml"))
+    assert [a.identity for a in pool.adapters] == ["sql@1", "support@1"]
+    pod = m.pod(pool, "decode", pool.weights, 0, pool.adapters)
+    claims = [v["persistentVolumeClaim"]["claimName"] for v in pod["spec"]["volumes"]
+              if "persistentVolumeClaim" in v]
+    assert claims == ["adapters"]  # one volume for both adapters
+    args = pod["spec"]["containers"][0]["args"]
+    assert "--enable-lora" in args and args[args.index("--max-loras") + 1] == "4"
 
 
 def test_gpu_example_asks_for_a_gpu_per_engine_on_gpu_nodes_with_rdma():

@@ -234,8 +234,9 @@ TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 @pytest.fixture(scope="module")
 def folders(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """PEFT folders of the tiny model: sql v1 and v2, chat v1, and `nan`: sql-v2's with
-    weights so large that every logit under it is non-finite (it loads; generating fails)."""
+    """PEFT folders of the tiny model: sql v1 and v2, chat v1, `nan`: sql-v2's with weights
+    so large that every logit under it is non-finite (it loads; generating fails), and
+    `truncated`: sql-v2's cut in half (the engine refuses to load it)."""
     from safetensors.torch import load_file, save_file
     from test_lora import make_adapter
 
@@ -246,6 +247,9 @@ def folders(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     nan = out["nan"] = Path(shutil.copytree(out["sql-v2"], root / "nan"))
     save_file({k: v * 1e20 for k, v in load_file(str(out["sql-v2"] / weights)).items()},
               str(nan / weights))
+    cut = out["truncated"] = Path(shutil.copytree(out["sql-v2"], root / "truncated"))
+    data = (cut / weights).read_bytes()
+    (cut / weights).write_bytes(data[:len(data) // 2])
     return out
 
 
@@ -533,3 +537,30 @@ def test_an_adapter_that_computes_nan_is_rolled_back_before_it_serves(
     r = httpx.post(f"{pool.router_url()}/completions", timeout=30, json={
         "model": "chat", "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 404 and "chat" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.slow
+def test_a_truncated_adapter_is_refused_and_halts_where_onfailure_says(
+        pool: Pool, folders: dict[str, Path]) -> None:
+    pool.settle("Succeeded", "sql@2")
+    pool.cluster.kubectl("patch", "inferencepool", "demo", "--type=merge", "-p",
+                         json.dumps({"spec": {"refit": {"onFailure": "Halt"}}}))
+    try:
+        with Load(pool.router_url(), ["tiny", "sql"]) as load:
+            time.sleep(0.5)
+            pool.patch_adapters([adapter("sql", "4", folders["truncated"])])
+            pool.settle("Halted", "sql@2")  # the engines refused it: nothing changed
+            time.sleep(0.5)
+        assert not load.failures, load.failures
+        failure = pool.status()["adapterRefit"]["failure"]
+        assert failure["step"] == "POST /v1/load_lora_adapter", failure
+        assert "HTTP 400" in failure["message"], failure
+        degraded = pool.condition("Degraded")
+        assert (degraded["status"], degraded["reason"]) == ("True", "AdapterRefitHalted")
+        assert "edit spec.adapters" in degraded["message"]
+        assert pool.condition("AdapterRefitting")["reason"] == "AdapterRefitHalted"
+    finally:
+        pool.cluster.kubectl("patch", "inferencepool", "demo", "--type=merge", "-p",
+                             json.dumps({"spec": {"refit": {"onFailure": "Rollback"}}}))
+    pool.patch_adapters([adapter("sql", "2", folders["sql-v2"])])
+    pool.settle("Succeeded", "sql@2")

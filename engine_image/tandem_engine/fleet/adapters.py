@@ -70,6 +70,9 @@ from tandem_engine.lifecycle import EngineState
 from tandem_engine.refit_policy import OnFailure, RefitStrategy
 
 LOAD_TIMEOUT_S = 120.0  # one engine reading and checking one adapter folder
+# An engine of a wave that makes no progress this long (it keeps answering 5xx, or not at
+# all while it still reports RUNNING) fails the transaction, naming its last error.
+STEP_TIMEOUT_S = 300.0
 # Two canaries of one adapter version agree when their probe-text scores (mean negative
 # log-likelihood per token) differ by no more than this, relative, plus an absolute floor:
 # the same weights batched differently differ by float rounding (1e-6); another file, by
@@ -146,6 +149,7 @@ class AdapterEngineRecord:
 
     since: float = 0.0
     verified: list[str] = field(default_factory=list)
+    last_error: str = ""  # the last error a pass retried
 
 
 @dataclass
@@ -157,6 +161,7 @@ class AdapterTransaction:
     strategy: RefitStrategy = RefitStrategy.ROLLING
     on_failure: OnFailure = OnFailure.ROLLBACK
     max_unavailable: int = 1
+    step_timeout: float = STEP_TIMEOUT_S
     phase: Phase = Phase.PROGRESSING
     wave: int = 0
     started_at: float = 0.0
@@ -194,13 +199,15 @@ class AdapterTransaction:
             strategy=RefitStrategy(data.get("strategy", RefitStrategy.ROLLING.value)),
             on_failure=OnFailure(data.get("on_failure", OnFailure.ROLLBACK.value)),
             max_unavailable=int(data.get("max_unavailable", 1)),
+            step_timeout=float(data.get("step_timeout", STEP_TIMEOUT_S)),
             phase=Phase(data.get("phase", Phase.PROGRESSING.value)),
             wave=int(data.get("wave", 0)),
             started_at=float(data.get("started_at", 0.0)),
             finished_at=None if data.get("finished_at") is None
             else float(data["finished_at"]),
             engines={str(k): AdapterEngineRecord(float(v.get("since", 0.0)),
-                                                 [str(i) for i in v.get("verified") or ()])
+                                                 [str(i) for i in v.get("verified") or ()],
+                                                 str(v.get("last_error") or ""))
                      for k, v in (data.get("engines") or {}).items()},
             scores={str(k): float(v) for k, v in (data.get("scores") or {}).items()},
             failure=Failure(**failure) if failure else None)
@@ -424,6 +431,11 @@ async def advance(tx: AdapterTransaction, engines: list[AdapterObs], admin: Engi
                                    return_exceptions=True)
     for engine, result in zip(moving, results, strict=True):
         if isinstance(result, AdminError) and _transient(result):
+            record = tx.engines[engine.name]
+            record.last_error = result.message[:500]
+            if now - record.since > tx.step_timeout:
+                return [*events, *_fail(tx, engine.name, result.call, (
+                    f"no progress in {tx.step_timeout:g} s; last: {result.message}"), now)]
             continue  # not answering, or busy: the next pass tries again
         if isinstance(result, AdminError | VerifyFailed):
             step = result.call if isinstance(result, AdminError) else "verify"

@@ -70,6 +70,7 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
                  ) -> LoRAAdapter:
     """The PEFT adapter in folder `path`, checked against the served model (CheckpointError
     naming the file, the field and the fix)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(path)
@@ -103,7 +104,12 @@ def read_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
                               "bias='none'")
     scale = alpha / (math.sqrt(rank) if cfg.get("use_rslora") else rank)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(weights_file)).items():
+    try:
+        tensors = load_file(str(weights_file))
+    except (SafetensorError, OSError) as exc:  # cut short, not safetensors, unreadable
+        raise CheckpointError(f"{where}: {ADAPTER_WEIGHTS} cannot be read as safetensors "
+                              f"({exc}); copy the file PEFT saved again") from None
+    for key, tensor in tensors.items():
         parsed = _parse_key(key)
         if parsed is None:
             raise CheckpointError(f"{where}: tensor {key!r} is not a LoRA A or B weight of a "
