@@ -208,6 +208,10 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     # serves, and those on its device now.
     loras: list[str] | UnsetType = UNSET
     resident_loras: list[str] | UnsetType = UNSET
+    # The prefix cache as its routers index it: the block hashes it holds, and the seq of
+    # the last KV event batch published (unset while loading).
+    cached_blocks: int | UnsetType = UNSET
+    kv_event_seq: int | UnsetType = UNSET
 
     @property
     def num_pinned_blocks(self) -> int:

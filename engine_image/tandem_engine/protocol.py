@@ -43,7 +43,12 @@ from tandem_engine.transfer.base import KVGeometry
 #    versions refuse each other. Load also lists the adapters an engine serves and those
 #    on its device, and the control kinds LORA_LOAD / LORA_UNLOAD / LORA_REPLY carry a
 #    router's adapter calls.
-PROTOCOL_VERSION = 6
+# 7: engines publish their prefix cache's changes (KV_EVENTS) and answer KV_SNAPSHOT_REQUEST
+#    with every hash they hold (KV_SNAPSHOT): routers route on an exact index of each
+#    engine's cache. A version-6 engine sends none, and a version-7 router would route on
+#    an empty index, so the versions refuse each other. WELCOME carries the engine's KV
+#    pool size (what bounds that index).
+PROTOCOL_VERSION = 7
 
 
 class ProtocolError(ValueError):
@@ -75,6 +80,9 @@ class Kind(enum.IntEnum):
     LORA_LOAD = 51  # router -> engine: serve a LoRA adapter (answered by LORA_REPLY)
     LORA_UNLOAD = 52  # router -> engine: stop serving one (answered by LORA_REPLY)
     LORA_REPLY = 53  # engine -> router: how a LORA_LOAD or LORA_UNLOAD went
+    KV_EVENTS = 54  # engine -> router: its prefix cache's changes since the last batch
+    KV_SNAPSHOT_REQUEST = 55  # router -> engine: send every hash you hold (a gap, a start)
+    KV_SNAPSHOT = 56  # engine -> router: every hash it holds, as of one batch
     # transport: 70..99 (KV handoff between prefill and decode engines)
 
 
@@ -193,6 +201,7 @@ class Welcome(msgspec.Struct, frozen=True):
     max_model_len: int
     load: Load
     kv_transfer: KVTransferInfo | None = None  # prefill/decode engines only
+    num_kv_blocks: int = 0  # its KV pool: the most block hashes it can hold at once
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
@@ -278,6 +287,37 @@ class UnloadLoRA(msgspec.Struct, frozen=True):
     name: _AdapterName
 
 
+_BlockHash = int  # core/kv/hashing's 64-bit chained hashes (msgpack uint64)
+
+
+class KVEvents(msgspec.Struct, frozen=True):
+    """One numbered batch of an engine's prefix-cache changes (core/kv/events.py): apply
+    `cleared`, then `removed`, then `stored`. `sent_at`: the engine's wall clock."""
+
+    engine_id: str
+    incarnation: str
+    seq: int
+    cleared: bool
+    stored: list[_BlockHash]
+    removed: list[_BlockHash]
+    sent_at: float
+
+
+class KVSnapshotRequest(msgspec.Struct, frozen=True):
+    router_id: str
+
+
+class KVSnapshot(msgspec.Struct, frozen=True):
+    """Every block hash the engine's prefix cache holds, as of batch `seq` (later batches
+    apply on top)."""
+
+    engine_id: str
+    incarnation: str
+    seq: int
+    hashes: list[_BlockHash]
+    sent_at: float
+
+
 class LoRAReply(msgspec.Struct, frozen=True):
     """How a LORA_LOAD or LORA_UNLOAD went: an HTTP status (200; 400 a bad adapter or
     LoRA off; 404 unloading a name not served) and a message naming the problem. `load`
@@ -302,6 +342,9 @@ BODIES: dict[Kind, type[msgspec.Struct]] = {
     Kind.LORA_LOAD: LoadLoRA,
     Kind.LORA_UNLOAD: UnloadLoRA,
     Kind.LORA_REPLY: LoRAReply,
+    Kind.KV_EVENTS: KVEvents,
+    Kind.KV_SNAPSHOT_REQUEST: KVSnapshotRequest,
+    Kind.KV_SNAPSHOT: KVSnapshot,
 }
 KIND_OF: dict[type[msgspec.Struct], Kind] = {body: kind for kind, body in BODIES.items()}
 assert set(BODIES) == set(Kind), "every kind needs a body struct"

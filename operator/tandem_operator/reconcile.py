@@ -23,9 +23,9 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 from tandem_engine.fleet import AdminError, EngineAdmin, admin_url
@@ -310,32 +310,37 @@ async def _rollout(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], observ
     return decided, errors
 
 
-async def _refit(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], observed: Observed
-                 ) -> RefitPass:
-    """One pass of the pool's refit transaction, its events posted; never raises."""
+Pass = TypeVar("Pass", RefitPass, AdapterPass)
+
+
+async def _transaction(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], what: str,
+                       step: Awaitable[Pass], failed: Callable[[list[str]], Pass]) -> Pass:
+    """One pass of one of the pool's transactions (the refit's, the adapters'), its events
+    posted; never raises: a bug in one pass must not stop the pool's other steps."""
     try:
-        result = await refit_pass(ctx.kube, ctx.fleet, spec, observed)
-    except Exception as exc:  # a bug in one pass must not stop the pool's other steps
-        log.exception("%s/%s: refit pass failed", spec.namespace, spec.name)
-        return RefitPass(errors=[f"refit: {type(exc).__name__}: {exc}"])
+        result = await step
+    except Exception as exc:
+        log.exception("%s/%s: %s pass failed", spec.namespace, spec.name, what)
+        return failed([f"{what}: {type(exc).__name__}: {exc}"])
     for event in result.events:
         await _event(ctx, pool, event.reason, event.message,
                      "Warning" if event.warning else "Normal")
     return result
+
+
+async def _refit(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], observed: Observed
+                 ) -> RefitPass:
+    return await _transaction(ctx, spec, pool, "refit",
+                              refit_pass(ctx.kube, ctx.fleet, spec, observed),
+                              lambda errors: RefitPass(errors=errors))
 
 
 async def _adapters(ctx: Context, spec: PoolSpec, pool: Mapping[str, Any], observed: Observed,
                     weights_refitting: bool) -> AdapterPass:
-    """One pass of the pool's adapter transaction, its events posted; never raises."""
-    try:
-        result = await adapter_pass(ctx.kube, ctx.fleet, spec, observed, weights_refitting)
-    except Exception as exc:  # a bug in one pass must not stop the pool's other steps
-        log.exception("%s/%s: adapter pass failed", spec.namespace, spec.name)
-        return AdapterPass(errors=[f"adapters: {type(exc).__name__}: {exc}"])
-    for event in result.events:
-        await _event(ctx, pool, event.reason, event.message,
-                     "Warning" if event.warning else "Normal")
-    return result
+    return await _transaction(ctx, spec, pool, "adapters",
+                              adapter_pass(ctx.kube, ctx.fleet, spec, observed,
+                                           weights_refitting),
+                              lambda errors: AdapterPass(errors=errors))
 
 
 # ---- acting -------------------------------------------------------------------------------------

@@ -41,7 +41,9 @@ from tandem_operator import manifests as m
 from tandem_operator.adapters import annotations, new_pod_adapters, report, settled
 from tandem_operator.plan import Observed, PodView, pod_adapters
 from tandem_operator.spec import PoolSpec, SpecError
-from test_operator_cluster import Operator, wait_for
+from test_operator_cluster import wait_for
+from test_operator_refit import Load
+from test_operator_refit import Pool as RefitPool
 
 ROOT = Path(__file__).resolve().parents[2]
 SQL1 = AdapterRef("sql", "1", "pvc://adapters/sql/v1")
@@ -265,51 +267,22 @@ def reference(model: Path, folder: Path | None, name: str = "x", version: str = 
     return list(out[0].outputs[0].token_ids)
 
 
-class Pool:
-    def __init__(self, cluster: TestCluster, kubelet: PodRunner, folder: Path) -> None:
-        self.cluster, self.kubelet = cluster, kubelet
-        self.operator = Operator(cluster, folder / "operator.log", "--standalone",
-                                 "--metrics-port", "0", "--liveness-port", "0")
+class Pool(RefitPool):
+    """The refit tests' pool, with adapters: 1 prefill + 2 decode engines."""
 
-    def get(self, *args: str) -> Any:
-        return json.loads(self.cluster.kubectl("get", *args, "-o", "json").stdout)
-
-    def status(self) -> dict[str, Any]:
-        return self.get("inferencepool", "demo").get("status") or {}
-
-    def condition(self, kind: str) -> dict[str, Any]:
-        return next((c for c in self.status().get("conditions") or () if c["type"] == kind),
-                    {})
-
-    def engine_pods(self) -> list[dict[str, Any]]:
-        items = self.get("pods", "-l", "tandem.dev/pool=demo,tandem.dev/engine=true")["items"]
-        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
-
-    def engines(self) -> dict[str, dict[str, Any] | None]:
-        out: dict[str, dict[str, Any] | None] = {}
-        for p in self.engine_pods():
-            ip = p.get("status", {}).get("podIP")
-            try:
-                out[p["metadata"]["name"]] = httpx.get(f"http://{ip}:8080/v1/state",
-                                                       timeout=5).json() if ip else None
-            except httpx.HTTPError:
-                out[p["metadata"]["name"]] = None
-        return out
-
-    def all_serve(self, *identities: str, engines: int = 3) -> bool:
+    def all_serve_adapters(self, *identities: str, engines: int = 3) -> bool:
         states = self.engines()
         return len(states) == engines and all(
             s is not None and s["state"] == "RUNNING" and not s["draining"]
             and sorted(s.get("loras") or ()) == sorted(identities) for s in states.values())
 
     def patch_adapters(self, adapters: list[dict[str, str]]) -> None:
-        self.cluster.kubectl("patch", "inferencepool", "demo", "--type=merge", "-p",
-                             json.dumps({"spec": {"adapters": adapters}}))
+        self.patch_spec({"adapters": adapters})
 
-    def settle(self, phase: str, *identities: str, timeout: float = 120.0) -> None:
+    def settle_adapters(self, phase: str, *identities: str, timeout: float = 120.0) -> None:
         def done() -> bool:
             record = self.status().get("adapterRefit") or {}
-            return record.get("phase") == phase and self.all_serve(*identities)
+            return record.get("phase") == phase and self.all_serve_adapters(*identities)
         try:
             wait_for(f"adapters {phase}, every engine serving {identities}", done,
                      timeout=timeout, every=0.3)
@@ -317,62 +290,12 @@ class Pool:
             print(json.dumps(self.status(), indent=1)[-6000:])
             raise
 
-    def events(self) -> list[tuple[str, str, str]]:
-        return [(e["metadata"]["name"], e["reason"], e["message"])
-                for e in self.get("events")["items"]
-                if e["involvedObject"].get("name") == "demo"
-                and e["involvedObject"].get("kind") == "InferencePool"]
-
-    def router_url(self) -> str:
-        items = self.get("pods", "-l", "tandem.dev/pool=demo,tandem.dev/role=router")["items"]
-        return f"http://{items[0]['status']['podIP']}:8000/v1"
-
     def completion(self, model: str) -> list[int]:
         r = httpx.post(f"{self.router_url()}/completions", timeout=60, json={
             "model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True})
         r.raise_for_status()
         return r.json()["choices"][0]["token_ids"]
-
-
-class Load:
-    """Streaming completions through the router, under each of `models` in turn, from a
-    few threads until stopped; every failure is kept, and which models answered."""
-
-    def __init__(self, url: str, models: list[str], threads: int = 3) -> None:
-        self.url, self.models = url, models
-        self.failures: list[str] = []
-        self.done: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
-                         for i in range(threads)]
-
-    def __enter__(self) -> Load:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(60)
-
-    def _run(self, i: int) -> None:
-        import openai
-
-        client = openai.OpenAI(base_url=self.url, api_key="x", max_retries=0, timeout=60)
-        n = 0
-        while not self._stop.is_set():
-            model = self.models[(i + n) % len(self.models)]
-            n += 1
-            try:
-                text = "".join(c.choices[0].text for c in client.completions.create(
-                    model=model, prompt=f"Request {i}.{n}: once upon a time", max_tokens=12,
-                    temperature=0, stream=True, extra_body={"ignore_eos": True}))
-                assert text, "an empty completion"
-                self.done[model] = self.done.get(model, 0) + 1
-            except Exception as exc:  # every failure is reported by the test
-                self.failures.append(f"{model}: {type(exc).__name__}: {exc}")
 
 
 class ServiceWatch:
@@ -427,7 +350,7 @@ def pool(tiny_llama: Path, folders: dict[str, Path],
             engine["weightsRoots"] = [str(tmp_path_factory.getbasetemp())]
             cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc))
             wait_for("the pool to be Ready", lambda: p.condition("Ready").get("status")
-                     == "True" and p.all_serve("sql@1"), timeout=180, every=0.5)
+                     == "True" and p.all_serve_adapters("sql@1"), timeout=180, every=0.5)
             wait_for("the router to see every engine with sql", lambda: sorted(
                 e["role"] for e in httpx.get(f"{p.router_url()}/engines", timeout=5
                                              ).json()["engines"]
@@ -440,8 +363,9 @@ def pool(tiny_llama: Path, folders: dict[str, Path],
                       f"{runner.logs(pod['metadata']['name'])[-2500:]}")
             raise
         finally:
-            p.operator.stop()
-            print(f"---- operator (tail) ----\n{p.operator.log.read_text()[-8000:]}")
+            for op in p.operators:
+                op.stop()
+                print(f"---- {op.log.name} (tail) ----\n{op.log.read_text()[-8000:]}")
             runner.stop()
 
 
@@ -455,14 +379,14 @@ def test_a_new_version_and_a_new_adapter_roll_in_place_under_load(
     pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in pool.engine_pods()}
     incarnations = {n: s["incarnation"] for n, s in pool.engines().items() if s}
     seen = {e[0] for e in pool.events()}
-    with Load(pool.router_url(), ["tiny", "sql"]) as load, ServiceWatch(pool) as watch:
+    with Load(pool.router_url(), models=("tiny", "sql")) as load, ServiceWatch(pool) as watch:
         time.sleep(1.0)
         pool.patch_adapters([adapter("sql", "2", folders["sql-v2"]),
                              adapter("chat", "1", folders["chat-v1"])])
-        pool.settle("Succeeded", "sql@2", "chat@1")
+        pool.settle_adapters("Succeeded", "sql@2", "chat@1")
         time.sleep(0.5)
     assert not load.failures, load.failures
-    assert load.done.get("tiny") and load.done.get("sql"), load.done
+    assert load.by_model.get("tiny") and load.by_model.get("sql"), load.by_model
     # In place: no engine left service, no pod was replaced, no engine restarted.
     assert watch.away == set(), watch.away
     assert {p["metadata"]["name"]: p["metadata"]["uid"] for p in pool.engine_pods()} == pods
@@ -501,15 +425,15 @@ def test_a_new_version_and_a_new_adapter_roll_in_place_under_load(
 @pytest.mark.slow
 def test_an_adapter_that_computes_nan_is_rolled_back_before_it_serves(
         pool: Pool, folders: dict[str, Path]) -> None:
-    pool.settle("Succeeded", "sql@2", "chat@1")
+    pool.settle_adapters("Succeeded", "sql@2", "chat@1")
     seen = {e[0] for e in pool.events()}
     good = [adapter("sql", "2", folders["sql-v2"]), adapter("chat", "1", folders["chat-v1"])]
-    with Load(pool.router_url(), ["tiny", "sql", "chat"]) as load:
+    with Load(pool.router_url(), models=("tiny", "sql", "chat")) as load:
         time.sleep(0.5)
         # A good new adapter and a version of sql that loads but computes NaN, in one edit.
         pool.patch_adapters([*good, adapter("sql", "3", folders["nan"]),
                              adapter("poem", "1", folders["sql-v1"])][1:])
-        pool.settle("RolledBack", "sql@2", "chat@1")
+        pool.settle_adapters("RolledBack", "sql@2", "chat@1")
         time.sleep(0.5)
     assert not load.failures, load.failures  # no request ever ran under sql@3
     st = pool.status()
@@ -529,11 +453,11 @@ def test_an_adapter_that_computes_nan_is_rolled_back_before_it_serves(
 
     # Setting the spec back ends it: every engine already serves it.
     pool.patch_adapters(good)
-    pool.settle("Succeeded", "sql@2", "chat@1")
+    pool.settle_adapters("Succeeded", "sql@2", "chat@1")
     assert pool.condition("Degraded")["status"] == "False"
     # Removing an adapter unloads it everywhere; requests naming it are then a 404.
     pool.patch_adapters(good[:1])
-    pool.settle("Succeeded", "sql@2")
+    pool.settle_adapters("Succeeded", "sql@2")
     r = httpx.post(f"{pool.router_url()}/completions", timeout=30, json={
         "model": "chat", "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 404 and "chat" in r.json()["error"]["message"], r.text
@@ -542,14 +466,14 @@ def test_an_adapter_that_computes_nan_is_rolled_back_before_it_serves(
 @pytest.mark.slow
 def test_a_truncated_adapter_is_refused_and_halts_where_onfailure_says(
         pool: Pool, folders: dict[str, Path]) -> None:
-    pool.settle("Succeeded", "sql@2")
+    pool.settle_adapters("Succeeded", "sql@2")
     pool.cluster.kubectl("patch", "inferencepool", "demo", "--type=merge", "-p",
                          json.dumps({"spec": {"refit": {"onFailure": "Halt"}}}))
     try:
-        with Load(pool.router_url(), ["tiny", "sql"]) as load:
+        with Load(pool.router_url(), models=("tiny", "sql")) as load:
             time.sleep(0.5)
             pool.patch_adapters([adapter("sql", "4", folders["truncated"])])
-            pool.settle("Halted", "sql@2")  # the engines refused it: nothing changed
+            pool.settle_adapters("Halted", "sql@2")  # the engines refused it: nothing changed
             time.sleep(0.5)
         assert not load.failures, load.failures
         failure = pool.status()["adapterRefit"]["failure"]
@@ -563,4 +487,4 @@ def test_a_truncated_adapter_is_refused_and_halts_where_onfailure_says(
         pool.cluster.kubectl("patch", "inferencepool", "demo", "--type=merge", "-p",
                              json.dumps({"spec": {"refit": {"onFailure": "Rollback"}}}))
     pool.patch_adapters([adapter("sql", "2", folders["sql-v2"])])
-    pool.settle("Succeeded", "sql@2")
+    pool.settle_adapters("Succeeded", "sql@2")

@@ -303,12 +303,15 @@ class Pool:
 
 class Load:
     """Streaming completions of `max_tokens` through the router from a few threads until
-    stopped; every failure is kept."""
+    stopped, under each of `models` in turn; every failure is kept, and how many answered
+    (in all, and per model)."""
 
-    def __init__(self, url: str, threads: int = 3, max_tokens: int = 16) -> None:
-        self.url, self.max_tokens = url, max_tokens
+    def __init__(self, url: str, threads: int = 3, max_tokens: int = 16,
+                 models: tuple[str, ...] = ("tiny",)) -> None:
+        self.url, self.max_tokens, self.models = url, max_tokens, models
         self.failures: list[str] = []
         self.done = 0
+        self.by_model: dict[str, int] = {}
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
                          for i in range(threads)]
@@ -329,16 +332,18 @@ class Load:
         client = openai.OpenAI(base_url=self.url, api_key="x", max_retries=0, timeout=60)
         n = 0
         while not self._stop.is_set():
+            model = self.models[(i + n) % len(self.models)]
             n += 1
             try:
                 text = "".join(c.choices[0].text for c in client.completions.create(
-                    model="tiny", prompt=f"Request {i}.{n}: once upon a time",
+                    model=model, prompt=f"Request {i}.{n}: once upon a time",
                     max_tokens=self.max_tokens,
                     temperature=0, stream=True, extra_body={"ignore_eos": True}))
                 assert text, "an empty completion"
                 self.done += 1
+                self.by_model[model] = self.by_model.get(model, 0) + 1
             except Exception as exc:  # every failure is reported by the test
-                self.failures.append(f"{type(exc).__name__}: {exc}")
+                self.failures.append(f"{model}: {type(exc).__name__}: {exc}")
 
 
 @pytest.fixture(scope="module")

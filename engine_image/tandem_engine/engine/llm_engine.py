@@ -35,6 +35,7 @@ import torch
 from tandem_engine.admin_wire import RefitRequest
 from tandem_engine.config import EngineConfig
 from tandem_engine.core.kv import KVCacheManager
+from tandem_engine.core.kv.events import KVEventBatch
 from tandem_engine.core.kv.hashing import block_salt
 from tandem_engine.core.request import FinishReason, Request
 from tandem_engine.core.scheduler import Scheduler
@@ -243,6 +244,18 @@ class LLMEngine:
             last_refit_peak_bytes=self.weights.last_refit_peak_bytes, lora=lora)
 
     set_weights = _Published("weights", "name")
+
+    def drain_kv_events(self) -> KVEventBatch | None:
+        """The prefix cache's changes since the last call (core/kv/events.py), for routers."""
+        with self._lock:
+            return self.kv.pool.drain_events()
+
+    def kv_snapshot(self) -> tuple[KVEventBatch | None, int, list[int]]:
+        """The pending changes as a batch (publish it first), then every hash the prefix
+        cache holds as of that batch's seq: a router's starting point."""
+        with self._lock:
+            batch = self.kv.pool.drain_events()
+            return batch, self.kv.pool.events.seq, self.kv.pool.cached_hashes()
 
     def drain_step_timings(self) -> list[StepTiming]:
         """The timings of the steps since the last call (for metrics)."""

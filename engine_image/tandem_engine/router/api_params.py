@@ -107,6 +107,8 @@ class Options:
     seed: int | None
     logprobs: int | None  # top alternatives per token; None: no logprobs
     cache_salt: str | None
+    # OpenAI's prompt_cache_key: routing's affinity hint (picker.py)
+    cache_key: str | None
     # The other SamplingParams fields the body set, by name (the rest take the model's
     # defaults, else SamplingParams'); `engine_sampling` turns them into each choice's
     # SamplingParams.
@@ -378,7 +380,17 @@ def rejected_param(message: str) -> str | None:
 # What the parameters read by code of their own take, from their table entries.
 _STREAM_OPTIONS = tuple(m.name for m in entry(COMPLETIONS, "stream_options").members)
 _CACHE_SALT = entry(COMPLETIONS, "cache_salt").bound
+_CACHE_KEY = entry(COMPLETIONS, "prompt_cache_key").bound
 _STOP = entry(COMPLETIONS, "stop").bound
+
+
+def _short_string(body: dict[str, Any], name: str, bound: Any) -> str | None:
+    value = body.get(name)
+    if value is not None and (not isinstance(value, str)
+                              or not bound.low <= len(value) <= bound.high):
+        raise InvalidRequest(f"{name} must be a string of {bound.low}..{bound.high} "
+                             "characters", name)
+    return value
 
 
 def _options(body: dict[str, Any], *, logprobs: int | None,
@@ -419,15 +431,12 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
             value = _READERS[p.type](p, value)
         if value is not None:
             sampling[p.sampling] = value
-    cache_salt = body.get("cache_salt")
-    if cache_salt is not None and (not isinstance(cache_salt, str) or not
-                                   _CACHE_SALT.low <= len(cache_salt) <= _CACHE_SALT.high):
-        raise InvalidRequest(f"cache_salt must be a string of {_CACHE_SALT.low}.."
-                             f"{_CACHE_SALT.high} characters", "cache_salt")
+    cache_salt = _short_string(body, "cache_salt", _CACHE_SALT)
+    cache_key = _short_string(body, "prompt_cache_key", _CACHE_KEY)
     structured, structured_param = read_structured(body)
     return Options(model=model, n=n_value, stream=stream, include_usage=include_usage,
                    max_tokens=max_tokens, seed=seed, logprobs=logprobs,
-                   cache_salt=cache_salt, sampling_args=sampling,
+                   cache_salt=cache_salt, cache_key=cache_key, sampling_args=sampling,
                    return_token_ids=bool(_bool(body, "return_token_ids", False)),
                    prompt_logprobs=prompt_logprobs, echo=echo, structured=structured,
                    structured_param=structured_param)

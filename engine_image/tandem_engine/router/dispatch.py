@@ -84,6 +84,7 @@ class DispatchConfig:
     max_attempts: int = 4  # engine submissions per choice, failovers included
     prefix_index_blocks: int = 65536  # per engine
     weights: RoutingWeights = DEFAULT_WEIGHTS
+    prefix_routing: str = "exact"  # picker.PREFIX_ROUTING: the engines' KV events, or a guess
 
     def __post_init__(self) -> None:
         for name in ("first_output_timeout", "output_timeout", "failover_timeout"):
@@ -125,6 +126,7 @@ class _Choice:
     resumed: bool = False  # failed over after tokens were streamed
     adapter: str | None = None  # the LoRA adapter's name (None: the base model)
     lora: p.LoRARef | None = None  # its version, as the latest attempt was submitted
+    cache_key: str | None = None  # prompt_cache_key: routing's affinity hint
 
     @property
     def lora_identity(self) -> str | None:
@@ -159,20 +161,28 @@ class Dispatcher:
         self.metrics = metrics
         self.picker = EnginePicker(pool, weights=config.weights,
                                    prefix_index_blocks=config.prefix_index_blocks,
-                                   wait_timeout=config.failover_timeout)
+                                   wait_timeout=config.failover_timeout,
+                                   prefix_routing=config.prefix_routing)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams, cache_salt: str | None = None,
-                       arrival: float | None = None, adapter: str | None = None
-                       ) -> AsyncIterator[Delta]:
-        """Stream one generation (under LoRA adapter `adapter`, a name, when given).
-        Raises NoEngineAvailable / EngineRejected before any token, GenerationFailed
-        when it cannot be completed."""
+                       arrival: float | None = None, adapter: str | None = None,
+                       cache_key: str | None = None) -> AsyncIterator[Delta]:
+        """Stream one generation (under LoRA adapter `adapter`, a name, when given;
+        `cache_key`: the request's prompt_cache_key). Raises NoEngineAvailable /
+        EngineRejected before any token, GenerationFailed when it cannot be completed."""
         arrival = time.monotonic() if arrival is None else arrival
         choice = _Choice(request_id, list(prompt_token_ids), sampling, cache_salt,
-                         ChoiceLatency(self.metrics, arrival), adapter=adapter)
-        pair = self.picker.pick_pair(choice.prompt, cache_salt, adapter)
-        leg = _Leg(pair[0], decode=pair[1]) if pair is not None else None
+                         ChoiceLatency(self.metrics, arrival), adapter=adapter,
+                         cache_key=cache_key)
+        leg: _Leg | None = None
+        bypass = self.picker.bypass(choice.prompt, cache_salt, adapter, cache_key)
+        if bypass is not None:  # a decode engine holds the whole prompt: no prefill step
+            self._count_disaggregated("bypassed")
+            leg = _Leg(bypass)
+        else:
+            pair = self.picker.pick_pair(choice.prompt, cache_salt, adapter, cache_key)
+            leg = _Leg(pair[0], decode=pair[1]) if pair is not None else None
         finish_reason: str | None = None
         while True:
             if choice.progress.attempts >= self.config.max_attempts:
@@ -318,10 +328,10 @@ class Dispatcher:
         progress, exclude = choice.progress, sorted(choice.excluded)
         if not progress.generated:
             client = self.picker.pick(choice.prompt, choice.cache_salt, exclude=exclude,
-                                      adapter=choice.adapter)
+                                      adapter=choice.adapter, cache_key=choice.cache_key)
             if client is None and await self.picker.wait_until_serving():
                 client = self.picker.pick(choice.prompt, choice.cache_salt, exclude=exclude,
-                                          adapter=choice.adapter)
+                                          adapter=choice.adapter, cache_key=choice.cache_key)
             if client is None and choice.excluded:
                 client = await self._admitting_again(choice)
             if client is None:

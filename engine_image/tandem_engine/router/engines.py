@@ -39,6 +39,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from tandem_engine import protocol as p
+from tandem_engine.router.kv_index import KVIndex
 from tandem_engine.router.routing import EngineView
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.zmq_auth import CurveClient
@@ -48,6 +49,10 @@ log = logging.getLogger(__name__)
 # How often a router PINGs each connected engine: the engines' default heartbeat interval,
 # well inside their default router timeout (10 s).
 PING_INTERVAL = 0.5
+# An engine's index before its WELCOME says its KV pool's size (then: that size).
+DEFAULT_KV_INDEX_CAPACITY = 1 << 20
+# How long a router waits for a snapshot it asked for before asking again.
+SNAPSHOT_RETRY_S = 1.0
 # How long a LoRA call may take on an engine: it waits for the step in progress and reads
 # the adapter from disk.
 LORA_CALL_TIMEOUT = 60.0
@@ -97,6 +102,9 @@ class EngineClient:
         self.connected = False  # WELCOME received and messages arriving on time
         self.last_seen = 0.0  # monotonic time of the last message from the engine
         self.epoch_changes = 0  # bumped whenever its prefix cache is known to be invalid
+        # Its prefix cache, exactly, from its KV events (kv_index.py); sized at WELCOME.
+        self.kv_index = KVIndex(DEFAULT_KV_INDEX_CAPACITY)
+        self._snapshot_asked_at = float("-inf")
         self._context = context
         self._socket: zmq.asyncio.Socket | None = None
         self._queues: dict[str, asyncio.Queue[QueueItem]] = {}
@@ -234,7 +242,10 @@ class EngineClient:
             max_model_len=welcome.max_model_len if welcome else 0,
             draining=load.draining if load else False,
             loras=frozenset(load.loras) if load else frozenset(),
-            resident_loras=frozenset(load.resident_loras) if load else frozenset())
+            resident_loras=frozenset(load.resident_loras) if load else frozenset(),
+            kv_index_blocks=len(self.kv_index), kv_synced=self.kv_index.synced,
+            kv_lag=self.kv_index.last_lag,
+            kv_resyncs=tuple(sorted(self.kv_index.resyncs.items())))
 
     def describe(self) -> dict[str, Any]:
         """What `GET /v1/engines` shows of this engine."""
@@ -249,6 +260,9 @@ class EngineClient:
                 "kv_usage": v.kv_usage, "inflight": v.inflight,
                 "block_size": v.block_size, "max_model_len": v.max_model_len,
                 "loras": sorted(v.loras), "resident_loras": sorted(v.resident_loras),
+                "kv_index": {"blocks": v.kv_index_blocks, "synced": v.kv_synced,
+                             "seq": self.kv_index.seq, "lag_seconds": round(v.kv_lag, 4),
+                             "resyncs": dict(v.kv_resyncs)},
                 "seconds_since_seen": round(time.monotonic() - self.last_seen, 3)
                 if self.last_seen else None}
 
@@ -302,6 +316,8 @@ class EngineClient:
                 self._say_hello()
             if self.connected and now - self._pinged_at >= self.ping_interval:
                 self._ping()
+            if self.connected and not self.kv_index.synced:
+                self._ask_snapshot()  # the one after the WELCOME was lost, or a gap
             await asyncio.sleep(tick)
 
     async def _monitor(self, monitor: zmq.asyncio.Socket) -> None:
@@ -335,6 +351,9 @@ class EngineClient:
         if isinstance(message, p.Welcome):
             self._on_welcome(message)
             return
+        if isinstance(message, p.KVEvents | p.KVSnapshot):
+            self._on_kv(message)
+            return
         if isinstance(message, p.Heartbeat | p.StateChange):
             if self.welcome is None or message.incarnation != self.welcome.incarnation:
                 if self.connected:  # a restarted engine knows none of our requests
@@ -365,12 +384,39 @@ class EngineClient:
         else:
             log.warning("engine %s: unexpected %s dropped", self.key, type(message).__name__)
 
+    def _on_kv(self, message: p.KVEvents | p.KVSnapshot) -> None:
+        """Apply the engine's prefix-cache changes to its index; ask for a snapshot after a
+        gap. Messages of another incarnation (one that just restarted) are dropped."""
+        if self.welcome is None or message.incarnation != self.welcome.incarnation:
+            return
+        if self.connected:
+            self.last_seen = time.monotonic()
+        now = time.time()
+        if isinstance(message, p.KVSnapshot):
+            self.kv_index.load(message, now)
+            self._snapshot_asked_at = float("-inf")
+        elif not self.kv_index.apply(message, now):
+            self._ask_snapshot()
+
+    def _ask_snapshot(self) -> None:
+        """Ask the engine for every hash it holds (at most once per SNAPSHOT_RETRY_S)."""
+        now = time.monotonic()
+        if now - self._snapshot_asked_at < SNAPSHOT_RETRY_S:
+            return
+        self._snapshot_asked_at = now
+        with contextlib.suppress(EngineUnavailable):
+            self._send(p.KVSnapshotRequest(self.router_id))
+
     def _on_welcome(self, welcome: p.Welcome) -> None:
         if welcome.protocol_version != p.PROTOCOL_VERSION:
             log.error("engine %s speaks protocol %d, this router %d: not using it", self.key,
                       welcome.protocol_version, p.PROTOCOL_VERSION)
             return
         previous = self.welcome
+        if previous is None or previous.incarnation != welcome.incarnation:
+            # A new process: its cache starts empty, and its snapshot follows the WELCOME.
+            self.kv_index = KVIndex(welcome.num_kv_blocks or DEFAULT_KV_INDEX_CAPACITY)
+            self._snapshot_asked_at = time.monotonic()
         if previous is not None and previous.incarnation != welcome.incarnation:
             self._fail_all(f"engine {self.key} restarted")
             self.epoch_changes += 1

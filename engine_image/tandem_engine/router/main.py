@@ -63,6 +63,7 @@ from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
 from tandem_engine.router.engines import EnginePool
 from tandem_engine.router.metrics import RouterMetrics
 from tandem_engine.router.openai_api import build_app
+from tandem_engine.router.picker import PREFIX_ROUTING
 from tandem_engine.tokenizer import Tokenizer
 from tandem_engine.weights import resolve_checkpoint
 
@@ -110,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failover-timeout", type=float, default=30.0,
                    help="seconds to find an engine of the same weight version to continue "
                         "a request whose engine died")
+    p.add_argument("--prefix-routing", choices=PREFIX_ROUTING, default="exact",
+                   help="how prefix affinity knows what each engine holds: exact (from the "
+                        "engines' KV events: their evictions and other routers' traffic "
+                        "included) or approximate (this router's memory of what it sent "
+                        "where, the earlier behaviour; for comparison) (default %(default)s)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted; a larger one gets 413 before it is "
                         "read or parsed (default %(default)s, 4 MiB: a 128k-token prompt as "
@@ -165,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         pool, engines = _engine_pool(args)
         config = DispatchConfig(first_output_timeout=args.first_output_timeout,
                                 output_timeout=args.output_timeout,
-                                failover_timeout=args.failover_timeout)
+                                failover_timeout=args.failover_timeout,
+                                prefix_routing=args.prefix_routing)
         limits = RequestLimits(max_body_bytes=args.max_body_bytes,
                                max_prompt_chars=args.max_prompt_chars)
         api_keys = auth.resolve_api_keys(args.api_key, key_files=args.api_key_file)

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
@@ -238,8 +238,26 @@ class _EngineCollector(Collector):
         inflight = GaugeMetricFamily("tandem_router_engine_inflight",
                                      "Requests this router has in flight on the engine",
                                      labels=["engine"])
+        blocks = GaugeMetricFamily(
+            "tandem_router_kv_index_blocks", "Block hashes this router's index holds for the "
+            "engine: its prefix cache, from its KV events", labels=["engine"])
+        synced = GaugeMetricFamily(
+            "tandem_router_kv_index_synced", "1 while the engine's index is in sync with its "
+            "KV events (0: waiting for a snapshot)", labels=["engine"])
+        lag = GaugeMetricFamily(
+            "tandem_router_kv_event_lag_seconds", "How long the engine's latest KV event "
+            "batch took from the engine to this router", labels=["engine"])
+        resyncs = CounterMetricFamily(
+            "tandem_router_kv_index_resyncs", "Times the engine's index lost sync and asked "
+            "for a snapshot, by reason (gap: a batch missing; oversized: more hashes than "
+            "the engine's KV pool holds)", labels=["engine", "reason"])
         for v in self._views():
             up.add_metric([v.key], 1.0 if v.alive else 0.0)
             serving.add_metric([v.key], 1.0 if v.serving else 0.0)
             inflight.add_metric([v.key], float(v.inflight))
-        yield from (up, serving, inflight)
+            blocks.add_metric([v.key], float(v.kv_index_blocks))
+            synced.add_metric([v.key], 1.0 if v.kv_synced else 0.0)
+            lag.add_metric([v.key], v.kv_lag)
+            for reason, count in v.kv_resyncs:
+                resyncs.add_metric([v.key, reason], float(count))
+        yield from (up, serving, inflight, blocks, synced, lag, resyncs)

@@ -115,19 +115,22 @@ class Choices:
     (index, exception) in arrival order, None when all are done."""
 
     def __init__(self, dispatcher: Dispatcher, request_id: str, jobs: list[Job],
-                 cache_salt: str | None, arrival: float, adapter: str | None = None) -> None:
+                 cache_salt: str | None, arrival: float, adapter: str | None = None,
+                 cache_key: str | None = None) -> None:
         self._queue: asyncio.Queue[tuple[int, Delta | BaseException]] = asyncio.Queue()
         self._pending = len(jobs)
         self._tasks = [asyncio.create_task(self._run(dispatcher, f"{request_id}-{j.index}",
-                                                     j, cache_salt, arrival, adapter))
+                                                     j, cache_salt, arrival, adapter,
+                                                     cache_key))
                        for j in jobs]
 
     async def _run(self, dispatcher: Dispatcher, request_id: str, job: Job,
-                   cache_salt: str | None, arrival: float, adapter: str | None) -> None:
+                   cache_salt: str | None, arrival: float, adapter: str | None,
+                   cache_key: str | None) -> None:
         finished = False
         try:
             async for delta in dispatcher.generate(request_id, job.prompt_ids, job.sampling,
-                                                   cache_salt, arrival, adapter):
+                                                   cache_salt, arrival, adapter, cache_key):
                 finished = delta.finished
                 self._queue.put_nowait((job.index, delta))
             if not finished:
@@ -324,7 +327,7 @@ class RouterApi:
         the first choice produced something (or failed)."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
         choices = Choices(self.dispatcher, request_id, jobs, options.cache_salt, arrival,
-                          adapter)
+                          adapter, options.cache_key)
         choices.watch(request)
         try:
             first = await choices.next()

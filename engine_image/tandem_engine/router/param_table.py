@@ -350,7 +350,9 @@ PARAMS: tuple[Param, ...] = (
     _informational("user", "an end-user id"),
     _informational("metadata", "the client's own tags"),
     _informational("safety_identifier", "an end-user id"),
-    _informational("prompt_cache_key", "a cache-routing hint"),
+    Param("prompt_cache_key", "string", bound=Length(1, MAX_CACHE_SALT_CHARS),
+          doc="OpenAI's cache-routing hint: requests with one key prefer the engine that "
+          "served the key last (weighed against its load, as a cached prompt is)"),
     _informational("prompt_cache_retention", "a cache-routing hint"),
     _informational("request_id", "the client's own request id"),
     # ---- refused unless absent or neutral: OpenAI's

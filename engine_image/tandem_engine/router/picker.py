@@ -2,10 +2,21 @@
 of the prefixes it sent where.
 
 `EnginePicker` is the router's one owner of routing state: the engine pool it reads
-views from and, per engine, a `PrefixIndex` of the block hashes it sent there. The
-scoring rules themselves are the pure functions of `routing.py`; this module applies
-them to the live pool and keeps the indexes honest: an engine that restarted, refit or
-left the pool holds none of the blocks remembered for it, so its index starts over.
+views from and, per engine, what it knows of the engine's prefix cache. Exact routing
+(`--prefix-routing exact`, the default) reads each engine's `kv_index`, built from the
+engine's own KV events (`kv_index.py`): what the engine holds, evictions and other
+routers' traffic included; the blocks this router sent in the last `RECENT_S` seconds
+count too (a burst of one prefix lands together before the engine's events for the
+first arrive). Approximate routing (`approximate`, the earlier behaviour, kept to compare)
+reads only a `PrefixIndex` of the block hashes this router sent there, which an engine
+that restarted, refit or left the pool clears. The scoring rules themselves are the pure
+functions of `routing.py`.
+
+A request's `prompt_cache_key` (OpenAI's) is an affinity hint: the engine that last
+served the key counts as holding the whole prompt, weighed against its load like any
+cached prefix. In a disaggregated pool, a decode engine that already holds every full
+block of the prompt takes the request itself, skipping the prefill engine and the KV
+transfer (`bypass`, "P/D bypass").
 
 It also owns waiting for an engine: `wait_until_serving` while the whole pool is only
 away for now (a refit's window), `wait_for_version` while a choice that has tokens
@@ -24,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from tandem_engine.core.kv.hashing import block_hashes, block_salt
@@ -50,13 +62,24 @@ STARTUP_GRACE_S = 3.0
 NEVER_HEARD = "UNKNOWN"  # an EngineView's state before the engine's first load report
 
 
+PREFIX_ROUTING = ("exact", "approximate")
+RECENT_S = 2.0  # exact routing: blocks sent this recently count as held (events lag)
+CACHE_KEYS = 65536  # prompt_cache_key -> engine entries kept, least recently used out
+
+
 class EnginePicker:
     def __init__(self, pool: EnginePool, *, weights: RoutingWeights = DEFAULT_WEIGHTS,
-                 prefix_index_blocks: int = 65536, wait_timeout: float = 30.0) -> None:
+                 prefix_index_blocks: int = 65536, wait_timeout: float = 30.0,
+                 prefix_routing: str = "exact") -> None:
+        if prefix_routing not in PREFIX_ROUTING:
+            raise ValueError(f"prefix routing {prefix_routing!r}: use one of "
+                             f"{', '.join(PREFIX_ROUTING)}")
         self.pool = pool
         self.weights = weights
         self.prefix_index_blocks = prefix_index_blocks
         self.wait_timeout = wait_timeout  # the dispatcher's failover timeout
+        self.exact = prefix_routing == "exact"
+        self._cache_keys: OrderedDict[str, str] = OrderedDict()  # prompt_cache_key -> engine
         self._indexes: dict[str, PrefixIndex] = {}
         # Per engine address: the client object and its epoch_changes the index is for.
         self._index_generation: dict[str, tuple[EngineClient, int]] = {}
@@ -95,14 +118,16 @@ class EnginePicker:
 
     def pick(self, token_ids: Sequence[int], cache_salt: str | None = None,
              version: str | None = None, exclude: Sequence[str] = (),
-             adapter: str | None = None) -> EngineClient | None:
+             adapter: str | None = None, cache_key: str | None = None
+             ) -> EngineClient | None:
         """The engine for `token_ids` (recorded in its prefix index), or None; one that
         serves `adapter` (a name or an identity) when given.
 
         A colocated request avoids prefill-role engines while another engine can take it."""
         candidates = eligible(self.pool.views(), version, exclude, adapter)
         preferred = [e for e in candidates if self.pool.by_key[e.key].role != EngineRole.PREFILL]
-        return self._choose(preferred or candidates, token_ids, cache_salt, adapter)
+        return self._choose(preferred or candidates, token_ids, cache_salt, adapter,
+                            cache_key)
 
     async def wait_for_version(self, token_ids: Sequence[int], cache_salt: str | None,
                                version: str | None, exclude: Sequence[str] = (),
@@ -123,7 +148,8 @@ class EnginePicker:
             await asyncio.sleep(POLL_INTERVAL)
 
     def pick_pair(self, token_ids: Sequence[int], cache_salt: str | None = None,
-                  adapter: str | None = None) -> tuple[EngineClient, EngineClient] | None:
+                  adapter: str | None = None, cache_key: str | None = None
+                  ) -> tuple[EngineClient, EngineClient] | None:
         """(prefill engine, decode engine) of the serving version for a disaggregated
         request, or None when the serving version lacks a prefill or a decode engine
         (serving `adapter`, when given: both at the same version of it)."""
@@ -140,7 +166,7 @@ class EnginePicker:
         # Prefer a dedicated prefill engine; a mixed one only when none is available.
         prefills = [e for e in prefills if clients[e.key].role == EngineRole.PREFILL] or prefills
         decodes = [e for e in able if clients[e.key].role in (EngineRole.DECODE, EngineRole.MIXED)]
-        prefill = self._choose(prefills, token_ids, cache_salt, adapter)
+        prefill = self._choose(prefills, token_ids, cache_salt, adapter, cache_key)
         assert prefill is not None
         # The decode engine continues under the adapter version the prefill ran.
         identity = adapter_identity(prefill.view(), adapter) if adapter is not None else None
@@ -168,26 +194,66 @@ class EnginePicker:
 
     # ---- internals ----------------------------------------------------------------------------
 
+    def bypass(self, token_ids: Sequence[int], cache_salt: str | None = None,
+               adapter: str | None = None, cache_key: str | None = None
+               ) -> EngineClient | None:
+        """A disaggregated request's decode engine that already holds every full block of
+        the prompt (exact routing only), to run it alone: nothing to prefill elsewhere or
+        to transfer. None when no decode engine holds it all."""
+        if not self.exact:
+            return None
+        candidates = [e for e in eligible(self.pool.views(), adapter=adapter)
+                      if self.pool.by_key[e.key].role == EngineRole.DECODE]
+        holding = [e for e in candidates
+                   if (h := self._hashes(e, token_ids, cache_salt, adapter))
+                   and self.pool.by_key[e.key].kv_index.holds(h)]
+        return self._choose(holding, token_ids, cache_salt, adapter, cache_key)
+
+    def _hashes(self, e: EngineView, token_ids: Sequence[int], cache_salt: str | None,
+                adapter: str | None) -> list[int]:
+        """The prompt's full blocks as engine `e` hashes them: its epoch and its version of
+        the adapter salt the chain."""
+        identity = adapter_identity(e, adapter) if adapter is not None else None
+        return block_hashes(token_ids, e.block_size,
+                            block_salt(e.weight_epoch, cache_salt, identity))
+
+    def _held(self, key: str, hashes: Sequence[int]) -> int:
+        """How many leading `hashes` the engine at `key` holds, as far as this router
+        knows: its exact index (once synced) or the blocks sent there just now, exact;
+        the blocks this router sent there, approximate."""
+        if not self.exact:
+            return self._index(key).match(hashes)
+        index = self.pool.by_key[key].kv_index
+        exact = index.match(hashes) if index.synced else self._index(key).match(hashes)
+        return max(exact, self._index(key).match(hashes, within=RECENT_S))
+
     def _choose(self, candidates: Sequence[EngineView], token_ids: Sequence[int],
-                cache_salt: str | None, adapter: str | None = None) -> EngineClient | None:
+                cache_salt: str | None, adapter: str | None = None,
+                cache_key: str | None = None) -> EngineClient | None:
         if not candidates:
             return None
         hashes: dict[str, list[int]] = {}
         fraction: dict[str, float] = {}
         by_chain: dict[tuple[int, int, str | None], list[int]] = {}
         for e in candidates:
-            # Each engine's chain as it salts it: its epoch and its version of the adapter.
             identity = adapter_identity(e, adapter) if adapter is not None else None
             chain = (e.weight_epoch, e.block_size, identity)
             if chain not in by_chain:
-                by_chain[chain] = block_hashes(token_ids, e.block_size,
-                                               block_salt(e.weight_epoch, cache_salt, identity))
+                by_chain[chain] = self._hashes(e, token_ids, cache_salt, adapter)
             hashes[e.key] = by_chain[chain]
             n = len(hashes[e.key])
-            fraction[e.key] = self._index(e.key).match(hashes[e.key]) / n if n else 0.0
+            fraction[e.key] = self._held(e.key, hashes[e.key]) / n if n else 0.0
+        hinted = self._cache_keys.get(cache_key) if cache_key is not None else None
+        if hinted is not None and hinted in fraction:
+            fraction[hinted] = 1.0  # the key's engine: as if it held the whole prompt
         chosen = choose(candidates, fraction, self.weights, next(self._tie_break), adapter)
         assert chosen is not None
         self._index(chosen.key).add(hashes[chosen.key])
+        if cache_key is not None:
+            self._cache_keys[cache_key] = chosen.key
+            self._cache_keys.move_to_end(cache_key)
+            while len(self._cache_keys) > CACHE_KEYS:
+                self._cache_keys.popitem(last=False)
         return self.pool.by_key[chosen.key]
 
     def _index(self, key: str) -> PrefixIndex:

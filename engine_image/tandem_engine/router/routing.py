@@ -24,6 +24,7 @@ Pure functions over `EngineView` snapshots, so every rule is tested without sock
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -52,6 +53,11 @@ class EngineView:
     # LoRA adapters as identities "name@version": served, and on the device now.
     loras: frozenset[str] = frozenset()
     resident_loras: frozenset[str] = frozenset()
+    # Its prefix cache as this router indexes it from its KV events (kv_index.py).
+    kv_index_blocks: int = 0
+    kv_synced: bool = False
+    kv_lag: float = 0.0  # seconds its last batch took to arrive
+    kv_resyncs: tuple[tuple[str, int], ...] = ()  # (reason, count)
 
     @property
     def serving(self) -> bool:
@@ -177,33 +183,38 @@ def choose(candidates: Sequence[EngineView], cached_fraction: dict[str, float],
 
 
 class PrefixIndex:
-    """The block hashes this router sent to one engine, least recently used first.
+    """The block hashes this router sent to one engine, least recently used first, each
+    with when it was last sent.
 
     Chained hashes mean a block's hash stands for its whole prefix, so a prompt's cached
     prefix is its leading run of hashes present here. Bounded: the engine evicts too,
-    so an old entry is a guess either way."""
+    so an old entry is a guess either way (exact routing reads the engine's own events,
+    and this only for what was sent `within` a few seconds)."""
 
     def __init__(self, capacity: int = 65536) -> None:
         if capacity < 1:
             raise ValueError(f"prefix index capacity {capacity} must be >= 1")
         self.capacity = capacity
-        self._hashes: OrderedDict[int, None] = OrderedDict()
+        self._hashes: OrderedDict[int, float] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._hashes)
 
-    def match(self, hashes: Sequence[int]) -> int:
-        """How many leading `hashes` are present."""
+    def match(self, hashes: Sequence[int], within: float | None = None) -> int:
+        """How many leading `hashes` are present (sent in the last `within` seconds)."""
+        since = None if within is None else time.monotonic() - within
         n = 0
         for h in hashes:
-            if h not in self._hashes:
+            sent = self._hashes.get(h)
+            if sent is None or (since is not None and sent < since):
                 break
             n += 1
         return n
 
     def add(self, hashes: Iterable[int]) -> None:
+        now = time.monotonic()
         for h in hashes:
-            self._hashes[h] = None
+            self._hashes[h] = now
             self._hashes.move_to_end(h)
         while len(self._hashes) > self.capacity:
             self._hashes.popitem(last=False)

@@ -174,4 +174,6 @@ class EngineControl:
             device=DeviceStatus(**self.device_probe().as_dict()),
             weight_bytes=stats.weight_bytes, last_refit_peak_bytes=stats.last_refit_peak_bytes,
             loras=list(lora.served) if lora is not None else UNSET,
-            resident_loras=list(lora.resident) if lora is not None else UNSET)
+            resident_loras=list(lora.resident) if lora is not None else UNSET,
+            cached_blocks=self.engine.kv.pool.num_cached,
+            kv_event_seq=self.engine.kv.pool.events.seq)

@@ -36,6 +36,7 @@ import zmq
 import zmq.asyncio
 
 from tandem_engine import protocol as p
+from tandem_engine.core.kv.events import KVEventBatch
 from tandem_engine.engine.llm_engine import LLMEngine
 from tandem_engine.engine.outputs import PromptScore, RequestOutput, mean_top1_mass
 from tandem_engine.engine.stats import SpecDecodeStats, StepTiming
@@ -95,6 +96,8 @@ class WorkerStats:
     requests_finished: dict[str, int] = field(default_factory=dict)
     step_seconds: list[float] = field(default_factory=list)  # drained by /metrics
     step_failures: int = 0  # steps that raised with no request to blame
+    kv_event_batches: int = 0  # prefix-cache change batches published to the routers
+    kv_snapshots: int = 0  # full prefix-cache snapshots sent (a router started or lost some)
     # Latencies at the engine, from a request's arrival (written by the stepping thread).
     time_to_first_token: LatencyHistogram = field(
         default_factory=lambda: LatencyHistogram(REQUEST_BUCKETS))
@@ -354,6 +357,10 @@ class EngineWorker:
                 return
             self._heard_from(router)
             self._queue(router, self._welcome())
+            self._kv_snapshot_later(router)  # after the WELCOME: where its index starts
+        elif isinstance(msg, p.KVSnapshotRequest):
+            self._heard_from(router)
+            self._kv_snapshot_later(router)
         elif isinstance(msg, p.Ping):
             self._heard_from(router)
         elif isinstance(msg, p.Submit):
@@ -437,7 +444,33 @@ class EngineWorker:
         s = self.engine.stats
         info = self.handoff.info if self.handoff is not None else None
         return p.Welcome(p.PROTOCOL_VERSION, self.engine_id, self.incarnation, self.role,
-                         self.model_name, s.block_size, s.max_model_len, self.load(), info)
+                         self.model_name, s.block_size, s.max_model_len, self.load(), info,
+                         num_kv_blocks=self.engine.kv.num_blocks)
+
+    # ---- KV events: the prefix cache's changes, for the routers' exact index -----------------
+
+    def _publish_kv_events(self, batch: KVEventBatch | None) -> None:
+        """Send one batch of prefix-cache changes to every router (stepping thread)."""
+        if batch is None:
+            return
+        frame = p.encode(p.KVEvents(self.engine_id, self.incarnation, batch.seq, batch.cleared,
+                                    batch.stored, batch.removed, batch.at))
+        self.stats.kv_event_batches += 1
+        for router in list(self._routers):
+            self._send_threadsafe(router, frame)
+
+    def _send_kv_snapshot(self, router: bytes) -> None:
+        """Every hash the prefix cache holds, to one router (stepping thread): the
+        pending changes go to every router first, so the snapshot's seq covers them."""
+        batch, seq, hashes = self.engine.kv_snapshot()
+        self._publish_kv_events(batch)
+        self._send_threadsafe(router, p.encode(p.KVSnapshot(
+            self.engine_id, self.incarnation, seq, hashes, time.time())))
+        self.stats.kv_snapshots += 1
+
+    def _kv_snapshot_later(self, router: bytes) -> None:
+        self._inbox.append(functools.partial(self._send_kv_snapshot, router))
+        self._wake.set()
 
     @staticmethod
     def _engine_id(router: bytes, client_id: str) -> str:
@@ -586,6 +619,7 @@ class EngineWorker:
                         timings, _verified(spec_before, engine.stats.speculative))
             for out in outputs:
                 self._emit(out)
+            self._publish_kv_events(engine.drain_kv_events())
 
     def _step_failed(self, exc: Exception) -> None:
         """A step raised and no request was to blame (the engine fails culprits itself):

@@ -11,11 +11,16 @@ free block that still holds a cached hash stays matchable until allocation takes
 from the front of the queue (LRU eviction).
 Callers free a request's blocks tail first, so a chain's children are always evicted
 before their parents.
+
+Every change of the hash -> block map goes to `events` (`events.KVEventLog`), which the
+engine process publishes to its routers (their exact prefix index).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from tandem_engine.core.kv.events import KVEventBatch, KVEventLog
 
 
 class OutOfBlocks(RuntimeError):
@@ -34,6 +39,8 @@ class BlockPool:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self._quarantined: set[int] = set()
         self.evictions = 0
+        # Pending changes, bounded by a few pools' worth of hashes (events.py).
+        self.events = KVEventLog(limit=4 * num_blocks + 1024)
 
     @property
     def num_free(self) -> int:
@@ -67,6 +74,7 @@ class BlockPool:
                 del self._cached[old]
                 self._hash_of[block_id] = None
                 self.evictions += 1
+                self.events.removed(old)
             self._ref_counts[block_id] = 1
             out.append(block_id)
         return out
@@ -107,6 +115,7 @@ class BlockPool:
             if old is not None:
                 del self._cached[old]
                 self._hash_of[b] = None
+                self.events.removed(old)
 
     def release_quarantined(self, block_ids: list[int]) -> None:
         """Quarantined blocks are safe again: back to the free queue."""
@@ -119,9 +128,19 @@ class BlockPool:
         if self._hash_of[block_id] is None and block_hash not in self._cached:
             self._cached[block_hash] = block_id
             self._hash_of[block_id] = block_hash
+            self.events.stored(block_hash)
 
     def reset_cache(self) -> None:
         """Forget every cached hash; blocks in use keep their contents and owners."""
         for b in self._cached.values():
             self._hash_of[b] = None
         self._cached.clear()
+        self.events.cleared()
+
+    def cached_hashes(self) -> list[int]:
+        """Every hash the prefix cache matches now (a router's snapshot)."""
+        return list(self._cached)
+
+    def drain_events(self) -> KVEventBatch | None:
+        """The prefix cache's changes since the last call, as the next numbered batch."""
+        return self.events.drain(self.cached_hashes)
