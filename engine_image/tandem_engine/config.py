@@ -188,6 +188,7 @@ class SpeculativeConfig:
 
 
 DEFAULT_STRUCTURED_OUTPUTS_CACHE_SIZE = 256
+MAX_QUEUED_REQUESTS = 1_000_000  # the most --max-queued-requests may allow
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,10 @@ class EngineConfig:
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # Requests waiting (not running) at most before the engine process refuses a new
+    # SUBMIT with 429 (server/worker.py; resumed and handed-over requests are always taken).
+    # None: unbounded. The offline `LLM` queues every prompt it is given.
+    max_queued_requests: int | None = None
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     # auto: on a CPU float32 for quantized weights, else bfloat16 where it has AMX or
     # AVX-512 BF16 and float32 elsewhere; on a GPU the checkpoint's (model/device.auto_dtype)
@@ -370,6 +375,13 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                limit=f"use one of {', '.join(QUANTIZATION_CHOICES)}", serve=True,
                pool=PoolField("engine.quantization", kind="enum")),
     # Flags a pool passes in spec.engine.args when it wants them.
+    EngineFlag("max_queued_requests", "--max-queued-requests", int, None,
+               "requests waiting for the running batch at most; a new one beyond them is "
+               "refused with 429 so the router tries it later or on another engine "
+               "(resumed and handed-over requests are always taken); default: unbounded",
+               minimum=1, maximum=MAX_QUEUED_REQUESTS, whole=True,
+               limit=f"must be an integer between 1 and {MAX_QUEUED_REQUESTS}, or unset "
+               "for no bound", metavar="N", serve=True),
     EngineFlag("kernels", "--kernels", str, DEFAULT_KERNELS, "attention/projection "
                "kernels: auto (native on CPU, flex on CUDA), native (CPU), torch (portable "
                "gather path), flex (torch flex_attention over the paged KV) "

@@ -47,7 +47,9 @@ from tandem_engine.transfer.base import KVGeometry
 #    with every hash they hold (KV_SNAPSHOT): routers route on an exact index of each
 #    engine's cache. A version-6 engine sends none, and a version-7 router would route on
 #    an empty index, so the versions refuse each other. WELCOME carries the engine's KV
-#    pool size (what bounds that index).
+#    pool size (what bounds that index). Submit carries `priority` (vLLM's: lower is
+#    scheduled first), and an engine refuses a SUBMIT with a 429 REJECT while its
+#    --max-queued-requests are waiting.
 PROTOCOL_VERSION = 7
 
 
@@ -135,6 +137,7 @@ class Load(msgspec.Struct, frozen=True):
 
 _AdapterName = Annotated[str, Meta(pattern=ADAPTER_NAME.pattern)]  # lora_request's rule
 _AdapterVersion = Annotated[str, Meta(min_length=1, max_length=64)]
+_Priority = Annotated[int, Meta(ge=-2**31, le=2**31 - 1)]  # a signed 32-bit int
 
 
 class LoRARef(msgspec.Struct, frozen=True):
@@ -227,6 +230,9 @@ class Submit(msgspec.Struct, frozen=True):
     resume: Resume | None = None  # tokens generated elsewhere that this engine continues
     pull: PullSource | None = None  # decode: pull the prompt's KV instead of computing it
     lora: LoRARef | None = None  # the LoRA adapter it runs under (None: the base model)
+    # vLLM's: lower is scheduled first, and preempts running requests of a larger one;
+    # equal priorities go by arrival.
+    priority: _Priority = 0
 
 
 class TokenLogprobs(msgspec.Struct, frozen=True):
@@ -266,7 +272,7 @@ class Abort(msgspec.Struct, frozen=True):
 
 class Reject(msgspec.Struct, frozen=True):
     request_id: str
-    status: int  # HTTP status the router should answer with (400, 503, ...)
+    status: int  # HTTP status the router should answer with (400, 429, 503, ...)
     message: str
 
 

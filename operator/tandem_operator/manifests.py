@@ -239,7 +239,9 @@ def _pod_spec(spec: PoolSpec, group: Group, weights: WeightsRef, drain_seconds: 
             "command": ["tandem-router"],
             "args": ["--discover-pool", spec.name, "--namespace", "$(POD_NAMESPACE)",
                      "--model", weights.path, "--served-model-name", spec.model_name,
-                     "--host", "$(POD_IP)", "--port", str(ROUTER_HTTP_PORT)],
+                     "--host", "$(POD_IP)", "--port", str(ROUTER_HTTP_PORT),
+                     *(("--max-num-requests", str(spec.router.max_num_requests))
+                       if spec.router.max_num_requests is not None else ())],
             "env": _router_env(spec),
             "ports": [{"name": "http", "containerPort": ROUTER_HTTP_PORT, "protocol": "TCP"}],
             **_probes("http", ROUTER_STARTUP_TIMEOUT_S),

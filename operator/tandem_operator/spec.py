@@ -327,7 +327,9 @@ class RouterSettings:
     replicas: int = 1
     service_type: str = "ClusterIP"
     service_port: int = 8000
-    api_key_secret: SecretKey | None = None  # the router's API keys (comma-separated)
+    # the router's API keys: comma-separated, or key lines (docs/routing.md)
+    api_key_secret: SecretKey | None = None
+    max_num_requests: int | None = None  # requests in flight per router; None: no bound
     placement: Placement = field(default_factory=Placement)
     # the router container's requests and limits; each half defaults on its own
     resources: Mapping[str, Any] = field(
@@ -711,6 +713,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
             service_port=required_int(svc, "port", "spec.router.service",
                                       _ROUTER.service_port, 1, 65535),
             api_key_secret=secret_key(r, "apiKeySecret", "spec.router"),
+            max_num_requests=int_field(r, "maxNumRequests", "spec.router", None, 1,
+                                       1_000_000),
             placement=placement(r, "spec.router"),
             resources=_router_resources(r)),
         rollout=Rollout(

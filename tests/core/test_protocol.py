@@ -22,6 +22,7 @@ MESSAGES = [
              resume=p.Resume([5, 6], 3)),
     p.Submit("r2", [1], SamplingParams(min_p=0.1, repetition_penalty=1.3,
                                        presence_penalty=-0.5, frequency_penalty=2.0)),
+    p.Submit("r3", [1, 2], SamplingParams(), priority=-(2**31)),
     p.Output("r1", [7], "hi", [p.TokenLogprobs(-0.5, [(7, -0.5), (8, -1.0)])], True,
              "stop", "x", 3),
     p.Output("r2", [9], "", finished=True, handoff=p.Handoff("r2", [4, 5])),
@@ -62,6 +63,20 @@ def test_bad_frames_raise_protocol_error_naming_the_problem(frame: bytes, needle
 def test_arbitrary_bytes_never_raise_anything_but_protocol_error(frame: bytes) -> None:
     with contextlib.suppress(p.ProtocolError):
         p.decode(frame)
+
+
+def test_submit_priority_defaults_to_0_and_is_a_32_bit_int() -> None:
+    """A SUBMIT without `priority` is scheduled at 0 (vLLM's default); one beyond a signed
+    32-bit int is refused with a REJECT naming the field, not dropped."""
+    body = {"request_id": "r", "prompt_token_ids": [1], "sampling": {}}
+    frame = bytes([p.PROTOCOL_VERSION, p.Kind.SUBMIT]) + msgspec.msgpack.encode(body)
+    assert p.decode(frame).priority == 0
+    for priority in (2**31, -(2**31) - 1):
+        frame = bytes([p.PROTOCOL_VERSION, p.Kind.SUBMIT]) + msgspec.msgpack.encode(
+            {**body, "priority": priority})
+        with pytest.raises(p.InvalidSubmit, match=r"priority") as info:
+            p.decode(frame)
+        assert info.value.request_id == "r"
 
 
 def test_drop_log_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:

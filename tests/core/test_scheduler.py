@@ -18,12 +18,13 @@ from tandem_engine.sampling_params import SamplingParams
 BLOCK = 4
 
 
-def _request(i: int, prompt_len: int, max_tokens: int, shared: bool = False) -> Request:
+def _request(i: int, prompt_len: int, max_tokens: int, shared: bool = False,
+             priority: int = 0) -> Request:
     """Shared prompts (0, 1, 2, ...) share prefixes, so prefix caching shares their blocks;
     the others start at 1000 * i and never match each other."""
     first = 0 if shared else 1000 * i
     return Request(f"r{i}", list(range(first, first + prompt_len)),
-                   SamplingParams(max_tokens=max_tokens), i)
+                   SamplingParams(max_tokens=max_tokens), i, priority=priority)
 
 
 def _run_step(sched: Scheduler) -> list[Request]:
@@ -31,7 +32,11 @@ def _run_step(sched: Scheduler) -> list[Request]:
     out = sched.schedule()
     done = []
     for chunk in out.chunks:
-        assert chunk.start == chunk.request.num_computed_tokens
+        assert chunk.start == chunk.request.num_computed_tokens  # no stale chunk left
+        assert chunk.request.status is RequestStatus.RUNNING
+    assert sum(c.num_tokens for c in out.chunks) <= sched.max_num_batched_tokens
+    assert out.num_prefill_tokens + out.num_decode_tokens == sum(
+        c.num_tokens for c in out.chunks)
     sched.advance(out)
     for chunk in out.chunks:
         if chunk.samples:
@@ -74,6 +79,8 @@ ops = st.lists(
        max_seqs=st.integers(1, 8))
 def test_every_block_is_free_after_any_mix_of_finish_abort_and_preempt(
         ops, num_blocks: int, budget: int, max_seqs: int) -> None:
+    """With priorities -1, 0 and 1 mixed in (from the sizes: `ops` is shared with the
+    speculative decoding test), so admissions preempt too."""
     kv = KVCacheManager(num_blocks, BLOCK)
     sched = Scheduler(kv, max_seqs, budget)
     live: dict[int, Request] = {}
@@ -82,7 +89,7 @@ def test_every_block_is_free_after_any_mix_of_finish_abort_and_preempt(
         if op == "add":
             # Like the engine: a request must fit in the cache on its own.
             prompt_len = min(a, kv.capacity_tokens - b)
-            live[n] = _request(n, prompt_len, b, shared=True)
+            live[n] = _request(n, prompt_len, b, shared=True, priority=(a + b) % 3 - 1)
             sched.add(live[n])
             n += 1
         elif op == "step":
@@ -142,7 +149,7 @@ def test_preemption_takes_the_latest_arrival_and_requeues_it_first() -> None:
     _run_step(sched)  # 9 tokens each now
     out = sched.schedule()  # a needs a third block: b is preempted
     assert b in out.preempted and b.num_computed_tokens == 0
-    assert sched.waiting[0] is b and b.num_preemptions == 1
+    assert next(iter(sched.waiting)) is b and b.num_preemptions == 1
     assert [c.request for c in out.chunks] == [a]
 
 
@@ -174,3 +181,137 @@ def test_pins_keep_blocks_until_unpinned_or_expired() -> None:
     assert kv.pool.num_used == 2
     assert kv.unpin("r1") and not kv.unpin("r1")
     assert kv.pool.num_used == 0 and kv.num_pinned_blocks == 0
+
+
+# ---- priority (vLLM's: lower first, equal priorities by arrival) ----------------------------
+
+def _ids(requests) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival() -> None:
+    kv = KVCacheManager(64, BLOCK)
+    sched = Scheduler(kv, max_num_seqs=3, max_num_batched_tokens=64)
+    for i, priority in enumerate([0, 1, -1, 0, -1]):
+        sched.add(_request(i, 4, 2, priority=priority))
+    assert _ids(sched.waiting) == ["r2", "r4", "r0", "r3", "r1"]
+    out = sched.schedule()
+    assert _ids(c.request for c in out.chunks) == ["r2", "r4", "r0"]
+    assert _ids(sched.waiting) == ["r3", "r1"]
+
+
+def test_equal_priorities_are_first_come_first_served() -> None:
+    kv = KVCacheManager(64, BLOCK)
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(4):
+        sched.add(_request(i, 4, 2, priority=3))
+    assert _ids(c.request for c in sched.schedule().chunks) == ["r0", "r1"]
+    assert _ids(sched.waiting) == ["r2", "r3"]
+
+
+def test_a_better_priority_preempts_the_worst_running_request_for_a_seat() -> None:
+    kv = KVCacheManager(64, BLOCK)
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64)
+    worst, better = _request(0, 6, 10, priority=1), _request(1, 6, 10, priority=0)
+    sched.add(worst)
+    sched.add(better)
+    _run_step(sched)  # both prefilled, the batch is full
+    urgent = _request(2, 6, 10, priority=-1)
+    sched.add(urgent)
+    out = sched.schedule()
+    # The worst priority goes, though it arrived first; its decode this step is taken back.
+    assert out.preempted == [worst] and worst.num_computed_tokens == 0
+    assert _ids(c.request for c in out.chunks) == ["r1", "r2"]
+    assert out.num_decode_tokens == 1 and out.num_prefill_tokens == 6
+    assert sched.running == [better, urgent] and list(sched.waiting) == [worst]
+
+
+def test_a_better_priority_preempts_for_kv_room_as_few_as_it_needs() -> None:
+    kv = KVCacheManager(6, BLOCK)  # 24 slots
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    low = [_request(i, 7, 10, priority=2) for i in range(3)]  # 2 blocks each: all 6
+    for r in low:
+        sched.add(r)
+    _run_step(sched)
+    assert kv.pool.num_free == 0
+    urgent = _request(3, 5, 10, priority=0)  # needs 2 blocks: one victim's
+    sched.add(urgent)
+    out = sched.schedule()
+    # The running requests' next tokens fit their blocks; for the 2 blocks the arrival
+    # needs, the last in queue order (the latest arrival of the worst priority) goes, and
+    # only it.
+    assert out.preempted == [low[2]]
+    assert urgent in sched.running and _ids(c.request for c in out.chunks) == [
+        "r0", "r1", "r3"]
+    _check_invariants(sched)
+
+
+def test_equal_or_better_priorities_are_never_preempted_for_an_arrival() -> None:
+    kv = KVCacheManager(64, BLOCK)
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64)
+    running = [_request(0, 6, 10, priority=0), _request(1, 6, 10, priority=-1)]
+    for r in running:
+        sched.add(r)
+    _run_step(sched)
+    for i, priority in ((2, 0), (3, 5)):  # equal to the worst running one, and worse
+        sched.add(_request(i, 6, 10, priority=priority))
+    out = sched.schedule()
+    assert not out.preempted and sorted(_ids(sched.running)) == ["r0", "r1"]
+    assert _ids(sched.waiting) == ["r2", "r3"]
+
+
+def test_no_preemption_when_the_victims_could_not_make_room() -> None:
+    kv = KVCacheManager(6, BLOCK)  # 24 slots
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    keep, low = _request(0, 13, 10, priority=-1), _request(1, 6, 10, priority=1)
+    sched.add(keep)
+    sched.add(low)
+    _run_step(sched)  # 4 + 2 blocks, room for their next tokens: the pool is full
+    big = _request(2, 15, 10, priority=-1)  # 4 blocks; preempting `low` frees only 2
+    sched.add(big)
+    out = sched.schedule()
+    assert not out.preempted and big in sched.waiting
+    assert sched.running == [keep, low] and kv.block_table("r2") == []
+    assert _ids(c.request for c in out.chunks) == ["r0", "r1"]
+
+
+def test_kv_growth_preempts_the_worst_priority_before_the_latest_arrival() -> None:
+    kv = KVCacheManager(4, BLOCK)  # 16 slots
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64)
+    worse, better = _request(0, 7, 10, priority=1), _request(1, 7, 10, priority=0)
+    sched.add(worse)
+    sched.add(better)
+    _run_step(sched)
+    _run_step(sched)  # 9 tokens each, the pool full: the next step needs a block each
+    out = sched.schedule()
+    assert out.preempted == [worse]  # though `better` arrived later
+    assert _ids(c.request for c in out.chunks) == ["r1"]
+
+
+def test_a_held_request_is_passed_over_whatever_its_priority() -> None:
+    kv = KVCacheManager(64, BLOCK)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64)
+    running = _request(0, 6, 10, priority=1)
+    sched.add(running)
+    _run_step(sched)
+    held = _request(1, 6, 10, priority=-5)
+    held.grammar_pending = True  # its grammar compiles
+    urgent = _request(2, 6, 10, priority=0)
+    sched.add(held)
+    sched.add(urgent)
+    out = sched.schedule()
+    assert out.preempted == [running] and sched.running == [urgent]
+    assert _ids(sched.waiting) == ["r1", "r0"]
+
+
+def test_a_handed_over_request_is_admitted_first() -> None:
+    kv = KVCacheManager(64, BLOCK)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=64)
+    urgent = _request(0, 6, 10, priority=-1)
+    handed_over = _request(1, 6, 10, priority=3)
+    sched.add(urgent)
+    sched.admit_pulled(handed_over)
+    assert list(sched.waiting) == [handed_over, urgent]
+    out = sched.schedule()  # and the better priority behind it does not preempt it
+    assert [c.request for c in out.chunks] == [handed_over] and not out.preempted
+    assert list(sched.waiting) == [urgent]

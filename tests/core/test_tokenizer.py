@@ -181,7 +181,10 @@ def test_incremental_equals_full_decode_for_any_text(qwen_tok: Tokenizer, text: 
     for skip in (True, False):
         pieces = stream(qwen_tok, ids, skip_special_tokens=skip)
         assert "".join(pieces) == qwen_tok.decode(ids, skip_special_tokens=skip)
-        assert pieces[-1] == ""  # valid text never needs the final flush
+        # Valid text never needs the final flush, unless it ends in U+FFFD itself: that
+        # reads as the start of a character still to come, held back until the end.
+        if not "".join(pieces).endswith("\ufffd"):
+            assert pieces[-1] == ""
 
 
 @settings(max_examples=150, deadline=None)

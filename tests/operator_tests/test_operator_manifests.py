@@ -352,6 +352,13 @@ def test_router_pod() -> None:
                                              "TANDEM_ZMQ_CLIENT_SECRET_KEY"]
 
 
+def test_the_routers_bound_on_requests_in_flight_is_their_flag() -> None:
+    s = parse(router={"maxNumRequests": 256})
+    args = container(m.pod(s, "router", s.weights))["args"]
+    assert args[args.index("--max-num-requests") + 1] == "256"
+    assert m.template_hash(s, "router") != m.template_hash(parse(), "router")
+
+
 def test_weights_volumes_are_mounted_into_engine_and_router_pods() -> None:
     """A real cluster keeps checkpoints on a volume: every engine and router pod mounts it
     (read-only unless said otherwise) where the weights URI points."""

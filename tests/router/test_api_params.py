@@ -92,7 +92,8 @@ _VALID: dict[str, Any] = {
     "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.1, "presence_penalty": 0.5,
     "frequency_penalty": -0.5, "min_tokens": 1, "stop": ["x", "yz"], "stop_token_ids": [1, 2],
     "ignore_eos": True, "skip_special_tokens": False, "include_stop_str_in_output": True,
-    "cache_salt": "s", "prompt_cache_key": "k", "return_token_ids": True, "prompt": "x",
+    "cache_salt": "s", "prompt_cache_key": "k", "priority": -1, "return_token_ids": True,
+    "prompt": "x",
     "logprobs": 2, "echo": True,
     "add_special_tokens": False, "messages": _USER, "top_logprobs": 2,
     "max_completion_tokens": 3, "add_generation_prompt": False,
@@ -475,7 +476,7 @@ REFUSED_VALUES = {
     "store": True, "service_tier": "flex", "use_beam_search": True, "length_penalty": 2.0,
     "spaces_between_special_tokens": False, "truncate_prompt_tokens": 5,
     "allowed_token_ids": [1], "bad_words": ["x"], "logits_processors": ["x"],
-    "priority": 1, "return_tokens_as_token_ids": True,
+    "return_tokens_as_token_ids": True,
     "kv_transfer_params": {}, "vllm_xargs": {}, "prompt_embeds": "x", "documents": [],
     "chat_template": "x", "mm_processor_kwargs": {}, "media_io_kwargs": {},
     "thinking_token_budget": 5, "include_reasoning": True, "prompt_embeds_list": []}

@@ -45,10 +45,10 @@ def test_keys_come_from_flags_files_and_the_environment(tmp_path: Path) -> None:
     (tmp_path / "blank").write_text("\n  \n")
     (tmp_path / "spaced").write_text("sk one\n")
     for name, why in (("blank", "holds no key"), ("missing", "cannot be read"),
-                      ("spaced", "holds whitespace")):
+                      ("spaced", "is not one of tenant=")):
         with pytest.raises(ValueError, match=why) as refused:
             resolve_api_keys(None, {}, [tmp_path / name])
-        assert why == "holds whitespace" or f"--api-key-file {tmp_path / name}" in str(
+        assert why == "is not one of tenant=" or f"--api-key-file {tmp_path / name}" in str(
             refused.value)
 
 

@@ -66,7 +66,7 @@ def scripted(client: EngineClient, role: str, script: Script, calls: list[Call],
                cache_salt: str | None = None, *, pin_for_handoff: bool = False,
                resume: p.Resume | None = None,
                pull: p.PullSource | None = None,
-               lora: p.LoRARef | None = None) -> asyncio.Queue:
+               lora: p.LoRARef | None = None, priority: int = 0) -> asyncio.Queue:
         assert isinstance(sampling, SamplingParams)
         calls.append(Call(client.key, list(prompt), sampling, pin_for_handoff, resume, pull,
                           lora))

@@ -24,7 +24,8 @@ from tandem_engine.lifecycle import EngineRole, EngineState
 RUNNING_KEYS = ["engine_id", "incarnation", "role", "model", "state", "weight_version",
                 "weight_epoch", "weight_uri", "num_running", "num_waiting", "kv_usage",
                 "draining", "unhealthy", "pinned_blocks", "quarantined_blocks", "kv_pulls",
-                "device", "weight_bytes", "last_refit_peak_bytes"]
+                "device", "weight_bytes", "last_refit_peak_bytes", "cached_blocks",
+                "kv_event_seq"]
 LOADING_KEYS = ["engine_id", "role", "model", "state", "weight_version", "weight_epoch",
                 "weight_uri", "num_running", "num_waiting", "kv_usage", "draining",
                 "unhealthy", "loading"]
@@ -40,7 +41,7 @@ def _running() -> EngineStatus:
                   "failed_timeout": 1, "recomputed": 1},
         device=DeviceStatus(type="cpu", index=None, name="x86_64", memory_total_bytes=2**33,
                             memory_used_bytes=2**28, memory_source="cpu: rss"),
-        weight_bytes=123456, last_refit_peak_bytes=None)
+        weight_bytes=123456, last_refit_peak_bytes=None, cached_blocks=9, kv_event_seq=12)
 
 
 def test_the_status_round_trips_with_the_keys_it_always_had() -> None:

@@ -26,6 +26,7 @@ from tandem_engine.server import main as engine_main
 from tandem_operator import manifests as m
 from tandem_operator.fields import binary_quantity
 from tandem_operator.spec import (
+    RENDERED_ENGINE_FLAGS,
     Dtype,
     EngineDevice,
     PoolSpec,
@@ -212,12 +213,23 @@ def test_the_operator_renders_every_pool_entry(flag: EngineFlag) -> None:
     engine_main.build_parser().parse_args([*BASE, *args[args.index("--max-num-seqs"):]])
 
 
-@pytest.mark.parametrize("flag", [f for f in ENGINE_FLAGS if f.pool is None],
-                         ids=[f.field for f in ENGINE_FLAGS if f.pool is None])
+_PASSED = [f for f in ENGINE_FLAGS if f.pool is None and f.flag not in RENDERED_ENGINE_FLAGS]
+_RENDERED = [f for f in ENGINE_FLAGS if f.pool is None and f.flag in RENDERED_ENGINE_FLAGS]
+
+
+@pytest.mark.parametrize("flag", _PASSED, ids=[f.field for f in _PASSED])
 def test_flags_without_a_pool_field_pass_through_engine_args(flag: EngineFlag) -> None:
     parsed = pool(engine={"args": flag.args(sample(flag))})
     args = m.pod(parsed, "decode", parsed.weights)["spec"]["containers"][0]["args"]
     assert args[-len(flag.args(sample(flag))):] == flag.args(sample(flag))
+
+
+@pytest.mark.parametrize("flag", _RENDERED, ids=[f.field for f in _RENDERED])
+def test_flags_the_operator_renders_from_other_fields_are_refused_in_engine_args(
+        flag: EngineFlag) -> None:
+    """The LoRA flags come from spec.engine.lora and spec.adapters, not engine.args."""
+    with pytest.raises(SpecError, match=re.escape(f"the operator renders {flag.flag} from")):
+        pool(engine={"args": flag.args(sample(flag))})
 
 
 def test_the_engines_ordering_rule_names_the_pools_fields() -> None:

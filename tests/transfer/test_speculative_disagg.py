@@ -149,11 +149,14 @@ def test_decode_engine_speculates_after_the_handoff_with_identical_tokens(
 
     client = stack.client()
     ids = []
-    for (prompt, sampling), ref in zip(cases, expected, strict=True):
+    for i, ((prompt, sampling), ref) in enumerate(zip(cases, expected, strict=True)):
+        # Each case its own cache salt: a prompt sent again would otherwise find its KV
+        # on the decode engine and run there alone (P/D bypass), with no handoff to test.
         r = client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
             extra_body={"return_token_ids": True, "ignore_eos": True,
-                        "repetition_penalty": sampling.repetition_penalty})
+                        "repetition_penalty": sampling.repetition_penalty,
+                        "cache_salt": f"case-{i}"})
         assert r.choices[0].model_extra["token_ids"] == ref.outputs[0].token_ids
         assert r.choices[0].text == ref.outputs[0].text
         # usage is OpenAI's, nothing of speculation added

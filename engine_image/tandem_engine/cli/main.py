@@ -166,10 +166,10 @@ def _serve(args: argparse.Namespace) -> int:
     from tandem_engine.cli.serve import LocalStack, check_port_free, run
 
     check_port_free(args.host, args.port)  # before pulling a model or starting anything
-    from tandem_engine.router.auth import resolve_api_keys
+    from tandem_engine.router.auth import resolve_key_policies
 
     # The keys before the model: an unreadable --api-key-file is refused before any pull.
-    api_keys = resolve_api_keys(args.api_key, key_files=args.api_key_file)
+    api_keys = resolve_key_policies(args.api_key, key_files=args.api_key_file)
     model_root = None  # refits load from the folder holding --model
     if args.demo:
         model = Path(args.demo_dir)

@@ -50,7 +50,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tandem_engine.admin_wire import decode_status
@@ -73,7 +73,8 @@ from tandem_engine.cli.supervision import (
 )
 from tandem_engine.lifecycle import EngineRole, EngineState
 from tandem_engine.lora_request import parse_lora_module
-from tandem_engine.router.auth import API_KEY_ENV
+from tandem_engine.router.admission import KeyPolicy
+from tandem_engine.router.auth import API_KEY_ENV, policy_lines
 from tandem_engine.weights import WeightsURIError, checkpoint_path, format_bytes
 from tandem_engine.zmq_auth import ALL_VARIABLES, stack_environments
 
@@ -144,7 +145,7 @@ class LocalStack:
                  backoff_base: float = 1.0, backoff_cap: float = 30.0,
                  weights_roots: list[Path] | None = None,
                  model_root: Path | None = None,
-                 api_keys: Sequence[str] = ()) -> None:
+                 api_keys: Sequence[str] | Mapping[str, KeyPolicy] = ()) -> None:
         """`model_root`: the folder refits may load from besides each of `weights_roots`
         (default: the one holding `model`; `tandem serve --demo` gives the demo folder, not
         the directory it was started in)."""
@@ -187,9 +188,14 @@ class LocalStack:
         self.router_env = {**inherited, **router_keys, "TANDEM_ADMIN_TOKEN": self.admin_token}
         # The router's API keys travel in its environment, never in argv (`ps`); these
         # are all it accepts (an inherited $TANDEM_API_KEY is not passed on).
+        # Keys with what each may do (a Mapping: rate limits, tenants, models) travel as
+        # key lines (auth.policy_lines).
         self.api_keys = tuple(api_keys)
         self.router_env.pop(API_KEY_ENV, None)
-        if self.api_keys:
+        lines = policy_lines(api_keys) if isinstance(api_keys, Mapping) else ""
+        if " " in lines:  # some key says what it may do
+            self.router_env[API_KEY_ENV] = lines
+        elif self.api_keys:
             self.router_env[API_KEY_ENV] = ",".join(self.api_keys)
         # The id the router reports in /v1/engines: readiness counts only from it.
         self.router_id = f"router-{secrets.token_hex(6)}"

@@ -51,6 +51,9 @@ class Request:
     params: SamplingParams
     arrival_index: int
     prompt: str | None = None
+    # vLLM's: lower is scheduled first (and preempts running requests of a larger one);
+    # equal priorities go by arrival (core/scheduler.py).
+    priority: int = 0
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -4,12 +4,22 @@ One rule covers prefill, chunked prefill, decode and recompute after preemption:
 request has `num_tokens` tokens of which `num_computed_tokens` have KV; each step it
 may compute up to the rest. When its computed count reaches its token count, the
 runner samples a new token for it. Per step: decodes first, then chunks of prefills
-already running, then new admissions in arrival order (FCFS), all under a token
-budget (`max_num_batched_tokens`) and a request cap (`max_num_seqs`); a request whose
+already running, then new admissions, all under a token budget
+(`max_num_batched_tokens`) and a request cap (`max_num_seqs`); a request whose
 structured-outputs grammar is still compiling, or whose LoRA adapter waits for a device
-slot, is passed over until it is ready. When the KV
-cache runs out, the most recently arrived running request is preempted: its blocks
-are freed and it goes back to the front of the queue to be recomputed.
+slot, is passed over until it is ready.
+
+Priority (vLLM's): every request has an integer `priority`, lower first, 0 by default.
+`queue_order` = (priority, arrival) ranks requests everywhere: running requests get the
+budget and KV in that order, waiting ones are admitted in it (handed-over requests
+first), and nobody overtakes the head of the queue when it cannot run. Preemption is by
+recompute: the victim's blocks are freed, any chunk it had this step is taken back, and
+it returns to its place in the queue. When the KV cache runs out for a running request,
+the running request last in queue order (the worst priority, then the latest arrival)
+is preempted. When the head of the queue finds no seat or no KV room, running requests
+of a strictly worse priority are preempted for it, worst first, as many as it needs and
+none when all of them together would not make room; equal priorities never preempt each
+other, so with every priority equal this is first come, first served.
 
 Speculative decoding: a running decode whose request carries proposals
 (`Request.spec_token_ids`) gets them appended to its chunk last, after every running
@@ -23,9 +33,10 @@ The scheduler asks the KV cache manager every memory question and never sees a t
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections import deque
-from collections.abc import Mapping
+import itertools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from tandem_engine.core.kv import KVCacheManager
@@ -57,12 +68,64 @@ class SchedulerOutput:
         return not self.chunks
 
 
+def queue_order(request: Request) -> tuple[int, int]:
+    """The rank of a request among others: the lower priority first, then the earlier
+    arrival. Waiting requests are admitted in this order; running ones are preempted in
+    its reverse."""
+    return request.priority, request.arrival_index
+
+
+class WaitingQueue:
+    """The requests waiting for a seat, in the order the scheduler offers them one:
+    handed-over requests first (their prompt was computed on another engine and their
+    client waits for the next token), then every other request in `queue_order`. A
+    preempted request goes back to its place in that order."""
+
+    def __init__(self) -> None:
+        self._handed_over: list[Request] = []
+        self._queued: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self._handed_over) + len(self._queued)
+
+    def __iter__(self) -> Iterator[Request]:
+        return itertools.chain(self._handed_over, self._queued)
+
+    def __contains__(self, request: object) -> bool:
+        return isinstance(request, Request) and self._find(request) is not None
+
+    def push(self, request: Request) -> None:
+        bisect.insort(self._queued, request, key=queue_order)
+
+    def push_handed_over(self, request: Request) -> None:
+        bisect.insort(self._handed_over, request, key=queue_order)
+
+    def remove(self, request: Request) -> None:
+        """Take `request` out (ValueError if it is not waiting)."""
+        found = self._find(request)
+        if found is None:
+            raise ValueError(f"request {request.request_id!r} is not waiting")
+        part, i = found
+        del part[i]
+
+    def _find(self, request: Request) -> tuple[list[Request], int] | None:
+        """Where `request` is (by identity), found by its rank."""
+        key = queue_order(request)
+        for part in (self._handed_over, self._queued):
+            i = bisect.bisect_left(part, key, key=queue_order)
+            while i < len(part) and queue_order(part[i]) == key:
+                if part[i] is request:
+                    return part, i
+                i += 1
+        return None
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
 
     @property
@@ -71,62 +134,125 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.waiting.push(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        running = sorted(self.running, key=queue_order)
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
+            budget = self._budget_left(out)
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if self._grow_or_preempt(request, n, out):
-                budget -= self._take(request, n, out)
+                self._take(request, n, out)
 
+        admitted: list[Request] = []
         for request in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if self._budget_left(out) <= 0:
                 break
             if request.held:
                 continue  # its grammar compiles or its adapter waits for a slot: the
                 # requests behind it go first
-            # A pulled request has its KV already; one that wants prompt logprobs
-            # computes its whole prompt (a cached block has no logits).
-            if (not self.kv.block_table(request.request_id)
-                    and not request.wants_prompt_logprobs):
-                request.num_computed_tokens = self.kv.acquire_cached_prefix(request)
-                if request.num_cached_tokens < 0:  # the first admission's (for usage)
-                    request.num_cached_tokens = min(request.num_computed_tokens,
-                                                    request.num_prompt_tokens)
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
-                self._release(request)
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            budget -= self._take(request, n, out)
+            if not self._admit(request, out, admitted):
+                break  # nobody overtakes the head of the queue
+            admitted.append(request)
         # Proposals: running decodes', and a handed-over request's first decode step
         # (admitted just now with the prefill engine's proposals).
+        budget = self._budget_left(out)
         if budget > 0 and any(c.request.spec_token_ids for c in out.chunks):
             self._add_drafts(out, budget)
         return out
 
+    def _budget_left(self, out: SchedulerOutput) -> int:
+        """Tokens the step may still schedule (before proposals)."""
+        return self.max_num_batched_tokens - out.num_prefill_tokens - out.num_decode_tokens
+
+    def _admit(self, request: Request, out: SchedulerOutput,
+               admitted: list[Request]) -> bool:
+        """Move the waiting `request` into the running batch with a chunk of the budget.
+        Without a free seat or KV room, running requests of a strictly worse priority are
+        preempted for it, worst first: as many as it needs, and none when all of them
+        together would not make room (nor one `admitted` this step: a handed-over request
+        goes first, and keeps its place). False when it cannot run this step (it holds no
+        new blocks then)."""
+        worse: list[Request] | None = None
+        seats_needed = max(len(self.running) + 1 - self.max_num_seqs, 0)
+        if seats_needed:
+            worse = self._worse_running(request, admitted)
+            if seats_needed > len(worse):
+                return False
+        # A pulled request has its KV already; one that wants prompt logprobs computes
+        # its whole prompt (a cached block has no logits).
+        if (not self.kv.block_table(request.request_id)
+                and not request.wants_prompt_logprobs):
+            request.num_computed_tokens = self.kv.acquire_cached_prefix(request)
+            if request.num_cached_tokens < 0:  # the first admission's (for usage)
+                request.num_cached_tokens = min(request.num_computed_tokens,
+                                                request.num_prompt_tokens)
+        n = min(request.num_tokens - request.num_computed_tokens, self._budget_left(out))
+        wanted = request.num_computed_tokens + n
+        room = self.kv.reachable_tokens(request.request_id)
+        if room < wanted:
+            if worse is None:
+                worse = self._worse_running(request, admitted)
+            # At most what the victims hold (blocks they share with others stay taken).
+            room += self.kv.block_size * sum(len(self.kv.block_table(r.request_id))
+                                             for r in worse)
+            if room < wanted:
+                self._release(request)
+                return False
+        victims = iter(worse or ())
+        for victim in itertools.islice(victims, seats_needed):
+            self._preempt_scheduled(victim, out)
+        while not self.kv.allocate_slots(request.request_id, wanted):
+            victim = next(victims, None)
+            if victim is None:  # the victims' blocks were shared: no room after all
+                self._release(request)
+                return False
+            self._preempt_scheduled(victim, out)
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._take(request, n, out)
+        return True
+
+    def _worse_running(self, request: Request, spared: list[Request]) -> list[Request]:
+        """The running requests of a strictly worse (larger) priority than `request`'s,
+        but for the `spared` ones, last in queue order first: whom it may preempt."""
+        spared_ids = {id(r) for r in spared}
+        return sorted((r for r in self.running
+                       if r.priority > request.priority and id(r) not in spared_ids),
+                      key=queue_order, reverse=True)
+
     def _grow_or_preempt(self, request: Request, n: int, out: SchedulerOutput) -> bool:
-        """Find KV room for `n` more tokens of a running request, preempting the latest
-        arrivals if needed. False when the request preempted itself."""
-        scheduled = {id(c.request) for c in out.chunks}
+        """Find KV room for `n` more tokens of a running request, preempting the running
+        requests last in queue order (the worst priority, then the latest arrival) until
+        it fits. False when the request itself was preempted."""
         while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + n):
-            victim = max((r for r in self.running if id(r) not in scheduled),
-                         key=lambda r: r.arrival_index)
-            self._preempt(victim)
-            out.preempted.append(victim)
+            victim = max(self.running, key=queue_order)
+            self._preempt_scheduled(victim, out)
             if victim is request:
                 return False
         return True
+
+    def _preempt_scheduled(self, request: Request, out: SchedulerOutput) -> None:
+        """Preempt a running request during a schedule: its chunk of this step (if it
+        got one already) is taken back, and the step lists it as preempted."""
+        for i, chunk in enumerate(out.chunks):
+            if chunk.request is request:
+                del out.chunks[i]
+                if _counts_as_decode(chunk):
+                    out.num_decode_tokens -= chunk.num_tokens
+                else:
+                    out.num_prefill_tokens -= chunk.num_tokens
+                break
+        self._preempt(request)
+        out.preempted.append(request)
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> int:
         """Append each scheduled decode's proposals to its chunk while the budget and the
@@ -151,16 +277,15 @@ class Scheduler:
             used += len(draft)
         return used
 
-    def _take(self, request: Request, n: int, out: SchedulerOutput) -> int:
+    def _take(self, request: Request, n: int, out: SchedulerOutput) -> None:
         samples = request.num_computed_tokens + n == request.num_tokens
         chunk = ScheduledChunk(request, request.num_computed_tokens, n,
                                self.kv.block_table(request.request_id), samples)
         out.chunks.append(chunk)
-        if n == 1 and samples and request.num_output_tokens > 0:
-            out.num_decode_tokens += 1
+        if _counts_as_decode(chunk):
+            out.num_decode_tokens += n
         else:
             out.num_prefill_tokens += n
-        return n
 
     def _release(self, request: Request) -> None:
         """Drop a request's KV (and any proposals): it will be recomputed (or re-matched)
@@ -175,21 +300,23 @@ class Scheduler:
         self._release(request)
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.push(request)
 
     def preempt_all(self) -> list[Request]:
         """Checkpoint every running request (prompt + generated tokens) back to the queue,
-        in arrival order ahead of the requests that never ran. Frees all their blocks."""
-        victims = sorted(self.running, key=lambda r: r.arrival_index, reverse=True)
+        each to its place in queue order; returns them in that order. Frees all their
+        blocks."""
+        victims = sorted(self.running, key=queue_order)
         for request in victims:
             self._preempt(request)
-        return victims[::-1]
+        return victims
 
     def admit_pulled(self, request: Request) -> None:
-        """A request whose prompt KV arrived from another engine: first in line, straight
-        into decode on its next schedule."""
+        """A handed-over request (its prompt KV arrived from another engine, or failed to
+        and is recomputed here): ahead of every request that was not handed over,
+        straight into decode on its next schedule."""
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        self.waiting.push_handed_over(request)
 
     def advance(self, scheduled: SchedulerOutput,
                 accepted: Mapping[str, int] | None = None) -> None:
@@ -216,3 +343,10 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request)
         request.status = RequestStatus.FINISHED
+
+
+def _counts_as_decode(chunk: ScheduledChunk) -> bool:
+    """A chunk of one token that samples the token after an output token (before
+    proposals are added): a decode. Anything else computes prompt (or recomputes)."""
+    return (chunk.num_tokens == 1 and chunk.samples
+            and chunk.request.num_output_tokens > 0)

@@ -47,11 +47,13 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None,
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; one output per prompt, in prompt order.
         `lora_request` (vLLM's): the adapter of every prompt, or one per prompt (None: the
         base model); an adapter the engine does not serve yet is loaded first (the engine
-        needs enable_lora)."""
+        needs enable_lora). `priority` (vLLM's): one per prompt, lower scheduled first
+        (default: 0 each, first come first served)."""
         if self.engine.state is not EngineState.RUNNING:
             raise EngineStateError(f"generate() needs a RUNNING engine; it is "
                                    f"{self.engine.state} (unpause() or resume() first)")
@@ -70,15 +72,21 @@ class LLM:
             if len(loras) != len(prompt_list):
                 raise ValueError(f"got {len(loras)} LoRA requests for {len(prompt_list)} "
                                  "prompts: give one, or one per prompt")
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} "
+                             "prompts: give one per prompt, or none")
         for lora in {lora for lora in loras if lora is not None}:
             if lora not in self.engine.loras.known.values():
                 self.engine.load_lora(lora)
         ids = []
         try:
-            for prompt, p, lora in zip(prompt_list, params, loras, strict=True):
+            for prompt, p, lora, rank in zip(prompt_list, params, loras, priorities,
+                                             strict=True):
                 request_id = f"llm-{next(self._ids)}"
                 self.engine.add_request(request_id, prompt, p,
-                                        lora_name=lora.lora_name if lora else None)
+                                        lora_name=lora.lora_name if lora else None,
+                                        priority=rank)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

@@ -275,7 +275,8 @@ class LLMEngine:
                     params: SamplingParams | None = None,
                     cache_salt: str | None = None, pin_for_handoff: bool = False,
                     resumed_token_ids: Sequence[int] = (), sent_chars: int = 0,
-                    lora_name: str | None = None, lora_version: str | None = None) -> Request:
+                    lora_name: str | None = None, lora_version: str | None = None,
+                    priority: int = 0) -> Request:
         """Queue a request (also while paused or suspended). Raises RequestRejected (and
         changes nothing) if it cannot run. `cache_salt` isolates its prefix cache. With
         `pin_for_handoff` (a prefill engine's request) it ends after its first token unless
@@ -283,11 +284,13 @@ class LLMEngine:
         output) until `unpin` or the pin TTL. `resumed_token_ids` continue a generation
         begun elsewhere (their text is re-derived; `sent_chars` of it were already shown).
         `lora_name`: the LoRA adapter it runs under (one `load_lora` loaded), refused
-        unless at `lora_version` when that is given."""
+        unless at `lora_version` when that is given. `priority` (vLLM's): lower is
+        scheduled first and may preempt running requests of a larger one; equal
+        priorities go by arrival (core/scheduler.py)."""
         with self._lock:
             request = self._admit(request_id, prompt, params or SamplingParams(), cache_salt,
                                   resumed_token_ids, sent_chars, pin_for_handoff, lora_name,
-                                  lora_version)
+                                  lora_version, priority)
             if not request.finished:
                 self.scheduler.add(request)
             self._publish()
@@ -296,7 +299,7 @@ class LLMEngine:
     def _admit(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                cache_salt: str | None, resumed_token_ids: Sequence[int], sent_chars: int,
                pin_for_handoff: bool = False, lora_name: str | None = None,
-               lora_version: str | None = None) -> Request:
+               lora_version: str | None = None, priority: int = 0) -> Request:
         """A new request, checked (RequestRejected: nothing changed) and known to every
         part but the scheduler. A resumed request that already reached its limits is
         finished at once (its output carries the text the engine before held back)."""
@@ -316,6 +319,7 @@ class LLMEngine:
         check_tokens(token_ids, resumed, params, self.model_config.vocab_size,
                      self.max_model_len, self.model_context, self.kv.capacity_tokens)
         request = Request(request_id, token_ids, params, next(self._arrivals), prompt=text,
+                          priority=priority,
                           token_ids=token_ids + resumed, cache_salt=cache_salt,
                           salt=block_salt(self.weight_epoch, cache_salt,
                                           lora.identity if lora else None), lora=lora)
@@ -344,7 +348,7 @@ class LLMEngine:
                            params: SamplingParams, resumed_token_ids: Sequence[int],
                            sent_chars: int = 0, cache_salt: str | None = None,
                            proposals: Sequence[int] = (), lora_name: str | None = None,
-                           lora_version: str | None = None) -> PullPlan:
+                           lora_version: str | None = None, priority: int = 0) -> PullPlan:
         """A decode engine's side of a handoff: the prompt was computed elsewhere and its
         first token (`resumed_token_ids`) sampled there. Blocks are allocated (reusing
         this engine's own prefix hits); the returned plan lists the prompt's block
@@ -354,11 +358,12 @@ class LLMEngine:
         first step of the request (when it speculates at all). `lora_name` and
         `lora_version`: the adapter the prefill engine computed the prompt under; an
         engine that does not serve that version refuses the pull (RequestRejected), so KV
-        of one adapter is never decoded under another."""
+        of one adapter is never decoded under another. `priority`: as `add_request`'s (a
+        handed-over request is admitted ahead of the others, then ranks by it)."""
         with self._lock:
             request = self._admit(request_id, list(prompt_token_ids), params, cache_salt,
                                   resumed_token_ids, sent_chars, lora_name=lora_name,
-                                  lora_version=lora_version)
+                                  lora_version=lora_version, priority=priority)
             if request.finished:
                 self._publish()
                 return PullPlan(request_id, [], [], reused_blocks=0)

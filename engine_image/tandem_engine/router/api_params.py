@@ -109,6 +109,7 @@ class Options:
     cache_salt: str | None
     # OpenAI's prompt_cache_key: routing's affinity hint (picker.py)
     cache_key: str | None
+    priority: int  # vLLM's: the engines schedule lower first (admission.py)
     # The other SamplingParams fields the body set, by name (the rest take the model's
     # defaults, else SamplingParams'); `engine_sampling` turns them into each choice's
     # SamplingParams.
@@ -436,7 +437,8 @@ def _options(body: dict[str, Any], *, logprobs: int | None,
     structured, structured_param = read_structured(body)
     return Options(model=model, n=n_value, stream=stream, include_usage=include_usage,
                    max_tokens=max_tokens, seed=seed, logprobs=logprobs,
-                   cache_salt=cache_salt, cache_key=cache_key, sampling_args=sampling,
+                   cache_salt=cache_salt, cache_key=cache_key,
+                   priority=_int(body, "priority") or 0, sampling_args=sampling,
                    return_token_ids=bool(_bool(body, "return_token_ids", False)),
                    prompt_logprobs=prompt_logprobs, echo=echo, structured=structured,
                    structured_param=structured_param)

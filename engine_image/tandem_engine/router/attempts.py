@@ -33,6 +33,15 @@ class NoEngineAvailable(Exception):
     """No engine can take the request now (HTTP 503)."""
 
 
+class EnginesBusy(Exception):
+    """Every engine that could take the request refused it with a full queue (their
+    `--max-queued-requests`): HTTP 429, retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class EngineRejected(Exception):
     """An engine refused the request as invalid (its `Reject` status, usually 400)."""
 
@@ -250,8 +259,11 @@ def _raise_if_failed(out: p.Output, attempt: Attempt) -> None:
 
 def _refused(reject: p.Reject, attempt: Attempt, progress: Progress, *,
              fail_over: bool) -> FailOver:
-    """A 5xx (or a refusal `fail_over` says is the engine's problem) fails over; any
-    other refusal is the request's and reaches the client."""
+    """A 5xx (or a refusal `fail_over` says is the engine's problem) fails over; so does a
+    429 before any token (the engine's queue is full: another may have room); any other
+    refusal is the request's and reaches the client."""
+    if reject.status == 429 and not progress.generated:
+        return FailOver("queue_full", reject.message)
     if reject.status >= 500 or fail_over:
         return FailOver("rejected", reject.message)
     if progress.generated:

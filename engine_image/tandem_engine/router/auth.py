@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem_engine.bearer import BearerTokens, bearer_token
+from tandem_engine.router.admission import KeyPolicy, default_tenant_name
 from tandem_engine.router.openai_format import error_body
 
 API_KEY_ENV = "TANDEM_API_KEY"  # a contract: the operator and `tandem serve` set it
@@ -39,11 +40,16 @@ OPEN_PATHS = frozenset({"/health", "/healthz", "/readyz", "/metrics"})
 # The admin calls: the admin token, never an API key.
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 MAX_KEY_FILE_BYTES = 1 << 20  # a key file is a few lines; anything larger is a mistake
+SCOPE_KEY = "tandem.api_key"  # the ASGI scope's entry holding the accepted key
+
+
+KEY_ATTRIBUTES = ("tenant", "rpm", "tpm", "models", "weight")
 
 
 def read_api_key_file(path: Path, flag: str = "--api-key-file") -> list[str]:
-    """The keys in a key file: one a line, blank lines and surrounding whitespace dropped.
-    ValueError naming the file (and `flag`) when it cannot be read or holds no key."""
+    """The lines of a key file: one key a line (with its attributes, `parse_key_line`),
+    blank lines, `#` comments and surrounding whitespace dropped. ValueError naming the
+    file (and `flag`) when it cannot be read or holds no key."""
     try:
         with Path(path).open("rb") as f:
             data = f.read(MAX_KEY_FILE_BYTES + 1)
@@ -54,7 +60,8 @@ def read_api_key_file(path: Path, flag: str = "--api-key-file") -> list[str]:
         raise ValueError(f"{flag} {path}: over {MAX_KEY_FILE_BYTES} bytes; give a file "
                          "holding one API key a line")
     try:
-        keys = [line.strip() for line in data.decode().splitlines() if line.strip()]
+        keys = [line.strip() for line in data.decode().splitlines()
+                if line.strip() and not line.strip().startswith("#")]
     except UnicodeDecodeError:
         raise ValueError(f"{flag} {path}: not UTF-8 text; give a file holding one API key "
                          "a line") from None
@@ -63,27 +70,94 @@ def read_api_key_file(path: Path, flag: str = "--api-key-file") -> list[str]:
     return keys
 
 
+def parse_key_line(line: str) -> tuple[str, KeyPolicy]:
+    """`KEY [tenant=NAME] [rpm=N] [tpm=N] [models=A,B] [weight=W]`: a key and what it may
+    do (admission.py): its tenant (default: a name derived from the key, never the key),
+    requests and tokens per minute, the models (served model, adapters) it may name, and
+    its fair-share weight. ValueError naming the part that is wrong."""
+    key, *attributes = line.split()
+    if any(c == "," for c in key) or not key.isprintable():
+        raise ValueError("an API key (--api-key, --api-key-file or "
+                         f"${API_KEY_ENV}) holds a comma or an unprintable character: use "
+                         "printable characters only, and commas only between keys in the "
+                         "variable")
+    values: dict[str, str] = {}
+    for attribute in attributes:
+        name, sep, value = attribute.partition("=")
+        if not sep or name not in KEY_ATTRIBUTES or not value or name in values:
+            raise ValueError(f"an API key's line (--api-key, --api-key-file or "
+                             f"${API_KEY_ENV}): {attribute!r} is not one of "
+                             f"{', '.join(a + '=' for a in KEY_ATTRIBUTES)} (each once; a key "
+                             "holds no whitespace: what follows it are its attributes)")
+        values[name] = value
+
+    def whole(name: str, low: int, high: int) -> int | None:
+        if name not in values:
+            return None
+        try:
+            n = int(values[name])
+        except ValueError:
+            n = low - 1
+        if not low <= n <= high:
+            raise ValueError(f"an API key's {name}={values[name]!r}: a whole number in "
+                             f"{low}..{high}")
+        return n
+
+    try:
+        weight = float(values.get("weight", "1"))
+    except ValueError:
+        weight = 0.0
+    if not 0.01 <= weight <= 100:
+        raise ValueError(f"an API key's weight={values['weight']!r}: a number in 0.01..100 "
+                         "(its share against a weight-1 tenant's)")
+    tenant = values.get("tenant") or default_tenant_name(key)
+    if len(tenant) > 64 or not tenant.isprintable():
+        raise ValueError(f"an API key's tenant={tenant!r}: at most 64 printable characters")
+    models = frozenset(m for m in values.get("models", "").split(",") if m)
+    return key, KeyPolicy(tenant, whole("rpm", 1, 10_000_000), whole("tpm", 1, 10**12),
+                          models, weight)
+
+
+def resolve_key_policies(flag_keys: Iterable[str] | None = None,
+                         environ: Mapping[str, str] = os.environ,
+                         key_files: Iterable[Path] | None = None) -> dict[str, KeyPolicy]:
+    """The keys `--api-key`, `--api-key-file` and $TANDEM_API_KEY configure together,
+    each once, with what each may do (`parse_key_line`). The variable holds keys
+    separated by commas, or key lines separated by newlines (a Secret's value with
+    attributes). ValueError naming what is wrong."""
+    env = environ.get(API_KEY_ENV, "")
+    from_env = env.splitlines() if "\n" in env else env.split(",")
+    from_files = [line for path in key_files or () for line in read_api_key_file(path)]
+    policies: dict[str, KeyPolicy] = {}
+    for line in [*(flag_keys or ()), *from_files, *from_env]:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, policy = parse_key_line(line)
+        policies.setdefault(key, policy)
+    return policies
+
+
 def resolve_api_keys(flag_keys: Iterable[str] | None = None,
                      environ: Mapping[str, str] = os.environ,
                      key_files: Iterable[Path] | None = None) -> tuple[str, ...]:
-    """The keys `--api-key`, `--api-key-file` and $TANDEM_API_KEY configure together,
-    blanks dropped, each once. A key with whitespace or a comma inside is refused
-    (ValueError): it could not be sent in a header, or would be split when passed
-    through the environment."""
-    keys: list[str] = []
-    from_files = [key for path in key_files or () for key in read_api_key_file(path)]
-    for key in [*(flag_keys or ()), *from_files, *environ.get(API_KEY_ENV, "").split(",")]:
-        key = key.strip()
-        if not key:
-            continue
-        if any(c.isspace() or c == "," for c in key) or not key.isprintable():
-            raise ValueError(f"an API key (--api-key, --api-key-file or ${API_KEY_ENV}) "
-                             "holds whitespace, a comma or an unprintable character: use "
-                             "printable characters only, and commas only between keys in "
-                             "the variable")
-        if key not in keys:
-            keys.append(key)
-    return tuple(keys)
+    """The keys alone (`resolve_key_policies`)."""
+    return tuple(resolve_key_policies(flag_keys, environ, key_files))
+
+
+def policy_lines(policies: Mapping[str, KeyPolicy]) -> str:
+    """Key lines (newline-separated), as $TANDEM_API_KEY carries them to a router."""
+    out = []
+    for key, p in policies.items():
+        parts = [key] if p.tenant == default_tenant_name(key) else [key, f"tenant={p.tenant}"]
+        parts += [f"{name}={value}" for name, value in (("rpm", p.rpm), ("tpm", p.tpm))
+                  if value is not None]
+        if p.models:
+            parts.append(f"models={','.join(sorted(p.models))}")
+        if p.weight != 1.0:
+            parts.append(f"weight={p.weight:g}")
+        out.append(" ".join(parts))
+    return "\n".join(out)
 
 
 def resolve_admin_token(path: Path | None, environ: Mapping[str, str] = os.environ
@@ -125,6 +199,8 @@ class ApiKeyMiddleware:
         refusal = (self._admin_refusal(presented) if scope["path"] in ADMIN_PATHS
                    else self._key_refusal(presented))
         if refusal is None:
+            if self._keys is not None and presented is not None:
+                scope[SCOPE_KEY] = presented.decode(errors="replace")  # admission's tenant
             await self.app(scope, receive, send)
             return
         status, code, message = refusal

@@ -56,6 +56,7 @@ from tandem_engine.router import attempts
 from tandem_engine.router.attempts import (
     Attempt,
     Delta,
+    EnginesBusy,
     FailOver,
     Finished,
     GenerationFailed,
@@ -68,7 +69,12 @@ from tandem_engine.router.attempts import (
 from tandem_engine.router.engines import EngineClient, EnginePool, EngineUnavailable
 from tandem_engine.router.metrics import ChoiceLatency, RouterMetrics
 from tandem_engine.router.picker import EnginePicker, no_engine_message
-from tandem_engine.router.routing import DEFAULT_WEIGHTS, RoutingWeights, adapter_identity
+from tandem_engine.router.routing import (
+    DEFAULT_WEIGHTS,
+    RoutingWeights,
+    adapter_identity,
+    eligible,
+)
 from tandem_engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -127,6 +133,8 @@ class _Choice:
     adapter: str | None = None  # the LoRA adapter's name (None: the base model)
     lora: p.LoRARef | None = None  # its version, as the latest attempt was submitted
     cache_key: str | None = None  # prompt_cache_key: routing's affinity hint
+    priority: int = 0  # the engines schedule lower first (admission.py: with fairness)
+    full: set[str] = field(default_factory=set)  # engines that refused it as full (429)
 
     @property
     def lora_identity(self) -> str | None:
@@ -167,14 +175,15 @@ class Dispatcher:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams, cache_salt: str | None = None,
                        arrival: float | None = None, adapter: str | None = None,
-                       cache_key: str | None = None) -> AsyncIterator[Delta]:
+                       cache_key: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[Delta]:
         """Stream one generation (under LoRA adapter `adapter`, a name, when given;
         `cache_key`: the request's prompt_cache_key). Raises NoEngineAvailable /
         EngineRejected before any token, GenerationFailed when it cannot be completed."""
         arrival = time.monotonic() if arrival is None else arrival
         choice = _Choice(request_id, list(prompt_token_ids), sampling, cache_salt,
                          ChoiceLatency(self.metrics, arrival), adapter=adapter,
-                         cache_key=cache_key)
+                         cache_key=cache_key, priority=priority)
         leg: _Leg | None = None
         bypass = self.picker.bypass(choice.prompt, cache_salt, adapter, cache_key)
         if bypass is not None:  # a decode engine holds the whole prompt: no prefill step
@@ -250,7 +259,8 @@ class Dispatcher:
                 sub_id, choice.prompt, choice.sampling, choice.cache_salt,
                 # Pin only when a decode engine may need the KV: not for a single token.
                 pin_for_handoff=prefill and choice.sampling.max_tokens > 1,
-                resume=progress.resume(), pull=leg.pull, lora=lora)
+                resume=progress.resume(), pull=leg.pull, lora=lora,
+                priority=choice.priority)
         except EngineUnavailable as exc:
             yield FailOver("unavailable", str(exc))
             return
@@ -266,10 +276,15 @@ class Dispatcher:
                               self.config.output_timeout)
             steps = attempts.prefill(attempt, progress) if prefill else \
                 attempts.colocated(attempt, progress, pulled=leg.pull is not None)
+            first = not progress.generated
             async with aclosing(steps):
                 async for step in steps:
                     if isinstance(step, Delta):
                         choice.latency.observe(len(step.token_ids), step.finished)
+                        if first and step.token_ids and self.metrics is not None:
+                            first = False
+                            self.metrics.engine_time_to_first_token.labels(
+                                client.key).observe(time.monotonic() - choice.latency.arrival)
                     done = isinstance(step, Finished | HandOff)
                     yield step
         finally:
@@ -332,6 +347,11 @@ class Dispatcher:
             if client is None and await self.picker.wait_until_serving():
                 client = self.picker.pick(choice.prompt, choice.cache_salt, exclude=exclude,
                                           adapter=choice.adapter, cache_key=choice.cache_key)
+            if client is None and choice.full and all(
+                    e.key in choice.full
+                    for e in eligible(self.pool.views(), adapter=choice.adapter)):
+                raise EnginesBusy(f"every engine's queue is full ({len(choice.full)} refused "
+                                  "it: their --max-queued-requests): retry after a moment")
             if client is None and choice.excluded:
                 client = await self._admitting_again(choice)
             if client is None:
@@ -383,6 +403,8 @@ class Dispatcher:
             choice.resumed = True
         if outcome.exclude:
             choice.excluded.add(client.key)
+        if outcome.reason == "queue_full":
+            choice.full.add(client.key)
 
     def _count_disaggregated(self, outcome: str) -> None:
         if self.metrics is not None:

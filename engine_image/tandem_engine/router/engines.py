@@ -158,7 +158,8 @@ class EngineClient:
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                cache_salt: str | None = None, *, pin_for_handoff: bool = False,
                resume: p.Resume | None = None, pull: p.PullSource | None = None,
-               lora: p.LoRARef | None = None) -> asyncio.Queue[QueueItem]:
+               lora: p.LoRARef | None = None, priority: int = 0
+               ) -> asyncio.Queue[QueueItem]:
         """Hand a request to the engine; its outputs arrive on the returned queue.
 
         `pin_for_handoff` (prefill) stops after the first token and keeps the prompt's KV
@@ -173,7 +174,7 @@ class EngineClient:
         try:
             self._send(p.Submit(request_id, prompt_token_ids, sampling, cache_salt,
                                 pin_for_handoff=pin_for_handoff, resume=resume, pull=pull,
-                                lora=lora))
+                                lora=lora, priority=priority))
         except BaseException:  # unsendable (an id msgpack cannot encode, say): not in flight
             self._queues.pop(request_id, None)
             raise

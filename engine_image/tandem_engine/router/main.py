@@ -54,6 +54,7 @@ from tandem_engine.generation_config import (
 from tandem_engine.http_guard import add_deadline_flags, protocol_class
 from tandem_engine.router import auth
 from tandem_engine.router import openai_format as fmt
+from tandem_engine.router.admission import Admission
 from tandem_engine.router.api_params import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_PROMPT_CHARS,
@@ -111,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failover-timeout", type=float, default=30.0,
                    help="seconds to find an engine of the same weight version to continue "
                         "a request whose engine died")
+    p.add_argument("--max-num-requests", type=int, default=None, metavar="N",
+                   help="generation requests this router has in flight at once; past it a "
+                        "request gets 429 with Retry-After at once (engines bound their own "
+                        "queues: tandem-engine --max-queued-requests). Default: no bound")
     p.add_argument("--prefix-routing", choices=PREFIX_ROUTING, default="exact",
                    help="how prefix affinity knows what each engine holds: exact (from the "
                         "engines' KV events: their evictions and other routers' traffic "
@@ -175,7 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 prefix_routing=args.prefix_routing)
         limits = RequestLimits(max_body_bytes=args.max_body_bytes,
                                max_prompt_chars=args.max_prompt_chars)
-        api_keys = auth.resolve_api_keys(args.api_key, key_files=args.api_key_file)
+        policies = auth.resolve_key_policies(args.api_key, key_files=args.api_key_file)
+        api_keys = tuple(policies)
+        admission = Admission(policies, max_num_requests=args.max_num_requests)
         admin_token = auth.resolve_admin_token(args.admin_token_file)
         http = protocol_class(args.header_timeout, args.body_timeout, _error_body)
     except (TandemError, ValueError, OSError) as exc:
@@ -185,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dispatcher = Dispatcher(pool, config, RouterMetrics(args.engine_metrics_url))
     app = build_app(pool, tokenizer, served, dispatcher, limits, api_keys,
                     args.allow_special_tokens_in_content, generation_defaults=defaults,
-                    admin_token=admin_token)
+                    admin_token=admin_token, admission=admission)
     _log_defaults(defaults, args.generation_config)
     if not api_keys:
         log.warning("the API is open to anyone who reaches port %d: no API key configured "

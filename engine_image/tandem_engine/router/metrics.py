@@ -40,7 +40,7 @@ OVERHEAD_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01
                     0.05, 0.1, 0.25, 1.0)
 
 # Outcomes of an HTTP generation request.
-OUTCOMES = ("success", "invalid", "unavailable", "failed", "cancelled")
+OUTCOMES = ("success", "invalid", "unavailable", "failed", "cancelled", "shed")
 
 # Seconds one scrape of the router waits for its engines' /metrics (all fetched at once):
 # well inside Prometheus' default 10 s scrape timeout, even with an engine frozen.
@@ -101,6 +101,12 @@ class RouterMetrics:
             "prefill engine that computed the KV and of the decode engine that pulls it, as "
             "this router saw them at the handoff (during a refit the two must never differ)",
             ["prefill_version", "decode_version"], registry=r)
+        self.engine_time_to_first_token = Histogram(
+            "tandem_router_engine_time_to_first_token_seconds",
+            "Per engine: from the HTTP request's arrival to the first token the engine "
+            "made for it (the engine that made a choice's first token), for the "
+            "autoscaler and per-engine SLOs", ["engine"], buckets=LATENCY_BUCKETS,
+            registry=r)
         self.generated_tokens = Counter(
             "tandem_router_generated_tokens", "Tokens streamed back to clients", registry=r)
         for outcome in OUTCOMES:
@@ -111,6 +117,10 @@ class RouterMetrics:
             "series were left out of the router's answer", ["url"], registry=r)
         for url in self.engine_metrics_urls:
             self.engine_scrape_errors.labels(url)
+
+    def watch_admission(self, admission: Any) -> None:
+        """Export admission's counts (admission.py) at scrape time."""
+        self.registry.register(_AdmissionCollector(admission))
 
     def watch_engines(self, views: Callable[[], Iterable[Any]]) -> None:
         """Export per-engine gauges from `views()` (EngineView snapshots) at scrape time."""
@@ -238,6 +248,9 @@ class _EngineCollector(Collector):
         inflight = GaugeMetricFamily("tandem_router_engine_inflight",
                                      "Requests this router has in flight on the engine",
                                      labels=["engine"])
+        queued = GaugeMetricFamily("tandem_router_engine_queue_depth",
+                                   "Requests waiting in the engine's queue, as its last load "
+                                   "report said", labels=["engine"])
         blocks = GaugeMetricFamily(
             "tandem_router_kv_index_blocks", "Block hashes this router's index holds for the "
             "engine: its prefix cache, from its KV events", labels=["engine"])
@@ -255,9 +268,48 @@ class _EngineCollector(Collector):
             up.add_metric([v.key], 1.0 if v.alive else 0.0)
             serving.add_metric([v.key], 1.0 if v.serving else 0.0)
             inflight.add_metric([v.key], float(v.inflight))
+            queued.add_metric([v.key], float(v.num_waiting))
             blocks.add_metric([v.key], float(v.kv_index_blocks))
             synced.add_metric([v.key], 1.0 if v.kv_synced else 0.0)
             lag.add_metric([v.key], v.kv_lag)
             for reason, count in v.kv_resyncs:
                 resyncs.add_metric([v.key, reason], float(count))
-        yield from (up, serving, inflight, blocks, synced, lag, resyncs)
+        yield from (up, serving, inflight, queued, blocks, synced, lag, resyncs)
+
+
+class _AdmissionCollector(Collector):
+    """Requests in flight, refused by tenant and reason, admitted by tenant, and each
+    tenant's work in flight (admission.py)."""
+
+    def __init__(self, admission: Any) -> None:
+        self._admission = admission
+
+    def collect(self):
+        a = self._admission
+        inflight = GaugeMetricFamily("tandem_router_inflight_requests",
+                                     "Generation requests this router has in flight")
+        inflight.add_metric([], float(a.inflight))
+        limit = GaugeMetricFamily("tandem_router_max_num_requests",
+                                  "The router's bound on requests in flight "
+                                  "(--max-num-requests; 0: none)")
+        limit.add_metric([], float(a.max_num_requests or 0))
+        shed = CounterMetricFamily(
+            "tandem_router_shed_requests", "Requests refused before any engine saw them, by "
+            "tenant and reason (router_full, engines_full, rate_limit_rpm, rate_limit_tpm, "
+            "model_not_allowed)", labels=["tenant", "reason"])
+        for (tenant, reason), n in sorted(a.refused.items()):
+            shed.add_metric([tenant, reason], float(n))
+        admitted = CounterMetricFamily("tandem_router_admitted_requests",
+                                       "Requests admitted, by tenant", labels=["tenant"])
+        served = GaugeMetricFamily("tandem_router_tenant_outstanding_tokens",
+                                   "Tokens each tenant's requests in flight may cost (prompt "
+                                   "+ max_tokens): its fair-queuing tag's base",
+                                   labels=["tenant"])
+        active = GaugeMetricFamily("tandem_router_tenant_inflight_requests",
+                                   "Requests in flight by tenant", labels=["tenant"])
+        for tenant, n in sorted(a.admitted.items()):
+            admitted.add_metric([tenant], float(n))
+        for tenant, outstanding, n in a.tenants():
+            served.add_metric([tenant], float(outstanding))
+            active.add_metric([tenant], float(n))
+        yield from (inflight, limit, shed, admitted, served, active)

@@ -35,6 +35,7 @@ import asyncio
 import importlib.metadata
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -54,6 +55,14 @@ from tandem_engine.generation_config import GenerationDefaults
 from tandem_engine.router import adapters
 from tandem_engine.router import openai_format as fmt
 from tandem_engine.router import openapi_schema as docs
+from tandem_engine.router.admission import (
+    TENANT_HEADER,
+    Admission,
+    KeyPolicy,
+    Refused,
+    Ticket,
+    default_tenant_name,
+)
 from tandem_engine.router.api_params import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     InvalidRequest,
@@ -70,11 +79,12 @@ from tandem_engine.router.api_params import (
 from tandem_engine.router.attempts import (
     Delta,
     EngineRejected,
+    EnginesBusy,
     GenerationFailed,
     NoEngineAvailable,
     RequestFailed,
 )
-from tandem_engine.router.auth import OPEN_PATHS, ApiKeyMiddleware
+from tandem_engine.router.auth import OPEN_PATHS, SCOPE_KEY, ApiKeyMiddleware
 from tandem_engine.router.chat import ChatEncoder, ChatPrompt, ChatTemplate
 from tandem_engine.router.dispatch import Dispatcher
 from tandem_engine.router.engines import EnginePool
@@ -116,22 +126,37 @@ class Choices:
 
     def __init__(self, dispatcher: Dispatcher, request_id: str, jobs: list[Job],
                  cache_salt: str | None, arrival: float, adapter: str | None = None,
-                 cache_key: str | None = None) -> None:
+                 cache_key: str | None = None, priority: int = 0,
+                 ticket: Ticket | None = None) -> None:
+        """`ticket`: admission's, given back when the last choice's task ends (however the
+        response ends, or if it is never sent)."""
         self._queue: asyncio.Queue[tuple[int, Delta | BaseException]] = asyncio.Queue()
         self._pending = len(jobs)
+        self.generated = 0  # tokens generated so far, every choice together
+        self._ticket = ticket
+        self._running = len(jobs)
         self._tasks = [asyncio.create_task(self._run(dispatcher, f"{request_id}-{j.index}",
                                                      j, cache_salt, arrival, adapter,
-                                                     cache_key))
+                                                     cache_key, priority))
                        for j in jobs]
+        for task in self._tasks:
+            task.add_done_callback(self._ended)
+
+    def _ended(self, _: asyncio.Task) -> None:
+        self._running -= 1
+        if self._running == 0 and self._ticket is not None:
+            self._ticket.done(self.generated)
 
     async def _run(self, dispatcher: Dispatcher, request_id: str, job: Job,
                    cache_salt: str | None, arrival: float, adapter: str | None,
-                   cache_key: str | None) -> None:
+                   cache_key: str | None, priority: int) -> None:
         finished = False
         try:
             async for delta in dispatcher.generate(request_id, job.prompt_ids, job.sampling,
-                                                   cache_salt, arrival, adapter, cache_key):
+                                                   cache_salt, arrival, adapter, cache_key,
+                                                   priority):
                 finished = delta.finished
+                self.generated += len(delta.token_ids)
                 self._queue.put_nowait((job.index, delta))
             if not finished:
                 raise GenerationFailed(f"request {request_id} ended without a final output")
@@ -174,8 +199,10 @@ class RouterApi:
                  dispatcher: Dispatcher, metrics: RouterMetrics,
                  limits: RequestLimits | None = None,
                  allow_special_tokens_in_content: bool = False,
-                 generation_defaults: GenerationDefaults | None = None) -> None:
+                 generation_defaults: GenerationDefaults | None = None,
+                 admission: Admission | None = None) -> None:
         self.pool = pool
+        self.admission = admission or Admission()
         # The model's sampling defaults: what a request leaves out (`--generation-config`).
         self.generation_defaults = generation_defaults or GenerationDefaults()
         self.limits = limits or RequestLimits()
@@ -326,17 +353,25 @@ class RouterApi:
         """Run the jobs (under LoRA adapter `adapter`, a name, when given); answer once
         the first choice produced something (or failed)."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
+        ticket = self.admission.admit(request.scope.get(SCOPE_KEY),
+                                      request.headers.get(TENANT_HEADER), options.model,
+                                      options.priority, prompt_tokens,
+                                      sum(j.sampling.max_tokens or 0 for j in jobs))
         choices = Choices(self.dispatcher, request_id, jobs, options.cache_salt, arrival,
-                          adapter, options.cache_key)
+                          adapter, options.cache_key, ticket.engine_priority, ticket)
         choices.watch(request)
         try:
             first = await choices.next()
         except BaseException:
             choices.cancel()
+            ticket.done(choices.generated)
             raise
         assert first is not None
         if isinstance(first[1], BaseException):
             choices.cancel()
+            ticket.done(choices.generated)
+            if isinstance(first[1], EnginesBusy):
+                self.admission.refused_for(ticket.tenant, "engines_full")
             return self._failure(first[1])
         # The response names the model asked for: the adapter, as vLLM's does.
         render = fmt.Renderer(kind, request_id, adapter or self.served_model_name, options,
@@ -345,10 +380,14 @@ class RouterApi:
                               [fmt.ChoicePrompt(j.prompt_ids, j.echo_text) for j in jobs],
                               tools=tools)
         if options.stream:
-            return StreamingResponse(self._stream(choices, first, render, prompt_tokens),
+            return StreamingResponse(self._stream(choices, first, render, prompt_tokens,
+                                                  ticket),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._respond(choices, first, render, prompt_tokens)
+        try:
+            return await self._respond(choices, first, render, prompt_tokens)
+        finally:
+            ticket.done(choices.generated)
 
     async def _respond(self, choices: Choices, first: tuple[int, Delta | BaseException],
                        render: fmt.Renderer, prompt_tokens: int) -> Response:
@@ -372,7 +411,8 @@ class RouterApi:
         return response
 
     async def _stream(self, choices: Choices, first: tuple[int, Delta | BaseException],
-                      render: fmt.Renderer, prompt_tokens: int) -> AsyncIterator[str]:
+                      render: fmt.Renderer, prompt_tokens: int, ticket: Ticket
+                      ) -> AsyncIterator[str]:
         """The streamed answer: a chunk per delta, an error event if a choice fails."""
         outcome = "cancelled"
         try:
@@ -403,6 +443,7 @@ class RouterApi:
             yield "data: [DONE]\n\n"
         finally:
             choices.cancel()
+            ticket.done(choices.generated)
             self.metrics.requests.labels(outcome).inc()
 
     def _failure(self, exc: BaseException) -> Response:
@@ -412,11 +453,23 @@ class RouterApi:
         status, body = _failure_body(exc)
         self.metrics.requests.labels(_outcome(status, exc)).inc()
         response = JSONResponse(body, status_code=status)
+        if isinstance(exc, EnginesBusy):
+            response.headers["Retry-After"] = str(math.ceil(exc.retry_after))
         if status == 500:  # as `unexpected` answers: every 500 closes its connection
             response.headers["Connection"] = "close"
         return response
 
     # ---- errors raised by a handler -----------------------------------------------------------
+
+    async def refused(self, _: Request, exc: Refused) -> JSONResponse:
+        """Admission's refusal (admission.py): a model the key may not use, a limit."""
+        self.metrics.requests.labels(_outcome(exc.status)).inc()
+        response = _error(exc.status, exc.message,
+                          "rate_limit_error" if exc.status == 429 else "invalid_request_error",
+                          "model" if exc.status == 404 else None, exc.code)
+        if exc.retry_after is not None:
+            response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+        return response
 
     async def invalid(self, _: Request, exc: InvalidRequest) -> JSONResponse:
         self.metrics.requests.labels(_outcome(exc.status)).inc()
@@ -569,7 +622,8 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
               api_keys: Sequence[str] = (),
               allow_special_tokens_in_content: bool = False,
               generation_defaults: GenerationDefaults | None = None,
-              admin_token: str | None = None) -> FastAPI:
+              admin_token: str | None = None,
+              admission: Admission | None = None) -> FastAPI:
     """The router app; its lifespan starts and closes the pool's connections. With
     `api_keys`, every path but `auth.OPEN_PATHS` and `auth.ADMIN_PATHS` needs one of
     them; the admin paths need `admin_token` (none: they answer 403)."""
@@ -579,8 +633,11 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
         dispatcher.metrics = RouterMetrics()
     metrics = dispatcher.metrics
     metrics.watch_engines(pool.views)
+    if admission is None:
+        admission = Admission({key: KeyPolicy(default_tenant_name(key)) for key in api_keys})
+    metrics.watch_admission(admission)
     api = RouterApi(pool, tokenizer, served_model_name, dispatcher, metrics, limits,
-                    allow_special_tokens_in_content, generation_defaults)
+                    allow_special_tokens_in_content, generation_defaults, admission)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -595,10 +652,12 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
     app.state.dispatcher = dispatcher
     app.state.metrics = metrics
     app.add_exception_handler(InvalidRequest, api.invalid)
+    app.add_exception_handler(Refused, api.refused)
     app.add_exception_handler(HTTPException, api.http_error)
     app.add_exception_handler(RequestValidationError, api.validation_error)
     app.add_exception_handler(Exception, api.unexpected)
     _mount(app, api)
+    app.add_middleware(AdmissionGate, admission=admission)  # inside the key check
     app.add_middleware(ApiKeyMiddleware, keys=api_keys, admin_token=admin_token)
     if api_keys:
 
@@ -611,6 +670,35 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
 
         app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+class AdmissionGate:
+    """ASGI middleware: a generation request that arrives while the router is full gets
+    its 429 here, before the framework builds a request or reads its body: the excess of
+    a burst costs the router little and is answered at once (`Admission.check_room`)."""
+
+    def __init__(self, app: Any, admission: Admission) -> None:
+        self.app, self.admission = app, admission
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] in GENERATION_PATHS:
+            try:
+                tenant = next((v.decode(errors="replace") for k, v in scope["headers"]
+                               if k == TENANT_HEADER.encode()), None)
+                self.admission.check_room(scope.get(SCOPE_KEY), tenant)
+            except Refused as exc:
+                body = json.dumps(fmt.error_body(exc.message, "rate_limit_error", None,
+                                                 exc.code)).encode()
+                await send({"type": "http.response.start", "status": exc.status, "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"retry-after", str(max(1, math.ceil(exc.retry_after or 1))).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
 
 
 def _mount(app: FastAPI, api: RouterApi) -> None:
@@ -650,6 +738,8 @@ def _error(status: int, message: str, type: str, param: str | None = None,
 
 def _failure_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """HTTP status and OpenAI error body for a choice's failure."""
+    if isinstance(exc, EnginesBusy):
+        return 429, fmt.error_body(str(exc), "rate_limit_error", None, "engines_busy")
     if isinstance(exc, InvalidRequest):
         return exc.status, fmt.error_body(exc.message, exc.type, exc.param, exc.code)
     if isinstance(exc, EngineRejected):
@@ -669,6 +759,8 @@ def _failure_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
 
 
 def _outcome(status: int, exc: BaseException | None = None) -> str:
+    if status == 429:
+        return "shed"
     if isinstance(exc, GenerationFailed) or (status >= 500 and status != 503):
         return "failed"
     return "unavailable" if status == 503 else "invalid"

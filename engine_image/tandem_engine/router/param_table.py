@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tandem_engine.router.admission import MAX_PRIORITY
 from tandem_engine.router.request_errors import InvalidRequest, show
 from tandem_engine.sampling_params import (
     MAX_LOGPROBS,
@@ -350,6 +351,9 @@ PARAMS: tuple[Param, ...] = (
     _informational("user", "an end-user id"),
     _informational("metadata", "the client's own tags"),
     _informational("safety_identifier", "an end-user id"),
+    Param("priority", "integer", bound=IntRange(-MAX_PRIORITY, MAX_PRIORITY, "lower first"),
+          doc="vLLM's: the engines schedule lower values first, preempting running "
+          "requests of a higher value by recompute; default 0"),
     Param("prompt_cache_key", "string", bound=Length(1, MAX_CACHE_SALT_CHARS),
           doc="OpenAI's cache-routing hint: requests with one key prefer the engine that "
           "served the key last (weighed against its load, as a cached prompt is)"),
@@ -366,7 +370,6 @@ PARAMS: tuple[Param, ...] = (
     _refused("use_beam_search", False), _refused("length_penalty", 1, 1.0),
     _refused("spaces_between_special_tokens", True), _refused("truncate_prompt_tokens"),
     _refused("allowed_token_ids"), _refused("bad_words", []), _refused("logits_processors"),
-    _refused("priority", 0),
     _refused("return_tokens_as_token_ids", False), _refused("kv_transfer_params"),
     _refused("vllm_xargs"), _refused("prompt_embeds"), _refused("documents"),
     _refused("chat_template"), _refused("mm_processor_kwargs"), _refused("media_io_kwargs"),

@@ -5,7 +5,9 @@ forward pass never waits for I/O. The asyncio side owns the ZMQ ROUTER socket (z
 sockets are not thread-safe): it decodes frames (a bad frame is logged and dropped)
 and queues admissions and aborts for the stepping thread, which hands them to the
 engine between steps (a long step holds the engine's lock, and the socket loop must
-never wait for it: heartbeats and outputs would stop). Every router that said HELLO
+never wait for it: heartbeats and outputs would stop). With `--max-queued-requests N`, a
+SUBMIT that finds N requests waiting is refused with a 429 REJECT (a resumed or
+handed-over one is always taken). Every router that said HELLO
 gets heartbeats and immediate state announcements, built from the engine's published
 snapshot (`LLMEngine.stats`), never from its fields.
 
@@ -504,6 +506,10 @@ class EngineWorker:
             self._send_threadsafe(router, p.encode(p.Reject(msg.request_id, 503,
                                                             self._not_served(lora))))
             return
+        full = self._queue_full(msg)
+        if full is not None:  # 429: the router tries later or another engine
+            self._send_threadsafe(router, p.encode(p.Reject(msg.request_id, 429, full)))
+            return
         # The client already has the resumed tokens and `sent_chars` of their text.
         self._streams[rid] = _Stream(router, msg.request_id, msg.sampling.logprobs,
                                      sent_tokens=len(resumed), sent_chars=sent_chars,
@@ -517,7 +523,7 @@ class EngineWorker:
                     rid, msg.prompt_token_ids, msg.sampling, resumed, sent_chars,
                     cache_salt=msg.cache_salt, proposals=msg.pull.proposals,
                     lora_name=lora.name if lora else None,
-                    lora_version=lora.version if lora else None)
+                    lora_version=lora.version if lora else None, priority=msg.priority)
                 self.handoff.start_pull(rid, msg.pull, plan)
             else:
                 self.engine.add_request(rid, msg.prompt_token_ids, msg.sampling,
@@ -525,7 +531,8 @@ class EngineWorker:
                                         pin_for_handoff=msg.pin_for_handoff,
                                         resumed_token_ids=resumed, sent_chars=sent_chars,
                                         lora_name=lora.name if lora else None,
-                                        lora_version=lora.version if lora else None)
+                                        lora_version=lora.version if lora else None,
+                                        priority=msg.priority)
         except (RequestRejected, EngineStateError) as exc:
             del self._streams[rid]
             # An adapter unloaded or replaced since the check above: the engine's, 503.
@@ -535,6 +542,19 @@ class EngineWorker:
             return
         self.stats.prompt_tokens += len(msg.prompt_token_ids)
         self._wake.set()
+
+    def _queue_full(self, msg: p.Submit) -> str | None:
+        """Why a new SUBMIT is refused (None: it is not): `--max-queued-requests` are
+        waiting already. A resumed or handed-over request is work a router already placed,
+        and is always taken. On the stepping thread, where the count is exact."""
+        bound = self.engine.config.max_queued_requests
+        if bound is None or msg.resume is not None or msg.pull is not None:
+            return None
+        waiting = self.engine.stats.num_waiting
+        if waiting < bound:
+            return None
+        return (f"engine {self.engine_id} has {waiting} requests waiting "
+                f"(--max-queued-requests {bound}): retry later or on another engine")
 
     # ---- verification ---------------------------------------------------------------------------
 

@@ -1,0 +1,224 @@
+"""Exact prefix routing (the engines' KV events) against the routers' memory of what each
+sent (approximate), and shedding under overload. Real processes: engines and routers on
+this machine, SmolLM2-135M-Instruct (its GGUF, as `tandem serve` serves it).
+
+1. **Shared prefixes**: two engines, two routers. Each of `--prefixes` prefixes of
+   `--prefix-tokens` tokens is sent once through router 0, then `--repeats` times through
+   router 1 with a new suffix, one request at a time. Reported per mode: the repeats that
+   found the whole prefix in their engine's cache (`usage.prompt_tokens_details
+   .cached_tokens`), and their TTFT (a repeat on the engine holding the prefix prefills
+   only its suffix). The two modes run on the same engines, each under its own
+   `cache_salt` (so neither finds the other's KV).
+2. **Overload**: one engine (`--max-num-seqs 4`, `--max-queued-requests 8`) behind one
+   router (`--max-num-requests 32`); `--streams` streamed requests at once. Reported: how
+   many were accepted and completed, how many got 429 and how fast, and each process's
+   RSS before and after.
+
+    .venv/bin/python benchmarks/prefix_routing.py [--prefixes 8] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+from tandem_engine.cli.models import SMOLLM2_135M_INSTRUCT, pull
+from tandem_engine.cli.serve import free_port
+
+MODEL = "smollm2"
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Procs:
+    def __init__(self, model: Path, folder: Path) -> None:
+        self.model, self.folder = model, folder
+        self.procs: list[subprocess.Popen] = []
+
+    def _spawn(self, cmd: list[str], name: str, ready: str) -> subprocess.Popen:
+        log = (self.folder / f"{name}.log").open("wb")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.procs.append(proc)
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                tail = (self.folder / f"{name}.log").read_text()[-2000:]
+                raise RuntimeError(f"{name} exited: {tail}")
+            try:
+                if httpx.get(ready, timeout=1).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not ready")
+            time.sleep(0.2)
+
+    def engine(self, name: str, *flags: str) -> tuple[str, subprocess.Popen]:
+        port, admin = free_port(), free_port()
+        proc = self._spawn([sys.executable, "-m", "tandem_engine.server.main", "--model",
+                            str(self.model), "--served-model-name", MODEL, "--port", str(port),
+                            "--admin-port", str(admin), "--threads", "1",
+                            "--heartbeat-interval", "0.2", *flags], name,
+                           f"http://127.0.0.1:{admin}/readyz")
+        return f"127.0.0.1:{port}", proc
+
+    def router(self, name: str, engines: list[str], *flags: str) -> tuple[str, subprocess.Popen]:
+        port = free_port()
+        cmd = [sys.executable, "-m", "tandem_engine.router.main", "--model", str(self.model),
+               "--served-model-name", MODEL, "--port", str(port), *flags]
+        for e in engines:
+            cmd += ["--engine", e]
+        url = f"http://127.0.0.1:{port}"
+        return url, self._spawn(cmd, name, f"{url}/readyz")
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def complete(router: str, prompt: list[int], salt: str, stream: bool = True
+             ) -> tuple[int, float]:
+    """(cached prompt tokens, time to first token) of one streamed completion."""
+    started = time.monotonic()
+    ttft = None
+    cached = 0
+    with httpx.stream("POST", f"{router}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+            "cache_salt": salt}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            if ttft is None and '"text"' in line:
+                ttft = time.monotonic() - started
+            if '"usage"' in line and '"prompt_tokens_details"' in line:
+                usage = json.loads(line[6:]).get("usage") or {}
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return cached, ttft or (time.monotonic() - started)
+
+
+def shared_prefixes(procs: Procs, args: argparse.Namespace) -> dict[str, dict]:
+    engines = [procs.engine(f"engine{i}")[0] for i in range(2)]
+    out = {}
+    for mode in ("exact", "approximate"):
+        routers = [procs.router(f"{mode}-router{r}", engines, "--prefix-routing", mode)[0]
+                   for r in range(2)]
+        rng = random.Random(1)
+        salt = f"bench-{mode}"
+        complete(routers[1], [rng.randrange(3, 40000) for _ in range(16)], salt)
+        hits, total, ttfts = 0, 0, []
+        for _ in range(args.prefixes):
+            prefix = [rng.randrange(3, 40000) for _ in range(args.prefix_tokens)]
+            complete(routers[0], prefix + [rng.randrange(3, 40000) for _ in range(8)], salt)
+            time.sleep(0.2)
+            for _ in range(args.repeats):
+                cached, ttft = complete(routers[1], prefix + [rng.randrange(3, 40000)
+                                                              for _ in range(8)], salt)
+                hits += cached >= args.prefix_tokens - 16
+                total += 1
+                ttfts.append(ttft)
+        out[mode] = {"hits": hits, "repeats": total, "ttft_mean_ms": 1000 * statistics.mean(ttfts),
+                     "ttft_p50_ms": 1000 * statistics.median(ttfts)}
+    return out
+
+
+async def overload(procs: Procs, args: argparse.Namespace) -> dict:
+    engine, eproc = procs.engine("overload-engine", "--max-num-seqs", "4",
+                                 "--max-queued-requests", "8")
+    router, rproc = procs.router("overload-router", [engine], "--max-num-requests", "32")
+    before = {"router": rss_mib(rproc.pid), "engine": rss_mib(eproc.pid)}
+    results: list[tuple[int, float, bool]] = []
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        started = time.monotonic()
+        async with client.stream("POST", f"{router}/v1/completions", json={
+                "model": MODEL, "prompt": f"Request {i}: tell me a story", "max_tokens": 32,
+                "stream": True, "ignore_eos": True}) as r:
+            if r.status_code != 200:
+                await r.aread()
+                results.append((r.status_code, time.monotonic() - started, False))
+                return
+            done = False
+            async for line in r.aiter_lines():
+                done |= line == "data: [DONE]"
+            results.append((200, time.monotonic() - started, done))
+
+    limits = httpx.Limits(max_connections=args.streams + 10)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        await asyncio.gather(*(one(client, i) for i in range(args.streams)))
+    after = {"router": rss_mib(rproc.pid), "engine": rss_mib(eproc.pid)}
+    shed = [t for status, t, _ in results if status == 429]
+    ok = [done for status, _, done in results if status == 200]
+    return {"streams": args.streams, "accepted": len(ok), "completed": sum(ok),
+            "shed_429": len(shed), "other": len(results) - len(shed) - len(ok),
+            "time_to_429_p50_ms": 1000 * statistics.median(shed) if shed else None,
+            "time_to_429_max_ms": 1000 * max(shed) if shed else None,
+            "rss_mib_before": before, "rss_mib_after": after}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefixes", type=int, default=8)
+    parser.add_argument("--prefix-tokens", type=int, default=384)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--streams", type=int, default=200)
+    args = parser.parse_args()
+    model = pull(SMOLLM2_135M_INSTRUCT)
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; model {model.name}")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = Procs(model, Path(tmp))
+        try:
+            shared = shared_prefixes(procs, args)
+            procs.stop()
+            procs = Procs(model, Path(tmp))
+            shed = asyncio.run(overload(procs, args))
+        finally:
+            procs.stop()
+    print("\n| routing | repeats on the prefix's engine | TTFT mean | TTFT p50 |")
+    print("|---|---|---|---|")
+    for mode, r in shared.items():
+        print(f"| {mode} | {r['hits']}/{r['repeats']} | {r['ttft_mean_ms']:.1f} ms | "
+              f"{r['ttft_p50_ms']:.1f} ms |")
+    e, a = shared["exact"], shared["approximate"]
+    print(f"\nexact / approximate: hit rate {e['hits'] / max(1, a['hits']):.2f}x, "
+          f"TTFT mean {e['ttft_mean_ms'] / a['ttft_mean_ms']:.2f}x")
+    print(f"\noverload: {shed['streams']} streams at once: {shed['accepted']} accepted, "
+          f"{shed['completed']} completed, {shed['shed_429']} got 429 (p50 "
+          f"{shed['time_to_429_p50_ms']:.1f} ms, max {shed['time_to_429_max_ms']:.1f} ms), "
+          f"{shed['other']} other; RSS MiB before {shed['rss_mib_before']}, after "
+          f"{shed['rss_mib_after']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
