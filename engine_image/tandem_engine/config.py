@@ -374,14 +374,16 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                choices=QUANTIZATION_CHOICES,
                limit=f"use one of {', '.join(QUANTIZATION_CHOICES)}", serve=True,
                pool=PoolField("engine.quantization", kind="enum")),
-    # Flags a pool passes in spec.engine.args when it wants them.
     EngineFlag("max_queued_requests", "--max-queued-requests", int, None,
                "requests waiting for the running batch at most; a new one beyond them is "
                "refused with 429 so the router tries it later or on another engine "
                "(resumed and handed-over requests are always taken); default: unbounded",
                minimum=1, maximum=MAX_QUEUED_REQUESTS, whole=True,
                limit=f"must be an integer between 1 and {MAX_QUEUED_REQUESTS}, or unset "
-               "for no bound", metavar="N", serve=True),
+               "for no bound", metavar="N", serve=True,
+               pool=PoolField("engine.maxQueuedRequests", 1, MAX_QUEUED_REQUESTS,
+                              defaulted=False)),
+    # Flags a pool passes in spec.engine.args when it wants them.
     EngineFlag("kernels", "--kernels", str, DEFAULT_KERNELS, "attention/projection "
                "kernels: auto (native on CPU, flex on CUDA), native (CPU), torch (portable "
                "gather path), flex (torch flex_attention over the paged KV) "

@@ -277,6 +277,7 @@ class EngineSettings:
     kv_cache: KVCache = KVCache()
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_queued_requests: int | None = None  # spec.engine.maxQueuedRequests; None: no bound
     max_model_len: int | None = None  # spec.engine.maxModelLen; None: the model's context
     threads: int = DEFAULT_THREADS
     device: EngineDevice = EngineDevice.AUTO
@@ -668,6 +669,7 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
         init_containers=_init_containers(e, volumes),
         kv_cache=_kv_cache(kv),
         max_num_seqs=_flag_int(e, "max_num_seqs"),
+        max_queued_requests=_flag_int(e, "max_queued_requests"),
         max_num_batched_tokens=_flag_int(e, "max_num_batched_tokens"),
         max_model_len=_flag_int(e, "max_model_len"),
         threads=_flag_int(e, "threads"),
@@ -923,6 +925,7 @@ def engine_config(spec: PoolSpec, device: str = DEFAULT_DEVICE,
         gpu_memory_utilization=(engine_flag("gpu_memory_utilization").default
                                 if utilization is None else utilization),
         max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+        max_queued_requests=e.max_queued_requests,
         max_model_len=e.max_model_len, dtype=e.dtype.flag,
         device=device, quantization=e.quantization.flag,
         kv_pin_ttl_s=spec.kv_transfer.pin_ttl_seconds, speculative=speculative)
