@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -152,20 +153,29 @@ def shared_prefixes(procs: Procs, args: argparse.Namespace) -> dict[str, dict]:
     return out
 
 
-async def overload(procs: Procs, args: argparse.Namespace) -> dict:
-    engine, eproc = procs.engine("overload-engine", "--max-num-seqs", "4",
-                                 "--max-queued-requests", "8")
-    router, rproc = procs.router("overload-router", [engine], "--max-num-requests", "32")
-    before = {"router": rss_mib(rproc.pid), "engine": rss_mib(eproc.pid)}
-    results: list[tuple[int, float, bool]] = []
-    port = int(router.rsplit(":", 1)[1])
+@dataclass(frozen=True)
+class Answer:
+    """One request of a burst: its HTTP status, the seconds from sending it to its status
+    line, whether a 200 stream ran to `[DONE]`, its Retry-After, and what came back."""
+
+    status: int
+    seconds: float
+    completed: bool
+    retry_after: str | None
+    text: str
+
+
+async def burst(port: int, n: int, max_tokens: int, model: str = MODEL) -> list[Answer]:
+    """`n` streamed completions sent at once to the router on `port`, each on its own
+    connection opened before the burst: what is timed is the router's answer, not this
+    process opening connections."""
+    answers: list[Answer] = []
 
     async def one(i: int, go: asyncio.Event) -> None:
-        # Its own connection, open before the burst: what is timed is the router's
-        # answer, not this process opening connections.
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        body = json.dumps({"model": MODEL, "prompt": f"Request {i}: tell me a story",
-                           "max_tokens": 32, "stream": True, "ignore_eos": True}).encode()
+        body = json.dumps({"model": model, "prompt": f"Request {i}: tell me a story",
+                           "max_tokens": max_tokens, "stream": True,
+                           "ignore_eos": True}).encode()
         head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                 f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close"
                 "\r\n\r\n").encode()
@@ -175,18 +185,30 @@ async def overload(procs: Procs, args: argparse.Namespace) -> dict:
         await writer.drain()
         status = int((await reader.readline()).split()[1])
         elapsed = time.monotonic() - started
-        rest = (await reader.read()).decode(errors="replace")
+        text = (await reader.read()).decode(errors="replace")
         writer.close()
-        results.append((status, elapsed, status == 200 and "data: [DONE]" in rest))
+        retry = next((line.split(":", 1)[1].strip() for line in text.splitlines()
+                      if line.lower().startswith("retry-after:")), None)
+        answers.append(Answer(status, elapsed, status == 200 and "data: [DONE]" in text,
+                              retry, text))
 
     go = asyncio.Event()
-    tasks = [asyncio.create_task(one(i, go)) for i in range(args.streams)]
-    await asyncio.sleep(1.0)
+    tasks = [asyncio.create_task(one(i, go)) for i in range(n)]
+    await asyncio.sleep(1.0)  # every connection open
     go.set()
     await asyncio.gather(*tasks)
+    return answers
+
+
+async def overload(procs: Procs, args: argparse.Namespace) -> dict:
+    engine, eproc = procs.engine("overload-engine", "--max-num-seqs", "4",
+                                 "--max-queued-requests", "8")
+    router, rproc = procs.router("overload-router", [engine], "--max-num-requests", "32")
+    before = {"router": rss_mib(rproc.pid), "engine": rss_mib(eproc.pid)}
+    results = await burst(int(router.rsplit(":", 1)[1]), args.streams, 32)
     after = {"router": rss_mib(rproc.pid), "engine": rss_mib(eproc.pid)}
-    shed = [t for status, t, _ in results if status == 429]
-    ok = [done for status, _, done in results if status == 200]
+    shed = [a.seconds for a in results if a.status == 429]
+    ok = [a.completed for a in results if a.status == 200]
     return {"streams": args.streams, "accepted": len(ok), "completed": sum(ok),
             "shed_429": len(shed), "other": len(results) - len(shed) - len(ok),
             "time_to_429_p50_ms": 1000 * statistics.median(shed) if shed else None,

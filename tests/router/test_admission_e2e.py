@@ -13,8 +13,8 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,14 +25,11 @@ import pytest
 from tandem_engine.cli.serve import free_port
 from test_router_e2e import MODEL, _engine_cmd, _router_cmd, _spawn, _stop, _wait_ready
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from prefix_routing import burst, rss_mib  # the benchmark's burst, timed the same way
+
 pytestmark = pytest.mark.slow
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 class Stack:
@@ -131,55 +128,24 @@ def test_an_overload_is_shed_at_once_and_everything_accepted_completes(
                   ["--max-num-requests", "12"])
     try:
         before = {"router": rss_mib(stack.router.pid), "engine": rss_mib(stack.engine.pid)}
-        results: list[tuple[int, float, bool, str | None]] = []
         port = int(stack.url.rsplit(":", 1)[1])
-
-        async def one(i: int, go: asyncio.Event) -> None:
-            # A connection of its own, open before the burst: what is timed is the
-            # router's answer, not this process opening 200 connections.
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            body = json.dumps({"model": MODEL, "prompt": f"Request {i}: a story",
-                               "max_tokens": 24, "stream": True, "ignore_eos": True}).encode()
-            head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                    "Connection: close\r\n\r\n").encode()
-            await go.wait()
-            started = time.monotonic()
-            writer.write(head + body)
-            await writer.drain()
-            status = int((await reader.readline()).split()[1])
-            elapsed = time.monotonic() - started
-            rest = (await reader.read()).decode(errors="replace")
-            writer.close()
-            retry = next((line.split(":", 1)[1].strip() for line in rest.splitlines()
-                          if line.lower().startswith("retry-after:")), None)
-            if status != 200:
-                assert '"too_many_requests"' in rest or '"engines_busy"' in rest, rest
-            results.append((status, elapsed, status == 200 and "data: [DONE]" in rest,
-                            retry))
-
-        async def run() -> None:
-            go = asyncio.Event()
-            tasks = [asyncio.create_task(one(i, go)) for i in range(200)]
-            await asyncio.sleep(1.0)  # every connection open
-            go.set()
-            await asyncio.wait_for(asyncio.gather(*tasks), timeout=180)  # none hangs
-
-        asyncio.run(run())
+        answers = asyncio.run(asyncio.wait_for(burst(port, 200, 24, MODEL), timeout=180))  # no hang
         after = {"router": rss_mib(stack.router.pid), "engine": rss_mib(stack.engine.pid)}
-        shed = [r for r in results if r[0] == 429]
-        accepted = [r for r in results if r[0] == 200]
-        assert len(results) == 200 and len(shed) + len(accepted) == 200
+        shed = [a for a in answers if a.status == 429]
+        accepted = [a for a in answers if a.status == 200]
+        assert len(answers) == 200 and len(shed) + len(accepted) == 200
         assert shed and accepted, (len(shed), len(accepted))
-        assert all(done for _, _, done, _ in accepted)  # every accepted request completed
+        assert all(a.completed for a in accepted)  # every accepted request completed
+        assert all('"too_many_requests"' in a.text or '"engines_busy"' in a.text
+                   for a in shed), shed[0].text
         # Answered at once, not after any engine work: on this 2-core machine the router
         # parses the burst's 200 requests (h11, in Python) before its first answer goes
         # out, 100-200 ms for the last of them (docs/benchmarks.md).
-        assert max(t for _, t, _, _ in shed) < 0.5, sorted(t for _, t, _, _ in shed)[-5:]
-        assert all(retry is not None and int(retry) >= 1 for *_, retry in shed)
+        times = sorted(a.seconds for a in shed)
+        assert times[-1] < 0.5, times[-5:]
+        assert all(a.retry_after is not None and int(a.retry_after) >= 1 for a in shed)
         for proc in ("router", "engine"):
             assert after[proc] - before[proc] < 100, (before, after)
-        times = sorted(t for _, t, _, _ in shed)
         print(f"overload: {len(accepted)} accepted and completed, {len(shed)} shed: 429 "
               f"after p50 {1000 * statistics.median(times):.0f} ms, max "
               f"{1000 * times[-1]:.0f} ms; RSS MiB {before} -> {after}")
