@@ -79,3 +79,49 @@ def test_a_build_lock_left_by_a_killed_build_does_not_block_the_next_load() -> N
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "loaded" in done.stdout, done.stderr
     assert not (build_dir / "lock").exists()
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block"), [
+    (9, 3, 64, 16),   # SmolLM2's shape
+    (8, 2, 128, 4),
+    (4, 4, 64, 5),    # no GQA, a block size that splits the 16-query tiles
+])
+def test_native_prefill_chunks_equal_dense_attention(heads, kv_heads, dim, block) -> None:
+    """The native prefill kernel (float32, head size 64 or 128): chunks from the start of
+    a prompt and after a cached prefix, of lengths that end mid-tile and mid-block."""
+    g = torch.Generator().manual_seed(1)
+    num_blocks = 160
+    k_cache = torch.zeros(num_blocks, block, kv_heads, dim)
+    v_cache = torch.zeros_like(k_cache)
+    contexts = [(70, 37), (33, 33), (130, 1), (300, 45)]
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables, seqs = [], []
+    for ctx, _ in contexts:
+        tables.append([free.pop() for _ in range(-(-ctx // block))])
+        keys, values = torch.randn(2, ctx, kv_heads, dim, generator=g)
+        seqs.append((keys, values))
+        slots = torch.tensor([tables[-1][p // block] * block + p % block for p in range(ctx)])
+        write_kv(k_cache, v_cache, keys, values, slots)
+    meta = build_metadata(
+        decode_tables=[], decode_ctx_lens=[],
+        prefill_specs=[(c - n, n, t) for (c, n), t in zip(contexts, tables, strict=True)],
+        slot_mapping=[0], block_size=block, device=torch.device("cpu"),
+        buffers=GatherBuffers(), native=paged_decode_kernel())
+    q_parts = [torch.randn(n, heads, dim, generator=g) for _, n in contexts]
+    out = paged_attention(torch.cat(q_parts), k_cache, v_cache, meta, scale=dim ** -0.5)
+    row = 0
+    for q, (keys, values), (ctx, n), table in zip(q_parts, seqs, contexts, tables, strict=True):
+        expected = _dense_reference(q, keys, values, dim ** -0.5)
+        # The kernel itself (paged_attention takes it where its build has wide vectors).
+        direct = paged_decode_kernel().paged_prefill_attention(
+            q, k_cache, v_cache, torch.tensor(table), ctx - n, dim ** -0.5)
+        for got in (out[row:row + len(q)], direct):
+            assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+        row += len(q)
+
+
+def test_native_prefill_refuses_a_block_table_shorter_than_the_context() -> None:
+    k_cache = torch.zeros(4, 16, 1, 64)
+    with pytest.raises(RuntimeError, match="block table must cover 40 positions"):
+        paged_decode_kernel().paged_prefill_attention(
+            torch.zeros(8, 1, 64), k_cache, k_cache.clone(), torch.tensor([0, 1]), 32, 0.125)

@@ -4,6 +4,11 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over a paged KV cache (CPU)");
+  m.attr("vector_bits") = kVectorBits;
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "A prefill chunk's causal attention over a paged KV cache (CPU, float32)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("blocks"),
+        py::arg("start"), py::arg("scale"), py::call_guard<py::gil_scoped_release>());
   m.def("int4_matvec", &int4_matvec,
         "x [M, K] float32 times int4 weights in groups of 32 (CPU); precise: activations "
         "in two int8 terms",

@@ -38,17 +38,21 @@ void decode_attention_kernel(const T* q, const T* k_cache, const T* v_cache,
       const T* qb = q + b * heads * head_dim;
       for (int64_t i = 0; i < heads * head_dim; ++i) qf[i] = to_float(qb[i]) * scale;
       scores.assign(heads * len, 0.0f);
-      // Pass 1: scores[head][pos].
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const T* row = k_cache + table[pos / block_size] * block_stride +
-                       (pos % block_size) * token_stride;
-        for (int64_t hd = 0; hd < heads; ++hd) {
-          const T* key = row + (hd / group) * head_dim;
-          const float* qh = qf.data() + hd * head_dim;
-          float s = 0.0f;
+      // Pass 1: scores[head][pos]. Block by block and KV head by query head: no index
+      // divided per score (a division cost more than the score's arithmetic).
+      for (int64_t pos0 = 0, blk = 0; pos0 < len; pos0 += block_size, ++blk) {
+        const T* block = k_cache + table[blk] * block_stride;
+        for (int64_t t = 0; t < std::min(block_size, len - pos0); ++t) {
+          for (int64_t kv = 0; kv < kv_heads; ++kv) {
+            const T* key = block + t * token_stride + kv * head_dim;
+            for (int64_t hd = kv * group; hd < (kv + 1) * group; ++hd) {
+              const float* qh = qf.data() + hd * head_dim;
+              float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * to_float(key[d]);
-          scores[hd * len + pos] = s;
+              for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * to_float(key[d]);
+              scores[hd * len + pos0 + t] = s;
+            }
+          }
         }
       }
       // Softmax per query head.
@@ -66,15 +70,18 @@ void decode_attention_kernel(const T* q, const T* k_cache, const T* v_cache,
       }
       // Pass 2: weighted sum of values.
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const T* row = v_cache + table[pos / block_size] * block_stride +
-                       (pos % block_size) * token_stride;
-        for (int64_t hd = 0; hd < heads; ++hd) {
-          const T* value = row + (hd / group) * head_dim;
-          const float p = scores[hd * len + pos];
-          float* ah = acc.data() + hd * head_dim;
+      for (int64_t pos0 = 0, blk = 0; pos0 < len; pos0 += block_size, ++blk) {
+        const T* block = v_cache + table[blk] * block_stride;
+        for (int64_t t = 0; t < std::min(block_size, len - pos0); ++t) {
+          for (int64_t kv = 0; kv < kv_heads; ++kv) {
+            const T* value = block + t * token_stride + kv * head_dim;
+            for (int64_t hd = kv * group; hd < (kv + 1) * group; ++hd) {
+              const float p = scores[hd * len + pos0 + t];
+              float* ah = acc.data() + hd * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * to_float(value[d]);
+              for (int64_t d = 0; d < head_dim; ++d) ah[d] += p * to_float(value[d]);
+            }
+          }
         }
       }
       T* dst = out + b * heads * head_dim;
