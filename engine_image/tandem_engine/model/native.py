@@ -48,8 +48,8 @@ log = logging.getLogger(__name__)
 
 # Compiled as one translation unit, in this order (module.cpp binds them all).
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in (
-    "paged_decode_attention.cpp", "quant_matvec.cpp", "vec_math.cpp", "decode_stack.cpp",
-    "paged_prefill_attention.cpp", "module.cpp"))
+    "quant_matvec.cpp", "vec_math.cpp", "attention_rows.cpp", "decode_stack.cpp",
+    "paged_decode_attention.cpp", "paged_prefill_attention.cpp", "module.cpp"))
 _SOURCE = _SOURCES[0].parent  # what messages name
 PREBUILT_ENV = "TANDEM_NATIVE_PREBUILT"  # folder of prebuilt libraries (the image sets it)
 JIT_ENV = "TANDEM_NATIVE_JIT"  # "1": compile for this CPU even when a prebuilt one exists

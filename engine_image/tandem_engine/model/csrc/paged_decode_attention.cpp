@@ -3,7 +3,8 @@
 // One query token per request. Keys and values are read in place from their blocks
 // (no gather into a padded copy), once each: a first pass computes every query head's
 // scores, a second pass accumulates the values. Requests are split over ATen's
-// thread pool.
+// thread pool. float32 caches take attention_rows.cpp's rows (as the decode stack's),
+// bfloat16 and float16 the loop below.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -108,6 +109,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   auto tables = block_tables.contiguous();
   auto lens = ctx_lens.contiguous();
   auto out = torch::empty_like(qc);
+  if (qc.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32) {
+    attend_rows(qc.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
+                v_cache.data_ptr<float>(), tables.data_ptr<int64_t>(), tables.size(1),
+                lens.data_ptr<int64_t>(), qc.size(0), qc.size(1), k_cache.size(2), qc.size(2),
+                k_cache.size(1), static_cast<float>(scale),
+                [](int64_t items, const std::function<void(int64_t)>& body) {
+                  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+                    for (int64_t i = begin; i < end; ++i) body(i);
+                  });
+                });
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
     decode_attention_kernel<scalar_t>(
         qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
