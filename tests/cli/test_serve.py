@@ -76,13 +76,20 @@ def stop_serve(proc: subprocess.Popen, timeout: float = 60) -> None:
 def test_serve_answers_openai_and_stops_cleanly(tiny_qwen3: Path, tmp_path: Path) -> None:
     port = free_port()
     proc, lines = start_serve(tmp_path, "--model", str(tiny_qwen3), "--engines", "2",
-                               "--port", str(port), "--served-model-name", "tiny")
+                               "--port", str(port), "--served-model-name", "tiny",
+                               "--max-num-requests", "48", "--prefix-routing", "approximate")
     try:
         assert f"http://127.0.0.1:{port}/v1" in lines[-1]
+        # the router flags reach the router
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert "tandem_router_max_num_requests 48.0" in metrics
         # two engines + the router, each once (a busy machine may add "not ready yet" lines)
         assert sum(re.search(r": ready \(", line) is not None for line in lines) == 3, lines
         children = _children(proc.pid)
         assert len(children) == 3
+        router = [Path(f"/proc/{pid}/cmdline").read_text().split("\0") for pid in children]
+        router = next(argv for argv in router if "tandem_engine.router.main" in argv)
+        assert router[router.index("--prefix-routing") + 1] == "approximate"
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
         assert [m.id for m in client.models.list().data] == ["tiny"]

@@ -46,6 +46,7 @@ from tandem_engine.refit_policy import (
     RefitStrategy,
     choices,
 )
+from tandem_engine.router.flags import add_router_flags, router_flag_args
 
 DEFAULT_GENERATE_MAX_TOKENS = 32
 
@@ -185,7 +186,7 @@ def _serve(args: argparse.Namespace) -> int:
                        decode=args.decode, host=args.host, port=args.port,
                        served_model_name=name, engine_args=serve_engine_args(args),
                        weights_roots=args.weights_root, model_root=model_root,
-                       api_keys=api_keys)
+                       api_keys=api_keys, router_args=router_flag_args(args))
     return run(stack)
 
 
@@ -385,6 +386,8 @@ def _add_serve(sub) -> None:
     add_flags(serve.add_argument_group(
         "engine flags", "given to every engine the stack starts, as `tandem-engine` takes "
         "them (`tandem-engine --help`)"), SERVE_FLAGS)
+    add_router_flags(serve.add_argument_group(
+        "router flags", "given to the router, as `tandem-router` takes them"))
     serve.add_argument("--weights-root", type=Path, action="append", default=[],
                        metavar="DIR", help="a folder `tandem refit` may load checkpoints "
                        "from, besides the one holding --model (repeatable)")

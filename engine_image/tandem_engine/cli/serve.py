@@ -145,10 +145,12 @@ class LocalStack:
                  backoff_base: float = 1.0, backoff_cap: float = 30.0,
                  weights_roots: list[Path] | None = None,
                  model_root: Path | None = None,
-                 api_keys: Sequence[str] | Mapping[str, KeyPolicy] = ()) -> None:
+                 api_keys: Sequence[str] | Mapping[str, KeyPolicy] = (),
+                 router_args: Sequence[str] = ()) -> None:
         """`model_root`: the folder refits may load from besides each of `weights_roots`
         (default: the one holding `model`; `tandem serve --demo` gives the demo folder, not
-        the directory it was started in)."""
+        the directory it was started in). `router_args`: extra `tandem-router` flags
+        (router/flags.py)."""
         if prefill or decode:
             if prefill < 1 or decode < 1:
                 raise ValueError(f"--prefill {prefill} --decode {decode}: a disaggregated "
@@ -164,6 +166,7 @@ class LocalStack:
         self.port = port
         self.name = served_model_name or (model.stem if model.suffix == ".gguf" else model.name)
         self.engine_args = engine_args or []
+        self.router_args = list(router_args)
         self.lora_modules = _lora_modules(self.engine_args)
         self.log_dir = log_dir or default_log_dir(port)
         self.out = out
@@ -350,7 +353,7 @@ class LocalStack:
         self._wait([c for _, c in engines], timeout, "loading the model")
         router_args = ["tandem_engine.router.main", "--model", str(self.model),
                        "--served-model-name", self.name, "--host", self.host,
-                       "--port", str(self.port)]
+                       "--port", str(self.port), *self.router_args]
         for zmq_port, _ in engines:
             router_args += ["--engine", f"{self.host}:{zmq_port}"]
         for engine in self.engines:  # one /metrics for the stack (docs/metrics.md)

@@ -10,7 +10,8 @@ its own with a causal mask offset by the context already cached. With the native
 backend (`native.py`), decodes instead read their keys and values in place, and so do
 float32 prefill chunks of head size 64 or 128 where the kernel was built for 256-bit
 vectors or wider (csrc/paged_prefill_attention.cpp: 2.7x torch's flash attention on a
-500-token SmolLM2 prompt); with the flex backend (`flex_attention.py`, for CUDA) every query reads its blocks in place.
+500-token SmolLM2 prompt); with the flex backend (`flex_attention.py`, for CUDA) every
+query reads its blocks in place.
 
 A sliding-window layer (`window`: each query sees its own and the window - 1 keys
 before it, as transformers' sliding_window_overlay) masks the rest on the gather path;
@@ -27,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from tandem_engine.model.flex_attention import FlexStep, flex_paged_attention
-
 
 # The native prefill kernel's least vector width: on a build for 128-bit vectors (SSE, NEON)
 # it is several times slower than torch's attention (14 against 3.9 ms on a 500-token

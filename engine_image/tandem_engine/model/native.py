@@ -4,7 +4,10 @@ C++ extension tooling.
 Decode attention on CPU is bound by reading the KV cache. The pure-torch path reads
 it twice (a gather into a padded batch, then attention over the copy) and pays a
 fixed cost per tiny matmul; `csrc/paged_decode_attention.cpp` reads each key and
-value once, in place. A decode step's few rows times quantized weights are bound by
+value once, in place. `csrc/paged_prefill_attention.cpp` does a prefill chunk's causal
+attention in place too, in tiles of 16 queries against transposed keys (torch's flash
+attention spends its time in matrix products with an inner size of the head size).
+A decode step's few rows times quantized weights are bound by
 decoding the weights; `csrc/quant_matvec.cpp` multiplies int4/int8 weights by int8-rounded
 activations with byte multiply-adds (model/quant.py).
 

@@ -62,9 +62,9 @@ from tandem_engine.router.api_params import (
 )
 from tandem_engine.router.dispatch import DispatchConfig, Dispatcher
 from tandem_engine.router.engines import EnginePool
+from tandem_engine.router.flags import add_router_flags
 from tandem_engine.router.metrics import RouterMetrics
 from tandem_engine.router.openai_api import build_app
-from tandem_engine.router.picker import PREFIX_ROUTING
 from tandem_engine.tokenizer import Tokenizer
 from tandem_engine.weights import resolve_checkpoint
 
@@ -112,15 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failover-timeout", type=float, default=30.0,
                    help="seconds to find an engine of the same weight version to continue "
                         "a request whose engine died")
-    p.add_argument("--max-num-requests", type=int, default=None, metavar="N",
-                   help="generation requests this router has in flight at once; past it a "
-                        "request gets 429 with Retry-After at once (engines bound their own "
-                        "queues: tandem-engine --max-queued-requests). Default: no bound")
-    p.add_argument("--prefix-routing", choices=PREFIX_ROUTING, default="exact",
-                   help="how prefix affinity knows what each engine holds: exact (from the "
-                        "engines' KV events: their evictions and other routers' traffic "
-                        "included) or approximate (this router's memory of what it sent "
-                        "where, the earlier behaviour; for comparison) (default %(default)s)")
+    add_router_flags(p)
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted; a larger one gets 413 before it is "
                         "read or parsed (default %(default)s, 4 MiB: a 128k-token prompt as "

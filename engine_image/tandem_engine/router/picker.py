@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from tandem_engine.core.kv.hashing import block_hashes, block_salt
 from tandem_engine.lifecycle import EngineRole
 from tandem_engine.router.engines import EngineClient, EnginePool
+from tandem_engine.router.flags import PREFIX_ROUTING
 from tandem_engine.router.routing import (
     DEFAULT_WEIGHTS,
     EngineView,
@@ -62,7 +63,6 @@ STARTUP_GRACE_S = 3.0
 NEVER_HEARD = "UNKNOWN"  # an EngineView's state before the engine's first load report
 
 
-PREFIX_ROUTING = ("exact", "approximate")
 RECENT_S = 2.0  # exact routing: blocks sent this recently count as held (events lag)
 CACHE_KEYS = 65536  # prompt_cache_key -> engine entries kept, least recently used out
 
