@@ -1,4 +1,5 @@
-"""Keep the C allocator from handing activation buffers back to the kernel every step.
+"""Keep the C allocator from handing activation buffers back to the kernel every step;
+ask for huge pages under the KV pool.
 
 A step allocates and frees tensors of a few MB (activations of a 512-token chunk).
 glibc serves those from fresh mmap'd pages or trims the heap after each free, so
@@ -60,3 +61,31 @@ def release_freed_memory() -> bool:
         return False
     trim(0)
     return True
+
+
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_HUGE_PAGE = 2 * 1024 * 1024
+
+
+def advise_huge_pages(tensor) -> bool:
+    """Ask Linux to back a CPU tensor's memory with 2 MiB pages (madvise MADV_HUGEPAGE),
+    before its first touch. For the KV pool: decode attention reads a request's blocks
+    scattered over hundreds of MB, and with 4 KiB pages every block is a TLB miss (huge
+    pages: 7 % less decode-attention time, 17 rows x 400 positions x 30 layers of SmolLM2's
+    shape on 2 cores). Only the 2 MiB-aligned interior is advised. True when the kernel
+    took the advice; False elsewhere (not Linux, no transparent huge pages, a GPU tensor)."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return False
+    start = -(-tensor.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start:
+        return False
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        madvise = ctypes.CDLL(name, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise(start, end - start, _MADV_HUGEPAGE) == 0

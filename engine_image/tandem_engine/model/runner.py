@@ -26,7 +26,11 @@ from tandem_engine.model.device import MemoryProfile, auto_dtype
 from tandem_engine.model.family import Family, ModelConfig
 from tandem_engine.model.flex_attention import FlexPagedAttention, kernel_options
 from tandem_engine.model.fused_decode import FusedDecode
-from tandem_engine.model.host_memory import keep_freed_memory, release_freed_memory
+from tandem_engine.model.host_memory import (
+    advise_huge_pages,
+    keep_freed_memory,
+    release_freed_memory,
+)
 from tandem_engine.model.layers import (
     DecoderModel,
     build_model,
@@ -305,7 +309,9 @@ class ModelRunner:
     def allocate_kv(self) -> None:
         if self.graphs is not None:
             self.graphs.clear()  # a new pool: graphs captured over the old one are stale
-        self.kv_cache = torch.zeros(self.kv_shape, dtype=self.dtype, device=self.device)
+        pool = torch.empty(self.kv_shape, dtype=self.dtype, device=self.device)
+        advise_huge_pages(pool)  # before the first touch (zeroing): then it applies
+        self.kv_cache = pool.zero_()
 
     def resize_kv(self, num_blocks: int) -> None:
         """Replace the KV pool (contents lost) by one of `num_blocks` blocks: the sizing by
