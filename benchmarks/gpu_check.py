@@ -12,7 +12,10 @@ GPU time is short, so every check Tandem needs on a GPU runs from this one scrip
 * handoff: prefill and decode engine processes on the one device, the decode engine
   pulling the prompt's KV over NIXL (GB/s against a device-to-device copy in the same
   run), and its tokens against one colocated engine's;
-* lifecycle: suspend (persist/offload/recompute) and resume, and refit, timed.
+* lifecycle: suspend (persist/offload/recompute) and resume, and refit, timed;
+* quantized-int8 / quantized-int4: the weight-only kernels against the dequantized
+  weights' float32 product, and the demo model quantized at load against its dense
+  engine (weights' bytes, batch-1 decode step time).
 
 Each step runs in a forked child with its own timeout; a step that fails, crashes or times
 out is a row in the table and the next one runs. `--cpu-dry-run` runs the same steps on the
@@ -305,6 +308,64 @@ def step_throughput(plan: Plan, size: str) -> StepResult:
                 "batch1_decode_step_ms": step_ms, "weights_read_bound_ms": bound_ms})
 
 
+# A quantized projection against the float32 product with its dequantized weight: the
+# activations' own rounding bounds the difference (bfloat16 on a GPU, int8 per group of 32
+# in the CPU's native kernels), relative to the product's RMS. A kernel reading its
+# packing wrong is off by the product's own size.
+QUANT_TOLERANCE = 0.05
+QUANT_SHAPES = ((576, 1536), (1536, 576), (4096, 4096))  # (in, out): SmolLM2's and a 7B's
+
+
+def step_quantized(plan: Plan, kind: str) -> StepResult:
+    """Weight-only int8 or int4 (`--quantization`, model/quant.py) on the device: each
+    projection kernel against the dequantized weight's float32 product, and the demo model
+    quantized at load against its dense engine on the same device: weights' bytes and
+    batch-1 decode step time."""
+    from tandem_engine import LLM, SamplingParams
+    from tandem_engine.model.native import paged_decode_kernel
+    from tandem_engine.model.quant import QuantLinear, quantize
+
+    dtype = "float32" if plan.dry_run else "bfloat16"
+    device = torch.device(plan.device)
+    native = paged_decode_kernel() if plan.dry_run and not plan.quick else None
+    g = torch.Generator().manual_seed(3)
+    errors = {}
+    for k, n in QUANT_SHAPES[:2] if plan.quick else QUANT_SHAPES:
+        weight = quantize(torch.randn(n, k, generator=g) * 0.05, kind)
+        layer = QuantLinear(weight, None, device, getattr(torch, dtype), native)
+        x = torch.randn(17, k, generator=g)
+        want = x @ weight.dequantize().float().T
+        got = layer(x.to(device=device, dtype=getattr(torch, dtype))).float().cpu()
+        errors[f"{k}x{n}"] = float((got - want).pow(2).mean().sqrt()
+                                   / want.pow(2).mean().sqrt())
+    path = demo(plan, "tiny" if plan.quick else "small")
+    prompt = list(range(100, 164))
+    timings = {}
+    for quantization in ("none", kind):
+        llm = LLM(str(path), dtype=dtype, quantization=quantization, **engine_options(plan))
+        llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+        llm.engine.drain_step_timings()
+        llm.generate([prompt[1:]], SamplingParams(max_tokens=33, temperature=0.0,
+                                                  ignore_eos=True))
+        plan.sync()
+        decode = [t.forward_s + t.sample_s for t in llm.engine.drain_step_timings()
+                  if t.num_prefill_tokens == 0]
+        timings[quantization] = (llm.engine.runner.weight_bytes,
+                                 statistics.median(decode) * 1e3)
+        del llm
+    worst = max(errors.values())
+    (dense_bytes, dense_ms), (bytes_, ms) = timings["none"], timings[kind]
+    status = "ok" if worst <= QUANT_TOLERANCE and bytes_ < dense_bytes else "fail"
+    return StepResult(f"quantized-{kind}", status, summary=(
+        f"{dtype}: projections within {worst:.2%} of the dequantized product (tolerance "
+        f"{QUANT_TOLERANCE:.0%}); demo model weights {bytes_ / 2**20:.1f} MiB against "
+        f"{dense_bytes / 2**20:.1f} dense, batch-1 decode step {ms:.2f} ms against "
+        f"{dense_ms:.2f}"),
+        detail={"relative_rms_error": errors, "weight_bytes": bytes_,
+                "dense_weight_bytes": dense_bytes, "decode_step_ms": ms,
+                "dense_decode_step_ms": dense_ms, "dtype": dtype, "model": path.name})
+
+
 def copy_bandwidth(plan: Plan) -> float:
     """GB/s of one same-device copy (the handoff's ceiling), best of five."""
     n = (64 if plan.quick else 1024) * 2**20
@@ -406,6 +467,8 @@ STEPS: list[tuple[str, Callable[[Plan], StepResult], float]] = [
     ("throughput-1b", lambda plan: step_throughput(plan, "1b"), 120),
     ("handoff", step_handoff, 75),
     ("lifecycle", step_lifecycle, 45),
+    ("quantized-int8", lambda plan: step_quantized(plan, "int8"), 60),
+    ("quantized-int4", lambda plan: step_quantized(plan, "int4"), 60),
 ]
 
 

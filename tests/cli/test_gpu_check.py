@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 STEPS = ["environment", "greedy-float32", "greedy-bfloat16", "throughput-small",
-         "throughput-1b", "handoff", "lifecycle"]
+         "throughput-1b", "handoff", "lifecycle", "quantized-int8", "quantized-int4"]
 
 
 def _gpu_check():
@@ -48,6 +48,10 @@ def test_the_dry_run_reports_every_step_with_a_result_or_a_named_skip(
     assert steps["throughput-small"]["detail"]["tandem_tok_s"] > 0
     modes = [row["mode"] for row in steps["lifecycle"]["detail"]["suspend"]]
     assert modes == ["persist", "offload", "recompute"]
+    for kind in ("int8", "int4"):
+        quantized = steps[f"quantized-{kind}"]["detail"]
+        assert max(quantized["relative_rms_error"].values()) <= 0.05
+        assert quantized["weight_bytes"] < quantized["dense_weight_bytes"]
 
 
 def _raises(plan) -> None:
