@@ -1,5 +1,5 @@
 // Vector arithmetic the attention kernels share: a vector type of the target's width,
-// e^x for x <= 0 (scalar and vector) and a softmax over whole vectors.
+// e^x for x <= 0 and a softmax over whole vectors.
 
 #include <algorithm>
 #include <cmath>
@@ -34,28 +34,11 @@ inline Vec splat(float x) { return Vec{} + x; }
 // n rounded up to whole vectors.
 inline int64_t whole_vectors(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// e^x for x <= 0 (a softmax's shifted scores), within 1e-7 relative in float: 2^(x log2 e) as a
-// power of two times a degree-6 polynomial of the fraction; plain arithmetic, so a loop
-// of it vectorizes. Below -87 it is 0 (float's smallest normal is e^-87.3).
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.44269504088896341f;
-  const float whole = std::floor(t);
-  const float f = t - whole;  // [0, 1)
-  float p = 2.169062089e-4f;  // least squares of the relative error on [0, 1]
-  p = p * f + 1.244309150e-3f;
-  p = p * f + 9.678469698e-3f;
-  p = p * f + 5.548352731e-2f;
-  p = p * f + 2.402297948e-1f;
-  p = p * f + 6.931469872e-1f;
-  p = p * f + 1.000000002f;
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float power;
-  std::memcpy(&power, &bits, sizeof power);
-  return x < -87.f ? 0.f : p * power;
-}
-
-// exp_nonpositive of every lane, the same arithmetic (floor as truncation toward zero,
-// less one where that rounded up: t <= 0).
+// e^x for x <= 0 (a softmax's shifted scores) in every lane, within 1e-7 relative in
+// float: 2^(x log2 e) as a power of two times a degree-6 polynomial of the fraction (its
+// coefficients least squares of the relative error on [0, 1]); the floor is a truncation
+// toward zero, less one where that rounded up (t <= 0). Below -87 it is 0 (float's
+// smallest normal is e^-87.3).
 inline Vec exp_nonpositive(Vec x) {
   const Vec low = splat(-87.f);
   const Vec t = (x > low ? x : low) * 1.44269504088896341f;
