@@ -327,6 +327,26 @@ def test_picker_follows_prefixes_and_forgets_them_when_an_engine_refits() -> Non
     assert picker.pick(prompt) is other
 
 
+def test_a_disaggregated_request_hashes_its_prompt_once(monkeypatch) -> None:
+    """The bypass check, the prefill choice and the decode engine's record share one hash
+    chain (engines of one epoch and block size): a long prompt is hashed once."""
+    from tandem_engine.router import picker as picker_module
+
+    calls = []
+    real = picker_module.block_hashes
+    monkeypatch.setattr(picker_module, "block_hashes",
+                        lambda *args: calls.append(args) or real(*args))
+    pool = _scripted_pool({"127.0.0.1:1": "prefill", "127.0.0.1:2": "decode"})
+    picker = picker_module.EnginePicker(pool)
+    prompt = list(range(64))
+    assert picker.bypass(prompt) is None  # the decode engine holds nothing yet
+    prefill, decode = picker.pick_pair(prompt)
+    assert (prefill.key, decode.key) == ("127.0.0.1:1", "127.0.0.1:2")
+    assert len(calls) == 1
+    picker.pick_pair(list(prompt))  # another request with the same tokens: hashed again
+    assert len(calls) == 2
+
+
 # ---- one attempt ---------------------------------------------------------------------------------
 
 

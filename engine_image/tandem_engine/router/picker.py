@@ -85,6 +85,10 @@ class EnginePicker:
         self._index_generation: dict[str, tuple[EngineClient, int]] = {}
         self._tie_break = itertools.count()
         self._started = time.monotonic()
+        # The last prompt's block-hash chains, by (epoch, block size, adapter identity):
+        # one request's bypass check, prefill and decode choice and record hash it once
+        # per chain. Keyed by the token list itself (held here, so never another's id).
+        self._chains: tuple[Sequence[int], str | None, dict] = ((), None, {})
 
     # ---- what the API layer asks before dispatching ----------------------------------------
 
@@ -178,19 +182,16 @@ class EnginePicker:
         # Load (and the adapter on the device) only: the decode engine pulls the prompt.
         decode = choose(decodes, {}, self.weights, next(self._tie_break), identity)
         assert decode is not None
-        self._index(decode.key).add(block_hashes(
-            token_ids, decode.block_size, block_salt(decode.weight_epoch, cache_salt,
-                                                     identity)))
+        self._index(decode.key).add(self._chain(token_ids, cache_salt, decode.weight_epoch,
+                                                decode.block_size, identity))
         return prefill, clients[decode.key]
 
     def remember(self, client: EngineClient, token_ids: Sequence[int],
                  cache_salt: str | None, adapter: str | None = None) -> None:
         """After a choice finished on `client` (under `adapter`, a name or an identity):
         it also caches the generated blocks."""
-        v = client.view()
-        identity = adapter_identity(v, adapter) if adapter is not None else None
-        self._index(client.key).add(block_hashes(
-            token_ids, v.block_size, block_salt(v.weight_epoch, cache_salt, identity)))
+        self._index(client.key).add(self._hashes(client.view(), token_ids, cache_salt,
+                                                 adapter))
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -214,8 +215,21 @@ class EnginePicker:
         """The prompt's full blocks as engine `e` hashes them: its epoch and its version of
         the adapter salt the chain."""
         identity = adapter_identity(e, adapter) if adapter is not None else None
-        return block_hashes(token_ids, e.block_size,
-                            block_salt(e.weight_epoch, cache_salt, identity))
+        return self._chain(token_ids, cache_salt, e.weight_epoch, e.block_size, identity)
+
+    def _chain(self, token_ids: Sequence[int], cache_salt: str | None, epoch: int,
+               block_size: int, identity: str | None) -> list[int]:
+        """The prompt's full blocks' chained hashes under that salt, computed once per
+        prompt and chain (`_chains`)."""
+        held, salt, chains = self._chains
+        if held is not token_ids or salt != cache_salt:
+            chains = {}
+            self._chains = (token_ids, cache_salt, chains)
+        key = (epoch, block_size, identity)
+        if key not in chains:
+            chains[key] = block_hashes(token_ids, block_size,
+                                       block_salt(epoch, cache_salt, identity))
+        return chains[key]
 
     def _held(self, key: str, hashes: Sequence[int]) -> int:
         """How many leading `hashes` the engine at `key` holds, as far as this router
@@ -234,13 +248,8 @@ class EnginePicker:
             return None
         hashes: dict[str, list[int]] = {}
         fraction: dict[str, float] = {}
-        by_chain: dict[tuple[int, int, str | None], list[int]] = {}
         for e in candidates:
-            identity = adapter_identity(e, adapter) if adapter is not None else None
-            chain = (e.weight_epoch, e.block_size, identity)
-            if chain not in by_chain:
-                by_chain[chain] = self._hashes(e, token_ids, cache_salt, adapter)
-            hashes[e.key] = by_chain[chain]
+            hashes[e.key] = self._hashes(e, token_ids, cache_salt, adapter)
             n = len(hashes[e.key])
             fraction[e.key] = self._held(e.key, hashes[e.key]) / n if n else 0.0
         hinted = self._cache_keys.get(cache_key) if cache_key is not None else None
