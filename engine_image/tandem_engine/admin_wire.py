@@ -200,6 +200,8 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     kv_pulls: dict[str, int] | UnsetType = UNSET
     device: DeviceStatus | UnsetType = UNSET
     weight_bytes: int | UnsetType = UNSET  # the serving weights on the device
+    kv_cache_bytes: int | UnsetType = UNSET  # the KV pool (0 while suspended)
+    kv_cache_dtype: str | UnsetType = UNSET  # its elements: float32, bfloat16 or float16
     # Peak weight memory of the last refit (None: none yet): old + new, or with
     # low_memory 1x the weights plus one tensor.
     last_refit_peak_bytes: int | UnsetType | None = UNSET

@@ -21,6 +21,7 @@ from tandem_engine.engine_flags import (
 from tandem_engine.errors import CheckpointError
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", *SUPPORTED_DTYPES)  # --kv-cache-dtype
 _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16",
                   "fp16": "float16"}
 KERNEL_CHOICES = ("auto", "native", "torch", "flex")
@@ -213,6 +214,8 @@ class EngineConfig:
     # auto: on a CPU float32 for quantized weights, else bfloat16 where it has AMX or
     # AVX-512 BF16 and float32 elsewhere; on a GPU the checkpoint's (model/device.auto_dtype)
     dtype: str = "auto"
+    # The KV pool's elements (KV_CACHE_DTYPES): auto = dtype's (model/runner.py)
+    kv_cache_dtype: str = "auto"
     quantization: str = DEFAULT_QUANTIZATION  # QUANTIZATION_CHOICES
     device: str = DEFAULT_DEVICE  # auto | cpu | cuda | cuda:N
     seed: int = 0
@@ -367,6 +370,12 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "float32 for quantized weights, else bfloat16 with AMX or AVX-512 BF16 and "
                "float32 without; on a GPU the checkpoint's), float32, bfloat16 or float16",
                serve=True, pool=PoolField("engine.dtype", kind="enum")),
+    EngineFlag("kv_cache_dtype", "--kv-cache-dtype", str, "auto", "the KV cache's elements: "
+               "auto (--dtype's), float32, bfloat16 or float16 (half a float32 engine's pool "
+               "per token, rounded as stored; on a CPU decode attention reads half the "
+               "bytes) (default %(default)s)", choices=KV_CACHE_DTYPES,
+               limit=f"use one of {', '.join(KV_CACHE_DTYPES)}", serve=True,
+               pool=PoolField("engine.kvCacheDtype", kind="enum")),
     EngineFlag("quantization", "--quantization", str, DEFAULT_QUANTIZATION,
                "projection weights: auto (as the checkpoint holds them: a GGUF stays "
                "quantized), none (dense in --dtype), int8 or int4 (weight-only; an HF "

@@ -282,6 +282,7 @@ class EngineSettings:
     threads: int = DEFAULT_THREADS
     device: EngineDevice = EngineDevice.AUTO
     dtype: Dtype = Dtype.AUTO  # spec.engine.dtype
+    kv_cache_dtype: Dtype = Dtype.AUTO  # spec.engine.kvCacheDtype (the same values)
     quantization: Quantization = Quantization.AUTO  # spec.engine.quantization
     # spec.engine.gpuMemoryUtilization; None: the engine's default (CUDA engines only)
     gpu_memory_utilization: float | None = None
@@ -677,6 +678,8 @@ def parse_pool(body: Mapping[str, Any]) -> PoolSpec:
                                       choices(EngineDevice))),
         dtype=Dtype(str_field(e, "dtype", "spec.engine", _ENGINE.dtype.value, 8,
                               choices(Dtype))),
+        kv_cache_dtype=Dtype(str_field(e, "kvCacheDtype", "spec.engine",
+                                       _ENGINE.kv_cache_dtype.value, 8, choices(Dtype))),
         quantization=Quantization(str_field(e, "quantization", "spec.engine",
                                             _ENGINE.quantization.value, 8,
                                             choices(Quantization))),
@@ -927,6 +930,7 @@ def engine_config(spec: PoolSpec, device: str = DEFAULT_DEVICE,
         max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
         max_queued_requests=e.max_queued_requests,
         max_model_len=e.max_model_len, dtype=e.dtype.flag,
+        kv_cache_dtype=e.kv_cache_dtype.flag,
         device=device, quantization=e.quantization.flag,
         kv_pin_ttl_s=spec.kv_transfer.pin_ttl_seconds, speculative=speculative)
 

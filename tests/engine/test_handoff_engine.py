@@ -48,10 +48,14 @@ def pair(tiny_llama: Path):
     return LLM(tiny_llama).engine, LLM(tiny_llama).engine
 
 
-def test_handoff_decodes_like_a_colocated_run(pair, tiny_llama: Path) -> None:
-    prefill, decode = pair
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_handoff_decodes_like_a_colocated_run(tiny_llama: Path, kv_cache_dtype: str) -> None:
+    """Also with a float16 KV cache under float32 weights (--kv-cache-dtype): the blocks
+    move as they are stored."""
+    pair = prefill, decode = (LLM(tiny_llama, kv_cache_dtype=kv_cache_dtype).engine,
+                              LLM(tiny_llama, kv_cache_dtype=kv_cache_dtype).engine)
     prompts = random_prompts(2048, [5, 16, 37, 64], seed=30)
-    expected = LLM(tiny_llama).generate(prompts, GREEDY)
+    expected = LLM(tiny_llama, kv_cache_dtype=kv_cache_dtype).generate(prompts, GREEDY)
     for i, prompt in enumerate(prompts):
         rid = f"h{i}"
         first, remote = _prefill(prefill, rid, prompt)

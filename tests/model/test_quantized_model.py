@@ -54,6 +54,7 @@ class TestTheRealModelKeptQuantized:
     def test_the_gguf_stays_int4_in_a_fifth_of_the_memory(self, dense: LLM, quantized: LLM,
                                                           smollm2_gguf: Path) -> None:
         kinds = {m.scheme.describe() for m in _projections(quantized)}
+        assert str(quantized.engine.runner.kv_cache.dtype) == "torch.float16"  # auto
         # Q4_1 projections held as they are; the Q8_0 (tied) embedding as int8 rows
         assert kinds == {"int4, groups of 32 (from Q4_1)", "int8 (from Q8_0)"}
         assert not _projections(dense)
@@ -92,6 +93,20 @@ class TestTheRealModelKeptQuantized:
         after = quantized.generate(PROMPTS[:2], GREEDY)
         assert [o.outputs[0].token_ids for o in after] == \
             [o.outputs[0].token_ids for o in before]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+def test_a_16_bit_kv_cache_keeps_perplexity_and_greedy_text(
+        dense: LLM, smollm2_gguf: Path, kv_cache_dtype: str) -> None:
+    """--kv-cache-dtype on the dense float32 model, only its pool changed (the quantized
+    engine above keeps float16, auto's choice, and is measured against this float32
+    pool too)."""
+    half = LLM(smollm2_gguf, quantization="none", dtype="float32",
+               kv_cache_dtype=kv_cache_dtype)
+    windows = corpus_windows(dense, window=256, limit=6)
+    assert perplexity(half, windows) == pytest.approx(perplexity(dense, windows), rel=0.01)
+    _assert_near_ties(dense, half, PROMPTS)
 
 
 def test_an_hf_checkpoint_is_quantized_at_load(tiny_llama: Path) -> None:

@@ -399,6 +399,7 @@ DOCUMENTED_DEFAULTS = {
         "threads": 1,
         "device": "Auto",
         "dtype": "Auto",
+        "kvCacheDtype": "Auto",
         "quantization": "Auto",
         "startupTimeoutSeconds": 1800,
         "rdma": {"ipcLock": False},  # no capability unless asked for

@@ -203,7 +203,8 @@ def test_engine_pod_for_each_role() -> None:
             "--max-num-batched-tokens", "256", "--block-size", "16", "--threads", "2",
             "--device", "cpu", "--kv-pin-ttl", "30",
             "--kv-cache-memory-bytes", str(512 * 1024 * 1024), "--dtype", "auto",
-            "--quantization", "auto", "--shutdown-grace", "50", "--seed", "1"]
+            "--kv-cache-dtype", "auto", "--quantization", "auto", "--shutdown-grace", "50",
+            "--seed", "1"]
         assert c["ports"] == [{"name": "zmq", "containerPort": 5555, "protocol": "TCP"},
                               {"name": "admin", "containerPort": 8080, "protocol": "TCP"},
                               {"name": "metrics", "containerPort": 9100, "protocol": "TCP"}]

@@ -41,7 +41,7 @@ SCHEMA = yaml.safe_load((ROOT / "crds" / "inferencepools.tandem.dev.yaml").read_
 BASE = ["--model", "m", "--port", "1", "--admin-port", "2"]
 # The CR's enums spell the engine's values in CamelCase.
 POOL_ENUMS = {"device": EngineDevice, "method": SpeculativeMethod,
-              "quantization": Quantization, "dtype": Dtype}
+              "quantization": Quantization, "dtype": Dtype, "kv_cache_dtype": Dtype}
 IDS = [flag.field for flag in ENGINE_FLAGS]
 # Fields that bound another from below: sampled at their lowest, so the other's default fits.
 FLOORS = {flag.floor for flag in ENGINE_FLAGS if flag.floor is not None}

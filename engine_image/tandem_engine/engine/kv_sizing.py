@@ -36,9 +36,10 @@ class KVSizing:
 
 
 def size_kv_pool(model_config: ModelConfig, engine_config: EngineConfig,
-                 tensors: dict[str, torch.Tensor], dtype: str, model_context: int,
+                 tensors: dict[str, torch.Tensor], kv_dtype: str, model_context: int,
                  draft: DraftCheckpoint | None) -> KVSizing:
-    """The engine's KV blocks (and, sized by memory fraction, its loaded runner)."""
+    """The engine's KV blocks of `kv_dtype` (and, sized by memory fraction, its loaded
+    runner)."""
     if not kv_sized_by_memory_fraction(engine_config):
         if engine_config.gpu_memory_utilization != DEFAULT_GPU_MEMORY_UTILIZATION:
             sized = (engine_config.num_blocks, engine_config.kv_cache_memory_bytes)
@@ -47,13 +48,13 @@ def size_kv_pool(model_config: ModelConfig, engine_config: EngineConfig,
                         "the KV pool is sized by num_blocks or kv_cache_memory_bytes"
                         if sized != (None, None)
                         else "it sizes a CUDA engine's memory, and this one runs on the CPU")
-        return KVSizing(num_kv_blocks(model_config, engine_config, dtype), None)
+        return KVSizing(num_kv_blocks(model_config, engine_config, kv_dtype), None)
     runner = ModelRunner(model_config, engine_config, tensors,
                          profile_step_blocks(engine_config), model_context)
     profile = profile_step_memory(runner, engine_config)
     if draft is not None:  # the draft's weights and a pool of as many blocks
         profile = dataclasses.replace(profile, weights=profile.weights + draft.weight_bytes)
-    num_blocks = num_kv_blocks(model_config, engine_config, dtype, profile, model_context)
+    num_blocks = num_kv_blocks(model_config, engine_config, kv_dtype, profile, model_context)
     if draft is not None:
         num_blocks = draft_kv_blocks(num_blocks, model_config, draft.config)
     runner.resize_kv(num_blocks)

@@ -58,7 +58,7 @@ from tandem_engine.lora_request import LoRARequest
 from tandem_engine.model.checkpoint import LoadProgressCallback, load_checkpoint
 from tandem_engine.model.device import resolve_device
 from tandem_engine.model.family import ModelConfig
-from tandem_engine.model.runner import ModelRunner, resolve_dtype
+from tandem_engine.model.runner import ModelRunner, resolve_dtype, resolve_kv_cache_dtype
 from tandem_engine.model.sampler import Sampler
 from tandem_engine.sampling_params import SamplingParams
 from tandem_engine.tokenizer import Tokenizer
@@ -128,8 +128,9 @@ class LLMEngine:
                 f"engine option max_model_len={engine_config.max_model_len} exceeds the "
                 f"model's context of {context} tokens (max_position_embeddings): lower it")
         self.model_context = engine_config.max_model_len or context
-        sizing = size_kv_pool(model_config, engine_config, tensors, dtype, self.model_context,
-                              draft)
+        kv_dtype = resolve_kv_cache_dtype(model_config, engine_config, tensors)
+        sizing = size_kv_pool(model_config, engine_config, tensors, kv_dtype,
+                              self.model_context, draft)
         num_blocks = sizing.num_blocks
         self.kv = KVCacheManager(num_blocks, engine_config.block_size,
                                  engine_config.enable_prefix_caching)
@@ -241,6 +242,8 @@ class LLMEngine:
             num_preemptions=self.num_preemptions,
             num_pull_fallbacks=self.handoffs.num_fallbacks,
             speculative=self.speculation.snapshot(), weight_bytes=self.weights.bytes,
+            kv_cache_bytes=self.runner.kv_bytes if self.runner.kv_cache is not None else 0,
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
             last_refit_peak_bytes=self.weights.last_refit_peak_bytes, lora=lora)
 
     set_weights = _Published("weights", "name")

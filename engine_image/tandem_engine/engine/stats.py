@@ -88,6 +88,8 @@ class EngineStats:
     num_pull_fallbacks: int  # handed-over requests recomputed here
     speculative: SpecDecodeStats | None = None  # None when speculative decoding is off
     weight_bytes: int = 0  # the serving weights on the device
+    kv_cache_bytes: int = 0  # the KV pool (0 while it is released: suspended)
+    kv_cache_dtype: str = ""  # its elements (--kv-cache-dtype resolved)
     # Peak weight memory during the last refit (None: none yet): old + new, or with
     # low_memory 1x the weights plus one tensor.
     last_refit_peak_bytes: int | None = None

@@ -127,10 +127,11 @@ def build_metadata(
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys and values ([T, kv_heads, head_dim]) in their slots.
-    Caches are [num_blocks, block_size, kv_heads, head_dim]."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    """Store this step's keys and values ([T, kv_heads, head_dim]) in their slots, rounded
+    to the cache's dtype (`--kv-cache-dtype`). Caches are [num_blocks, block_size,
+    kv_heads, head_dim]."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -154,11 +155,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     meta: AttentionMetadata, scale: float,
                     window: int | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim], attending over the paged caches
-    (only the last `window` positions, a query's own included, when given)."""
+    (only the last `window` positions, a query's own included, when given). A cache of
+    another dtype than q (`--kv-cache-dtype`) is read as q's: the native kernels widen
+    each row as they read it, the gather path converts what it gathered."""
     if meta.flex is not None:
         if window is not None:
             raise ValueError("the flex attention backend has no sliding-window mask; "
                              "this model's family runs on kernels 'torch' or 'native'")
+        if k_cache.dtype != q.dtype:
+            return flex_paged_attention(q.to(k_cache.dtype), k_cache, v_cache, meta.flex,
+                                        scale).to(q.dtype)
         return flex_paged_attention(q, k_cache, v_cache, meta.flex, scale)
     out = torch.empty_like(q)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -180,11 +186,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         kb, vb = meta.buffers.get(blocks.shape[0], k_cache)
         k = _gather(k_cache, blocks, kb).view(b, -1, kv_heads, head_dim).transpose(1, 2)
         v = _gather(v_cache, blocks, vb).view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         qd = q[:b].view(b, kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=decode_mask, scale=scale)
         out[:b] = o.reshape(b, kv_heads * group, head_dim)
     native_prefill = (meta.native is not None and window is None and head_dim in (64, 128)
-                      and q.dtype == k_cache.dtype == torch.float32
+                      and q.dtype == torch.float32
                       and getattr(meta.native, "vector_bits", 0) >= NATIVE_PREFILL_BITS)
     for span in meta.prefills:
         if native_prefill:
@@ -195,6 +202,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         kb, vb = meta.buffers.get(span.blocks.shape[0], k_cache)
         k = _gather(k_cache, span.blocks, kb)[:span.ctx_len].transpose(0, 1).unsqueeze(0)
         v = _gather(v_cache, span.blocks, vb)[:span.ctx_len].transpose(0, 1).unsqueeze(0)
+        k, v = k.to(q.dtype), v.to(q.dtype)
         qp = q[span.q_start:span.q_start + span.q_len].transpose(0, 1).unsqueeze(0)
         mask = span.mask
         if window is not None and span.ctx_len > window:

@@ -208,7 +208,8 @@ class DecodeStack {
   }
 
   // x [M, hidden] float32 (the embedded tokens); cos, sin [M, head_dim]; kv_cache
-  // [layers, 2, blocks, block_size, kv_heads, head_dim] float32; slots [M] int64;
+  // [layers, 2, blocks, block_size, kv_heads, head_dim] float32, bfloat16 or float16 (new
+  // keys and values rounded to it); slots [M] int64;
   // tables [M, W] int64; lens [M] int64 (each row's context, its own token included).
   // Returns the final-normed hidden states [M, hidden].
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
@@ -217,10 +218,9 @@ class DecodeStack {
     const int64_t rows = x.size(0), h = hidden_, d = head_dim_;
     TORCH_CHECK(x.dim() == 2 && x.size(1) == h && x.scalar_type() == torch::kFloat32,
                 "DecodeStack.forward: x must be float32 [M, ", h, "]");
-    TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == torch::kFloat32 &&
-                    kv_cache.dim() == 6 && kv_cache.size(0) == (int64_t)layers_.size() &&
+    TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 6 && kv_cache.size(0) == (int64_t)layers_.size() &&
                     kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == d,
-                "DecodeStack.forward: a contiguous float32 KV pool of this model's shape");
+                "DecodeStack.forward: a contiguous KV pool of this model's shape");
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == rows &&
                     cos.size(-1) == d && slots.numel() == rows && lens.numel() == rows &&
                     tables.size(0) == rows && tables.is_contiguous(),
@@ -241,7 +241,6 @@ class DecodeStack {
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int64_t blocks = kv_cache.size(2), block_size = kv_cache.size(3);
     const int64_t layer_stride = 2 * blocks * block_size * kv_width;
-    float* pool = kv_cache.data_ptr<float>();
     const int64_t* table_p = tables.data_ptr<int64_t>();
     const int64_t* len_p = lens.data_ptr<int64_t>();
     for (int64_t m = 0; m < rows; ++m) {
@@ -262,23 +261,31 @@ class DecodeStack {
       });
       float* qkv_out[3] = {q_.data(), k_.data(), v_.data()};
       project(l.qkv, 3, normed_.data(), rows, xq_, qkv_out, for_each_);
-      float* k_cache = pool + li * layer_stride;
-      float* v_cache = k_cache + blocks * block_size * kv_width;
-      each_row(rows, [&](int64_t m) {
-        for (int64_t hd = 0; hd < heads_; ++hd) {
-          float* head = q_.data() + m * q_width + hd * d;
-          if (l.q_norm != nullptr) norm_row(head, l.q_norm, d, eps_, head);
-          rope_head(head, cp + m * d, sp + m * d, d);
-        }
-        for (int64_t hd = 0; hd < kv_heads_; ++hd) {
-          float* head = k_.data() + m * kv_width + hd * d;
-          if (l.k_norm != nullptr) norm_row(head, l.k_norm, d, eps_, head);
-          rope_head(head, cp + m * d, sp + m * d, d);
-        }
-        std::copy_n(k_.data() + m * kv_width, kv_width, k_cache + slot[m] * kv_width);
-        std::copy_n(v_.data() + m * kv_width, kv_width, v_cache + slot[m] * kv_width);
+      dispatch_cache(kv_cache, "DecodeStack.forward", [&](auto element) {
+        using C = decltype(element);
+        C* k_cache = cache_elements<C>(kv_cache) + li * layer_stride;
+        C* v_cache = k_cache + blocks * block_size * kv_width;
+        each_row(rows, [&](int64_t m) {
+          for (int64_t hd = 0; hd < heads_; ++hd) {
+            float* head = q_.data() + m * q_width + hd * d;
+            if (l.q_norm != nullptr) norm_row(head, l.q_norm, d, eps_, head);
+            rope_head(head, cp + m * d, sp + m * d, d);
+          }
+          for (int64_t hd = 0; hd < kv_heads_; ++hd) {
+            float* head = k_.data() + m * kv_width + hd * d;
+            if (l.k_norm != nullptr) norm_row(head, l.k_norm, d, eps_, head);
+            rope_head(head, cp + m * d, sp + m * d, d);
+          }
+          if constexpr (std::is_same_v<C, float>) {
+            std::copy_n(k_.data() + m * kv_width, kv_width, k_cache + slot[m] * kv_width);
+            std::copy_n(v_.data() + m * kv_width, kv_width, v_cache + slot[m] * kv_width);
+          } else {
+            narrow_row(k_.data() + m * kv_width, kv_width, k_cache + slot[m] * kv_width);
+            narrow_row(v_.data() + m * kv_width, kv_width, v_cache + slot[m] * kv_width);
+          }
+        });
+        attend(k_cache, v_cache, tables, lens, block_size, static_cast<float>(scale), rows);
       });
-      attend(k_cache, v_cache, tables, lens, block_size, static_cast<float>(scale), rows);
       float* o_out[1] = {proj_.data()};
       project(&l.o, 1, attn_.data(), rows, xq_, o_out, for_each_);
       each_row(rows, [&](int64_t m) {
@@ -315,7 +322,8 @@ class DecodeStack {
   static constexpr int64_t kSharedRows = 8;
 
   // attn_ = softmax(q k^T * scale) v per (row, query head), on the pool.
-  void attend(const float* k_cache, const float* v_cache, const torch::Tensor& tables,
+  template <typename C>
+  void attend(const C* k_cache, const C* v_cache, const torch::Tensor& tables,
               const torch::Tensor& lens, int64_t block_size, float scale, int64_t rows) {
     const auto on_pool = [this](int64_t items, const std::function<void(int64_t)>& body) {
       pool_->run(items, body);

@@ -1,4 +1,6 @@
-// Prefill attention straight from the paged KV cache, for CPUs (float32).
+// Prefill attention straight from the paged KV cache, for CPUs: float32 queries, a
+// float32, bfloat16 or float16 cache (its keys widened as they are transposed, its values
+// as they are read).
 //
 // A prefill chunk's L queries (positions start .. start + L - 1 of one request) attend
 // causally to the request's keys and values, read from their blocks. torch's
@@ -45,23 +47,23 @@ struct PrefillScratch {
 
 // keys[h][i][pos] = the cached key of KV head h at position pos, element i; zero from
 // ctx to cp (a multiple of kLanes). Every tile of the chunk reads these.
-template <int64_t D>
-void transpose_keys(const PrefillShape& s, const float* k_cache, const int64_t* table,
+template <int64_t D, typename C>
+void transpose_keys(const PrefillShape& s, const C* k_cache, const int64_t* table,
                     int64_t ctx, int64_t cp, int64_t h, float* keys) {
   const int64_t bs = s.block_size, stride = s.kv_heads * D;
   float* kt = keys + h * D * cp;
   for (int64_t pos0 = 0, b = 0; pos0 < ctx; pos0 += bs, ++b) {
     const int64_t n = std::min(bs, ctx - pos0);
-    const float* block = k_cache + table[b] * bs * stride + h * D;
+    const C* block = k_cache + table[b] * bs * stride + h * D;
     for (int64_t t = 0; t < n; ++t)
-      for (int64_t i = 0; i < D; ++i) kt[i * cp + pos0 + t] = block[t * stride + i];
+      for (int64_t i = 0; i < D; ++i) kt[i * cp + pos0 + t] = to_float(block[t * stride + i]);
   }
   for (int64_t i = 0; i < D; ++i) std::fill(kt + i * cp + ctx, kt + (i + 1) * cp, 0.f);
 }
 
-template <int64_t D>
+template <int64_t D, typename C>
 void prefill_item(const PrefillShape& s, const float* q, float* out, const float* keys,
-                  int64_t key_stride, const float* v_cache, const int64_t* table, int64_t h,
+                  int64_t key_stride, const C* v_cache, const int64_t* table, int64_t h,
                   int64_t t0, PrefillScratch& w) {
   constexpr int64_t kVecs = D / kLanes;                        // vectors a row
   constexpr int64_t kValueRows = std::max<int64_t>(1, kAccVecs / kVecs);
@@ -107,7 +109,7 @@ void prefill_item(const PrefillShape& s, const float* q, float* out, const float
     Vec acc[kValueRows][kVecs] = {};
     for (int64_t pos0 = 0, b = 0; pos0 < upto; pos0 += bs, ++b) {
       const int64_t n = std::min(bs, upto - pos0);
-      const float* block = v_cache + table[b] * bs * stride + h * D;
+      const C* block = v_cache + table[b] * bs * stride + h * D;
       for (int64_t t = 0; t < n; ++t) {
         Vec value[kVecs];
         for (int64_t c = 0; c < kVecs; ++c) value[c] = load_vec(block + t * stride + c * kLanes);
@@ -125,14 +127,14 @@ void prefill_item(const PrefillShape& s, const float* q, float* out, const float
   }
 }
 
-template <int64_t D>
-void prefill_attention(const PrefillShape& s, const float* q, float* out, const float* k_cache,
-                       const float* v_cache, const int64_t* table) {
+template <int64_t D, typename C>
+void prefill_attention(const PrefillShape& s, const float* q, float* out, const C* k_cache,
+                       const C* v_cache, const int64_t* table) {
   const int64_t ctx = s.start + s.q_len, cp = whole_vectors(ctx);
   std::vector<float> keys(s.kv_heads * D * cp);
   at::parallel_for(0, s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h)
-      transpose_keys<D>(s, k_cache, table, ctx, cp, h, keys.data());
+      transpose_keys<D, C>(s, k_cache, table, ctx, cp, h, keys.data());
   });
   const int64_t tiles = (s.q_len + kTile - 1) / kTile, items = tiles * s.kv_heads;
   std::atomic<int64_t> next{0};
@@ -140,7 +142,7 @@ void prefill_attention(const PrefillShape& s, const float* q, float* out, const 
     thread_local PrefillScratch scratch;
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
       const int64_t tile = tiles - 1 - i / s.kv_heads;  // the largest first
-      prefill_item<D>(s, q, out, keys.data(), cp, v_cache, table, i % s.kv_heads,
+      prefill_item<D, C>(s, q, out, keys.data(), cp, v_cache, table, i % s.kv_heads,
                       tile * kTile, scratch);
     }
   });
@@ -148,18 +150,18 @@ void prefill_attention(const PrefillShape& s, const float* q, float* out, const 
 
 }  // namespace
 
-// q: [L, heads, D] float32, the queries of positions start .. start + L - 1; caches:
-// [num_blocks, block_size, kv_heads, D] float32 (contiguous), already holding the
-// chunk's own keys and values; blocks: the request's block table, int64, covering
-// start + L positions. Returns [L, heads, D]. D must be 64 or 128.
+// q: [L, heads, D], the queries of positions start .. start + L - 1 (float32; another
+// dtype is widened, and the output narrowed back); caches: [num_blocks, block_size,
+// kv_heads, D] float32, bfloat16 or float16 (contiguous), already holding the chunk's
+// own keys and values; blocks: the request's block table, int64, covering start + L
+// positions. Returns [L, heads, D]. D must be 64 or 128.
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
                                       torch::Tensor v_cache, torch::Tensor blocks,
                                       int64_t start, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_prefill_attention: q must be [L, H, D], caches [N, bs, Hk, D]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32,
-              "paged_prefill_attention: float32 queries and caches");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_prefill_attention: the K and V caches of one dtype");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_prefill_attention: caches must be contiguous");
   const int64_t d = q.size(2), heads = q.size(1), kv_heads = k_cache.size(2);
@@ -171,7 +173,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
   const int64_t block_size = k_cache.size(1), ctx = start + q.size(0);
   TORCH_CHECK(start >= 0 && blocks.numel() * block_size >= ctx,
               "paged_prefill_attention: the block table must cover ", ctx, " positions");
-  auto qc = q.contiguous();
+  auto qc = q.to(torch::kFloat32).contiguous();
   auto table = blocks.contiguous();
   const int64_t* tp = table.data_ptr<int64_t>();
   for (int64_t b = 0; b * block_size < ctx; ++b)
@@ -180,8 +182,11 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache,
   auto out = torch::empty_like(qc);
   const PrefillShape shape{start, q.size(0), heads, kv_heads, heads / kv_heads, block_size,
                            static_cast<float>(scale)};
-  auto run = d == 64 ? &prefill_attention<64> : &prefill_attention<128>;
-  run(shape, qc.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
-      v_cache.data_ptr<float>(), tp);
-  return out;
+  dispatch_cache(k_cache, "paged_prefill_attention", [&](auto element) {
+    using C = decltype(element);
+    auto run = d == 64 ? &prefill_attention<64, C> : &prefill_attention<128, C>;
+    run(shape, qc.data_ptr<float>(), out.data_ptr<float>(), cache_elements<C>(k_cache),
+        cache_elements<C>(v_cache), tp);
+  });
+  return out.to(q.scalar_type());
 }
