@@ -118,11 +118,11 @@ def test_a_float_weight_quantized_at_load_stays_close(kind: str, kernels) -> Non
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_prefill_activations_round_to_two_terms_and_decode_steps_to_one(kind: str) -> None:
+def test_activations_round_to_two_terms_by_default_and_to_one_in_steps(kind: str) -> None:
     """The native kernels round activations to int8 per group of 32: in two terms (the
-    remainder on its own scale) by default, as prefill chunks run, and in one term for
-    the runner's decode-only steps (`one_term_activations`), as llama.cpp does. Two terms
-    come out an order of magnitude closer to the float32 matmul of the same weight."""
+    remainder on its own scale) by default, and in one term within the runner's steps
+    (`one_term_activations`), as llama.cpp does. Two terms come out an order of magnitude
+    closer to the float32 matmul of the same weight."""
     from tandem_engine.model.native import NativeKernelUnavailable, paged_decode_kernel
 
     try:

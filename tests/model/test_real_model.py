@@ -88,11 +88,14 @@ def test_chat_through_the_router_answers_a_factual_question(smollm2_gguf: Path,
         _wait_ready(f"http://127.0.0.1:{router_port}/readyz", router, router_log)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{router_port}/v1", api_key="x",
                                max_retries=0, timeout=120)
+        # Not France: under the chat template's default system prompt its first token is a
+        # near tie ("The" against "L", 0.08 apart in the dense float32 model), which any
+        # rounding may flip; Germany's is decided (0.66 dense, 0.61 int4).
         reply = client.chat.completions.create(
             model="smollm2", temperature=0, max_tokens=40,
-            messages=[{"role": "user", "content": "What is the capital of France?"}])
+            messages=[{"role": "user", "content": "What is the capital of Germany?"}])
         choice = reply.choices[0]
-        assert "Paris" in choice.message.content, choice.message.content
+        assert "Berlin" in choice.message.content, choice.message.content
         assert choice.finish_reason == "stop"  # ended by <|im_end|>, not by the length
         assert "<|im_end|>" not in choice.message.content
     finally:

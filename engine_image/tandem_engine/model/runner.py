@@ -480,12 +480,12 @@ class ModelRunner:
             assert self.lora is not None
             self.lora.activate(step.lora_slots)
         try:
-            with one_term_activations(not step.meta.prefills):  # decode-only steps
+            with one_term_activations():  # prefill chunks too (quant.one_term_activations)
                 hidden = run(step.input_ids, step.positions, self.kv_cache, step.meta)
         finally:
             if self.lora is not None:
                 self.lora.deactivate()
-        with one_term_activations(not step.meta.prefills):
+        with one_term_activations():
             sampled = hidden.index_select(0, step.sample_rows)
             logits = run.logits(sampled)
         prompt_logits = [(request, first, self.model.logits(hidden.index_select(0, rows)))

@@ -60,10 +60,19 @@ inline void walk_positions(const AttendShape& s, const C* base, int64_t h, int64
   }
 }
 
+// The lanes' sum by halves (log2 of the lanes' count dependent adds, not one per lane).
 inline float lane_sum(Vec v) {
-  float sum = 0.f;
-  for (int64_t i = 0; i < kLanes; ++i) sum += v[i];
-  return sum;
+#if defined(__AVX512F__)
+  __m512 x;
+  std::memcpy(&x, &v, sizeof x);
+  return _mm512_reduce_add_ps(x);
+#else
+  float half[kLanes];
+  std::memcpy(half, &v, sizeof half);
+  for (int64_t n = kLanes / 2; n > 0; n /= 2)
+    for (int64_t i = 0; i < n; ++i) half[i] += half[i + n];
+  return half[0];
+#endif
 }
 
 // One item: the `kv_n` KV heads from `k`/`v` (already offset to the item's first head)
@@ -83,11 +92,14 @@ void attend_item(const AttendShape& s, const float* q, float* o, const C* k, con
     if constexpr (D > 0 && G > 0) {
       constexpr int64_t kVecs = D / kLanes;
       static_assert(D % kLanes == 0, "the head size is whole vectors");
+      Vec qv[G][kVecs];  // in registers: the scores' stores could alias q's memory
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t c = 0; c < kVecs; ++c) qv[g][c] = load_vec(qh + g * D + c * kLanes);
       walk_positions(s, k, h, d, table, len, [&](int64_t pos, const C* key) {
         Vec acc[G] = {};
         for (int64_t c = 0; c < kVecs; ++c) {
           const Vec x = load_vec(key + c * kLanes);
-          for (int64_t g = 0; g < G; ++g) acc[g] += load_vec(qh + g * D + c * kLanes) * x;
+          for (int64_t g = 0; g < G; ++g) acc[g] += qv[g][c] * x;
         }
         for (int64_t g = 0; g < G; ++g) scores[g * cp + pos] = lane_sum(acc[g]) * s.scale;
       });
