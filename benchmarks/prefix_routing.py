@@ -13,8 +13,14 @@ this machine, SmolLM2-135M-Instruct (its GGUF, as `tandem serve` serves it).
    router (`--max-num-requests 32`); `--streams` streamed requests at once. Reported: how
    many were accepted and completed, how many got 429 and how fast, and each process's
    RSS before and after.
+3. **Fairness**: one engine (`--max-num-seqs 2`: any load queues) behind one router. A
+   light tenant (`X-Tandem-Tenant: light`) sends `--samples` requests one after another,
+   alone, then beside a heavy tenant keeping 10 streams in flight (load_clients.py, a
+   process of its own). Reported: the light tenant's TTFT p90 each time and their ratio
+   (the issue's goal: at most 1.5x), and the heavy tenant's own p90.
 
     .venv/bin/python benchmarks/prefix_routing.py [--prefixes 8] [--repeats 3]
+        [--parts shared,overload,fairness] [--samples 20]
 """
 
 from __future__ import annotations
@@ -216,24 +222,87 @@ async def overload(procs: Procs, args: argparse.Namespace) -> dict:
             "rss_mib_before": before, "rss_mib_after": after}
 
 
+def fairness(procs: Procs, args: argparse.Namespace) -> dict:
+    from load_clients import ttft  # this folder's
+
+    engine, _ = procs.engine("fairness-engine", "--max-num-seqs", "2")
+    router, _ = procs.router("fairness-router", [engine])
+
+    def p90(tenant: str, n: int) -> float:
+        samples = [ttft(router, f"{tenant} {i}: once upon a time", 8,
+                        {"X-Tandem-Tenant": tenant}, MODEL) for i in range(n)]
+        return 1000 * statistics.quantiles(samples, n=10)[-1]
+
+    p90("light", 3)  # warm
+    solo = p90("light", args.samples)
+    load = subprocess.Popen([sys.executable, str(Path(__file__).with_name("load_clients.py")),
+                             router, "--threads", "10", "--max-tokens", "64", "--model",
+                             MODEL, "--header", "X-Tandem-Tenant=heavy"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2)  # saturated
+        loaded = p90("light", args.samples)
+        heavy = p90("heavy", max(4, args.samples // 2))
+    finally:
+        load.terminate()
+        out, _ = load.communicate(timeout=150)
+    report = json.loads(out.strip().splitlines()[-1])
+    return {"light_solo_p90_ms": solo, "light_loaded_p90_ms": loaded,
+            "heavy_p90_ms": heavy, "ratio": loaded / solo, "heavy_done": report["done"],
+            "heavy_errors": len(report["errors"])}
+
+
+PARTS = ("shared", "overload", "fairness")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefixes", type=int, default=8)
     parser.add_argument("--prefix-tokens", type=int, default=384)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--streams", type=int, default=200)
+    parser.add_argument("--samples", type=int, default=20,
+                        help="fairness: the light tenant's requests per measurement")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)}")
     args = parser.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    if set(parts) - set(PARTS):
+        parser.error(f"--parts: unknown {', '.join(sorted(set(parts) - set(PARTS)))}; "
+                     f"choose from {', '.join(PARTS)}")
     model = pull(SMOLLM2_135M_INSTRUCT)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; model {model.name}")
+    shared = shed = fair = None
     with tempfile.TemporaryDirectory() as tmp:
-        procs = Procs(model, Path(tmp))
-        try:
-            shared = shared_prefixes(procs, args)
-            procs.stop()
+        for part in parts:
             procs = Procs(model, Path(tmp))
-            shed = asyncio.run(overload(procs, args))
-        finally:
-            procs.stop()
+            try:
+                if part == "shared":
+                    shared = shared_prefixes(procs, args)
+                elif part == "overload":
+                    shed = asyncio.run(overload(procs, args))
+                else:
+                    fair = fairness(procs, args)
+            finally:
+                procs.stop()
+    if shared is not None:
+        print_shared(shared)
+    if shed is not None:
+        print(f"\noverload: {shed['streams']} streams at once: {shed['accepted']} accepted, "
+              f"{shed['completed']} completed, {shed['shed_429']} got 429 (p50 "
+              f"{shed['time_to_429_p50_ms']:.1f} ms, max {shed['time_to_429_max_ms']:.1f} "
+              f"ms), {shed['other']} other; RSS MiB before {shed['rss_mib_before']}, after "
+              f"{shed['rss_mib_after']}")
+    if fair is not None:
+        print(f"\nfairness: the light tenant's TTFT p90 alone {fair['light_solo_p90_ms']:.0f} "
+              f"ms, beside a tenant with 10 streams in flight "
+              f"{fair['light_loaded_p90_ms']:.0f} ms: {fair['ratio']:.2f}x (goal <= 1.5x); "
+              f"the heavy tenant's own p90 {fair['heavy_p90_ms']:.0f} ms "
+              f"({fair['heavy_done']} of its requests done, {fair['heavy_errors']} errors)")
+    return 0
+
+
+def print_shared(shared: dict[str, dict]) -> None:
     print("\n| routing | repeats on the prefix's engine | TTFT mean | TTFT p50 |")
     print("|---|---|---|---|")
     for mode, r in shared.items():
@@ -242,12 +311,6 @@ def main() -> int:
     e, a = shared["exact"], shared["approximate"]
     print(f"\nexact / approximate: hit rate {e['hits'] / max(1, a['hits']):.2f}x, "
           f"TTFT mean {e['ttft_mean_ms'] / a['ttft_mean_ms']:.2f}x")
-    print(f"\noverload: {shed['streams']} streams at once: {shed['accepted']} accepted, "
-          f"{shed['completed']} completed, {shed['shed_429']} got 429 (p50 "
-          f"{shed['time_to_429_p50_ms']:.1f} ms, max {shed['time_to_429_max_ms']:.1f} ms), "
-          f"{shed['other']} other; RSS MiB before {shed['rss_mib_before']}, after "
-          f"{shed['rss_mib_after']}")
-    return 0
 
 
 if __name__ == "__main__":

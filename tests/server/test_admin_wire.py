@@ -24,7 +24,8 @@ from tandem_engine.lifecycle import EngineRole, EngineState
 RUNNING_KEYS = ["engine_id", "incarnation", "role", "model", "state", "weight_version",
                 "weight_epoch", "weight_uri", "num_running", "num_waiting", "kv_usage",
                 "draining", "unhealthy", "pinned_blocks", "quarantined_blocks", "kv_pulls",
-                "device", "weight_bytes", "last_refit_peak_bytes", "cached_blocks",
+                "device", "weight_bytes", "kv_cache_bytes", "kv_cache_dtype",
+                "last_refit_peak_bytes", "cached_blocks",
                 "kv_event_seq"]
 LOADING_KEYS = ["engine_id", "role", "model", "state", "weight_version", "weight_epoch",
                 "weight_uri", "num_running", "num_waiting", "kv_usage", "draining",
@@ -41,7 +42,8 @@ def _running() -> EngineStatus:
                   "failed_timeout": 1, "recomputed": 1},
         device=DeviceStatus(type="cpu", index=None, name="x86_64", memory_total_bytes=2**33,
                             memory_used_bytes=2**28, memory_source="cpu: rss"),
-        weight_bytes=123456, last_refit_peak_bytes=None, cached_blocks=9, kv_event_seq=12)
+        weight_bytes=123456, kv_cache_bytes=1 << 20, kv_cache_dtype="float16",
+        last_refit_peak_bytes=None, cached_blocks=9, kv_event_seq=12)
 
 
 def test_the_status_round_trips_with_the_keys_it_always_had() -> None:
@@ -145,6 +147,9 @@ def test_the_admin_app_answers_the_status_struct(admin, tiny_llama: Path) -> Non
     status = decode_status(state)
     assert (status.role, status.state, status.weight_bytes) == (
         EngineRole.DECODE, EngineState.RUNNING, llm.engine.stats.weight_bytes)
+    pool = llm.engine.runner.kv_cache
+    assert (status.kv_cache_bytes, status.kv_cache_dtype) == (
+        pool.numel() * pool.element_size(), str(pool.dtype).removeprefix("torch."))
     # A refit request as the fleet sends it travels to the engine: name, version, epoch.
     assert client.post("/v1/pause").status_code == 200
     body = RefitRequest(uri=tiny_llama.as_uri(), version="v9", epoch=7).to_body()
