@@ -371,9 +371,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "float32 without; on a GPU the checkpoint's), float32, bfloat16 or float16",
                serve=True, pool=PoolField("engine.dtype", kind="enum")),
     EngineFlag("kv_cache_dtype", "--kv-cache-dtype", str, "auto", "the KV cache's elements: "
-               "auto (--dtype's), float32, bfloat16 or float16 (half a float32 engine's pool "
-               "per token, rounded as stored; on a CPU decode attention reads half the "
-               "bytes) (default %(default)s)", choices=KV_CACHE_DTYPES,
+               "auto (float16 on a CPU serving quantized weights, as llama.cpp; else "
+               "--dtype's), float32, bfloat16 or float16 (16 bits: twice a float32 pool's "
+               "tokens in the same bytes, rounded as stored) (default %(default)s)",
+               choices=KV_CACHE_DTYPES,
                limit=f"use one of {', '.join(KV_CACHE_DTYPES)}", serve=True,
                pool=PoolField("engine.kvCacheDtype", kind="enum")),
     EngineFlag("quantization", "--quantization", str, DEFAULT_QUANTIZATION,
