@@ -128,7 +128,7 @@ class LLMEngine:
                 f"engine option max_model_len={engine_config.max_model_len} exceeds the "
                 f"model's context of {context} tokens (max_position_embeddings): lower it")
         self.model_context = engine_config.max_model_len or context
-        kv_dtype = resolve_kv_cache_dtype(model_config, engine_config, tensors)
+        kv_dtype = resolve_kv_cache_dtype(engine_config, dtype, tensors)
         sizing = size_kv_pool(model_config, engine_config, tensors, kv_dtype,
                               self.model_context, draft)
         num_blocks = sizing.num_blocks

@@ -162,10 +162,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if window is not None:
             raise ValueError("the flex attention backend has no sliding-window mask; "
                              "this model's family runs on kernels 'torch' or 'native'")
-        if k_cache.dtype != q.dtype:
-            return flex_paged_attention(q.to(k_cache.dtype), k_cache, v_cache, meta.flex,
-                                        scale).to(q.dtype)
-        return flex_paged_attention(q, k_cache, v_cache, meta.flex, scale)
+        return flex_paged_attention(q.to(k_cache.dtype), k_cache, v_cache, meta.flex,
+                                    scale).to(q.dtype)
     out = torch.empty_like(q)
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // kv_heads

@@ -67,15 +67,15 @@ def resolve_dtype(model_config: ModelConfig, engine_config: EngineConfig,
     return normalize_dtype(engine_config.dtype, "engine option", "dtype")
 
 
-def resolve_kv_cache_dtype(model_config: ModelConfig, engine_config: EngineConfig,
+def resolve_kv_cache_dtype(engine_config: EngineConfig, dtype: str,
                            tensors: dict[str, torch.Tensor | QuantizedWeight] | None = None,
                            ) -> str:
     """The KV pool's dtype. `--kv-cache-dtype auto`: float16 on a CPU serving quantized
     weights with float32 activations (llama.cpp's default cache: half the bytes a token,
     and decode attention is bound by reading them; 1.17-1.20x the 64-request benchmark's
     tokens/s in process, docs/benchmarks.md), else the engine's dtype (vLLM's rule).
-    Keys and values are rounded as they are stored and widened as attention reads them."""
-    dtype = resolve_dtype(model_config, engine_config, tensors)
+    Keys and values are rounded as they are stored and widened as attention reads them.
+    `dtype`: the engine's, resolved (`resolve_dtype`)."""
     if engine_config.kv_cache_dtype != "auto":
         return normalize_dtype(engine_config.kv_cache_dtype, "engine option", "kv_cache_dtype")
     if (torch.device(engine_config.device).type == "cpu" and dtype == "float32"
@@ -225,7 +225,7 @@ class ModelRunner:
             keep_freed_memory()
         dtype = resolve_dtype(model_config, engine_config, tensors)
         self.dtype = DTYPES[dtype]
-        self.kv_dtype = DTYPES[resolve_kv_cache_dtype(model_config, engine_config, tensors)]
+        self.kv_dtype = DTYPES[resolve_kv_cache_dtype(engine_config, dtype, tensors)]
         self.quantization = engine_config.quantization  # a refit loads under it too
         self.block_size = engine_config.block_size
         self.kv_shape = (model_config.num_layers, 2, num_blocks, self.block_size,

@@ -276,13 +276,8 @@ class DecodeStack {
             if (l.k_norm != nullptr) norm_row(head, l.k_norm, d, eps_, head);
             rope_head(head, cp + m * d, sp + m * d, d);
           }
-          if constexpr (std::is_same_v<C, float>) {
-            std::copy_n(k_.data() + m * kv_width, kv_width, k_cache + slot[m] * kv_width);
-            std::copy_n(v_.data() + m * kv_width, kv_width, v_cache + slot[m] * kv_width);
-          } else {
-            narrow_row(k_.data() + m * kv_width, kv_width, k_cache + slot[m] * kv_width);
-            narrow_row(v_.data() + m * kv_width, kv_width, v_cache + slot[m] * kv_width);
-          }
+          narrow_row(k_.data() + m * kv_width, kv_width, k_cache + slot[m] * kv_width);
+          narrow_row(v_.data() + m * kv_width, kv_width, v_cache + slot[m] * kv_width);
         });
         attend(k_cache, v_cache, tables, lens, block_size, static_cast<float>(scale), rows);
       });
