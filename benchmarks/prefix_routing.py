@@ -215,10 +215,21 @@ async def overload(procs: Procs, args: argparse.Namespace) -> dict:
     after = {"router": rss_mib(rproc.pid), "engine": rss_mib(eproc.pid)}
     shed = [a.seconds for a in results if a.status == 429]
     ok = [a.completed for a in results if a.status == 200]
+    # The router's own bound refuses on the headers; past it, the engines' queues refuse
+    # what the router sent them (after tokenizing and one round trip).
+    full = [a.seconds for a in results if a.status == 429 and "too_many_requests" in a.text]
+    busy = [a.seconds for a in results if a.status == 429 and "engines_busy" in a.text]
+
+    def ms(xs: list[float], f) -> float | None:
+        return round(1000 * f(xs), 1) if xs else None
+
     return {"streams": args.streams, "accepted": len(ok), "completed": sum(ok),
             "shed_429": len(shed), "other": len(results) - len(shed) - len(ok),
-            "time_to_429_p50_ms": 1000 * statistics.median(shed) if shed else None,
-            "time_to_429_max_ms": 1000 * max(shed) if shed else None,
+            "time_to_429_p50_ms": ms(shed, statistics.median),
+            "time_to_429_max_ms": ms(shed, max),
+            "router_full": len(full), "router_full_p50_ms": ms(full, statistics.median),
+            "router_full_max_ms": ms(full, max),
+            "engines_full": len(busy), "engines_full_max_ms": ms(busy, max),
             "rss_mib_before": before, "rss_mib_after": after}
 
 
@@ -291,8 +302,11 @@ def main() -> int:
         print(f"\noverload: {shed['streams']} streams at once: {shed['accepted']} accepted, "
               f"{shed['completed']} completed, {shed['shed_429']} got 429 (p50 "
               f"{shed['time_to_429_p50_ms']:.1f} ms, max {shed['time_to_429_max_ms']:.1f} "
-              f"ms), {shed['other']} other; RSS MiB before {shed['rss_mib_before']}, after "
-              f"{shed['rss_mib_after']}")
+              f"ms), {shed['other']} other. The router's bound: {shed['router_full']} "
+              f"refused on their headers, p50 {shed['router_full_p50_ms']} ms, max "
+              f"{shed['router_full_max_ms']} ms (goal <= 100 ms); the engines' queues: "
+              f"{shed['engines_full']}, max {shed['engines_full_max_ms']} ms. RSS MiB before "
+              f"{shed['rss_mib_before']}, after {shed['rss_mib_after']}")
     if fair is not None:
         print(f"\nfairness: the light tenant's TTFT p90 alone {fair['light_solo_p90_ms']:.0f} "
               f"ms, beside a tenant with 10 streams in flight "

@@ -79,15 +79,25 @@ def test_a_rate_window_waits_for_room() -> None:
 
 def test_the_in_flight_bound_refuses_at_once_and_frees_when_done() -> None:
     admission = Admission(max_num_requests=2)
-    first = admission.admit(None, None, "m", 0, 1)
-    admission.admit(None, None, "m", 0, 1)
+    admission.enter(None, None)
+    admission.enter(None, "other")
     with pytest.raises(Refused) as refused:
-        admission.admit(None, None, "m", 0, 1)
+        admission.enter(None, "third")
     assert refused.value.status == 429 and refused.value.retry_after == 1.0
-    first.done(3)
-    first.done(3)  # once only
+    assert "--max-num-requests 2" in refused.value.message
+    assert admission.refused == {("third", "router_full"): 1}
+    admission.leave()
     assert admission.inflight == 1
-    admission.admit(None, None, "m", 0, 1)
+    admission.enter(None, None)
+
+
+def test_a_ticket_ends_once() -> None:
+    admission = Admission()
+    ticket = admission.admit(None, "t", "m", 0, 4, 4)
+    ticket.done(3)
+    ticket.done(3)  # once only
+    assert {name: (work, active) for name, work, active in admission.tenants()} == \
+        {"t": (0, 0)}
 
 
 def test_priority_comes_first_then_the_tenant_with_less_work_in_flight() -> None:

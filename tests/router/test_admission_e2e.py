@@ -112,11 +112,12 @@ def test_an_overload_is_shed_at_once_and_everything_accepted_completes(
         assert all(a.completed for a in accepted)  # every accepted request completed
         assert all('"too_many_requests"' in a.text or '"engines_busy"' in a.text
                    for a in shed), shed[0].text
-        # Answered at once, not after any engine work: on this 2-core machine the router
-        # parses the burst's 200 requests (h11, in Python) before its first answer goes
-        # out, 100-200 ms for the last of them (docs/benchmarks.md).
+        # Answered at once: the router's front door refuses the excess on its headers,
+        # before reading or tokenizing it. Alone on this 2-core machine the last 429 of
+        # the burst leaves within 30-55 ms (benchmarks/prefix_routing.py --parts overload,
+        # docs/benchmarks.md); here another test may hold the other core.
         times = sorted(a.seconds for a in shed)
-        assert times[-1] < 0.5, times[-5:]
+        assert statistics.median(times) < 0.1 and times[-1] < 0.3, times[-5:]
         assert all(a.retry_after is not None and int(a.retry_after) >= 1 for a in shed)
         for proc in ("router", "engine"):
             assert after[proc] - before[proc] < 100, (before, after)
@@ -157,10 +158,10 @@ def test_a_heavy_tenant_does_not_slow_a_light_one(saturated: Stack) -> None:
     requests are tagged ahead (it has less work in flight) and preempt the heavy one's on
     the engine. Measured on this 2-core machine, where the load generator, the router and
     the engine share the cores: the light tenant's TTFT p90 stays within a few of its solo
-    value (1.7-1.9x alone here, with the load in a process of its own; the issue's 1.5x is
-    not reached on this machine), while the heavy tenant's own requests wait behind each
-    other (over 5x the light one's)."""
-    def p90(tenant: str, n: int = 12) -> float:
+    value (1.3-1.6x alone here: a few ms, one engine step; 1.5x is the benchmark's goal,
+    benchmarks/prefix_routing.py --parts fairness), while the heavy tenant's own requests
+    wait behind each other (over 5x the light one's)."""
+    def p90(tenant: str, n: int = 20) -> float:
         samples = [ttft(saturated.url, f"{tenant} {i}: once upon a time", 8,
                         {"X-Tandem-Tenant": tenant}) for i in range(n)]
         return statistics.quantiles(samples, n=10)[-1]

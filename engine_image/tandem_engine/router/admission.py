@@ -17,8 +17,12 @@ here waits):
   request counts its prompt tokens when admitted and its output tokens when done.
   Past a limit: 429 `rate_limit_exceeded`, `Retry-After` the seconds until the window
   has room.
-* **A bound** (`max_num_requests`): requests this router has in flight at once; past it,
-  429 `too_many_requests` with `Retry-After`. Engines bound their own queues
+* **A bound** (`max_num_requests`): requests this router has in flight at once, counted
+  from the moment their headers arrive (`enter`, in the router's front door, before the
+  body is read): past it, 429 `too_many_requests` with `Retry-After`. A burst's excess is
+  refused before any of it is parsed or tokenized, so it is answered in milliseconds (had
+  the bound counted admitted requests only, a burst would pass it whole while its first
+  requests were still being parsed). Engines bound their own queues
   (`--max-queued-requests`); a request every engine refuses as full is a 429 too.
 * **Order: priority, then fairness.** A request's engine priority (the engine schedules
   lower first, and preempts a running request of a worse priority by recompute) is its
@@ -177,11 +181,16 @@ class Admission:
 
     # ---- admitting ----------------------------------------------------------------------------
 
-    def check_room(self, key: str | None, tenant_header: str | None) -> None:
-        """Refused (429) when the router is full: checked before a request's body is read,
-        so the excess of a burst is answered without parsing or tokenizing it."""
+    def enter(self, key: str | None, tenant_header: str | None) -> None:
+        """A request's seat in the router, taken when its headers arrive (before its body
+        is read) and given back with `leave` when it ends, however it ends. Refused (429)
+        when the router is full."""
         if self.max_num_requests is not None and self.inflight >= self.max_num_requests:
             raise self._refuse(self.policy(key, tenant_header)[1].tenant, self._full())
+        self.inflight += 1
+
+    def leave(self) -> None:
+        self.inflight -= 1
 
     def _full(self) -> Refused:
         return Refused(429, "too_many_requests", f"the router has {self.inflight} requests "
@@ -190,7 +199,8 @@ class Admission:
 
     def admit(self, key: str | None, tenant_header: str | None, model: str, priority: int,
               prompt_tokens: int, max_tokens: int = 0, now: float | None = None) -> Ticket:
-        """A ticket, or Refused (404 a model the key may not use, 429 a limit).
+        """A ticket, or Refused (404 a model the key may not use, 429 a rate limit), for a
+        request that has its seat (`enter`).
         `max_tokens`: the most output tokens the request may make (every choice's)."""
         now = time.monotonic() if now is None else now
         key_id, policy = self.policy(key, tenant_header)
@@ -200,8 +210,6 @@ class Admission:
                 404, "model_not_found", f"The model '{model}' does not exist or this API key "
                 f"(tenant {tenant}) may not use it: it may use "
                 f"{', '.join(sorted(policy.models))}", reason="model_not_allowed"))
-        if self.max_num_requests is not None and self.inflight >= self.max_num_requests:
-            raise self._refuse(tenant, self._full())
         waits = []
         if policy.rpm is not None:
             window = self._rpm.setdefault(key_id, RateWindow(policy.rpm))
@@ -224,14 +232,12 @@ class Admission:
         level = self.level(tenant)
         reserved = prompt_tokens + max_tokens
         state.outstanding += reserved
-        self.inflight += 1
         self.admitted[tenant] = self.admitted.get(tenant, 0) + 1
         priority = max(-MAX_PRIORITY, min(MAX_PRIORITY, priority))
         return Ticket(self, tenant, key_id, priority, priority * FAIRNESS_LEVELS + level,
                       prompt_tokens, reserved)
 
     def release(self, ticket: Ticket, output_tokens: int) -> None:
-        self.inflight -= 1
         state = self._tenants[ticket.tenant]
         state.active -= 1
         state.outstanding -= ticket.reserved

@@ -647,8 +647,8 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
         finally:
             await pool.close()
 
-    app = FastAPI(title="tandem-router", version=VERSION, lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url="/openapi.json")
+    app = RouterApp(title="tandem-router", version=VERSION, lifespan=lifespan, docs_url=None,
+                    redoc_url=None, openapi_url="/openapi.json")
     app.state.dispatcher = dispatcher
     app.state.metrics = metrics
     app.add_exception_handler(InvalidRequest, api.invalid)
@@ -657,8 +657,8 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
     app.add_exception_handler(RequestValidationError, api.validation_error)
     app.add_exception_handler(Exception, api.unexpected)
     _mount(app, api)
-    app.add_middleware(AdmissionGate, admission=admission)  # inside the key check
-    app.add_middleware(ApiKeyMiddleware, keys=api_keys, admin_token=admin_token)
+    app.front = ApiKeyMiddleware(AdmissionGate(app.inner, admission), keys=api_keys,
+                                 admin_token=admin_token)
     if api_keys:
 
         def openapi() -> dict[str, Any]:
@@ -673,32 +673,54 @@ def build_app(pool: EnginePool, tokenizer: Tokenizer, served_model_name: str,
 
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+TENANT_HEADER_BYTES = TENANT_HEADER.encode()
+
+
+class RouterApp(FastAPI):
+    """The router's FastAPI app with its front door before FastAPI's own per-request work
+    (its telemetry check, middleware stack, routing): the API key check, then the
+    admission gate. What they refuse (401, and the 429s of a full router) is answered in
+    a few tens of microseconds, so a burst's excess costs the router little."""
+
+    front: Any = None  # ApiKeyMiddleware(AdmissionGate(inner)), set by build_app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await (self.front or self.inner)(scope, receive, send)
+
+    async def inner(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await super().__call__(scope, receive, send)
 
 
 class AdmissionGate:
-    """ASGI middleware: a generation request that arrives while the router is full gets
-    its 429 here, before the framework builds a request or reads its body: the excess of
-    a burst costs the router little and is answered at once (`Admission.check_room`)."""
+    """ASGI middleware, in the router's front door (`RouterApp`): a generation request takes
+    its seat here when its headers arrive (`Admission.enter`) and gives it back when its
+    answer is done. One that arrives while the router is full gets its 429 here, before
+    the framework sees it or its body is read: a burst's excess is answered at once."""
 
     def __init__(self, app: Any, admission: Admission) -> None:
         self.app, self.admission = app, admission
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] in GENERATION_PATHS:
-            try:
-                tenant = next((v.decode(errors="replace") for k, v in scope["headers"]
-                               if k == TENANT_HEADER.encode()), None)
-                self.admission.check_room(scope.get(SCOPE_KEY), tenant)
-            except Refused as exc:
-                body = json.dumps(fmt.error_body(exc.message, "rate_limit_error", None,
-                                                 exc.code)).encode()
-                await send({"type": "http.response.start", "status": exc.status, "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"retry-after", str(max(1, math.ceil(exc.retry_after or 1))).encode())]})
-                await send({"type": "http.response.body", "body": body})
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            tenant = next((v.decode(errors="replace") for k, v in scope["headers"]
+                           if k == TENANT_HEADER_BYTES), None)
+            self.admission.enter(scope.get(SCOPE_KEY), tenant)
+        except Refused as exc:
+            body = json.dumps(fmt.error_body(exc.message, "rate_limit_error", None,
+                                             exc.code)).encode()
+            await send({"type": "http.response.start", "status": exc.status, "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(max(1, math.ceil(exc.retry_after or 1))).encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.admission.leave()
 
 
 def _mount(app: FastAPI, api: RouterApi) -> None:
