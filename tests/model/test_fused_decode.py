@@ -15,6 +15,7 @@ from tandem_engine.bench.quality import greedy_agreement
 from tandem_engine.model.attention import build_metadata
 from tandem_engine.model.fused_decode import FusedDecode
 from tandem_engine.model.quant import one_term_activations
+from tandem_engine.model.runner import FUSED_PREFILL_ROWS
 
 MAX_NEW = 24
 
@@ -80,6 +81,39 @@ def test_a_fused_step_is_the_eager_step(tiny_model: Path, kind: str, rows: int,
     _assert_close(*_eager_and_fused(llm, rows, context))
 
 
+@pytest.mark.parametrize("start,rows", [(0, 7), (20, 12), (33, 1)])
+def test_a_prefill_chunk_as_fused_rows_is_the_eager_prefill(tiny_model: Path, kind: str,
+                                                             start: int, rows: int) -> None:
+    """A prompt chunk of `rows` positions after `start` cached ones: the eager model's
+    prefill (causal attention over the chunk and its prefix) and the fused stack running
+    each position as a row that attends to itself and before (runner._prefills_as_rows)."""
+    llm = LLM(tiny_model, dtype="float32", quantization=kind, num_blocks=64, block_size=16)
+    runner = llm.engine.runner
+    assert runner.fused is not None
+    g = torch.Generator().manual_seed(start + rows)
+    bs = runner.block_size
+    assert runner.kv_cache is not None
+    runner.kv_cache.normal_(generator=g)  # the cached prefix, and junk past it
+    table = [5, 2, 9, 7]
+    positions = torch.arange(start, start + rows)
+    slots = [table[q // bs] * bs + q % bs for q in positions.tolist()]
+    ids = torch.randint(4, llm.engine.model_config.vocab_size, (rows,), generator=g)
+    metas = {
+        runner.model: build_metadata([], [], [(start, rows, table)], slots, bs, runner.device,
+                                     runner.gather_buffers, runner.native),
+        runner.fused: build_metadata([table] * rows, list(range(start + 1, start + rows + 1)),
+                                     [], slots, bs, runner.device, runner.gather_buffers,
+                                     runner.native)}
+    before = runner.kv_cache.clone()
+    out = []
+    for run, meta in metas.items():
+        pool = before.clone()
+        with torch.inference_mode(), one_term_activations():
+            hidden = run(ids, positions, pool, meta)
+            out.append((hidden, run.logits(hidden), pool))
+    _assert_close(*out, before, rows)
+
+
 def test_greedy_generation_is_the_same_with_and_without_the_fused_step(
         tiny_model: Path, kind: str) -> None:
     fused = LLM(tiny_model, dtype="float32", quantization=kind)
@@ -109,7 +143,8 @@ def test_a_large_batch_fused_agrees_with_the_eager_step(tiny_model: Path) -> Non
         assert c.near_tie, f"{prompt}: first differs at {c.first_difference}"
 
 
-def test_every_decode_only_step_is_fused_at_any_batch_size(tiny_llama: Path) -> None:
+def test_decode_steps_and_short_prefills_are_fused_long_prefills_eager(
+        tiny_llama: Path) -> None:
     llm = LLM(tiny_llama, dtype="float32", quantization="int4")
     runner = llm.engine.runner
     calls: list[int] = []
@@ -128,10 +163,14 @@ def test_every_decode_only_step_is_fused_at_any_batch_size(tiny_llama: Path) -> 
     runner.fused = Counting(runner.fused)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     llm.generate([[1, 5, 9, 20, 33]], params)
-    assert calls == [1, 1, 1, 1]  # the prefill ran eagerly, each decode step fused
+    assert calls == [5, 1, 1, 1, 1]  # the prompt's 5 positions as rows, then each decode
     calls.clear()
-    llm.generate([[3, 4, 5]] * 40, params)  # 40 rows at once
-    assert calls == [40, 40, 40, 40]
+    llm.generate([[3, 4, 5]] * 40, params)  # 120 prompt rows: eager; then 40 decode rows
+    assert FUSED_PREFILL_ROWS < 120 and calls == [40, 40, 40, 40]
+    calls.clear()
+    long = list(range(1, FUSED_PREFILL_ROWS + 2))
+    llm.generate([long], params)
+    assert calls == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("quantization,dtype", [("none", "float32"), ("int4", "bfloat16")])

@@ -5,9 +5,12 @@ of norms, projections, RoPE, the KV write, attention, SiLU and residuals), and t
 dispatch costs as much as the arithmetic. `csrc/decode_stack.cpp` runs the same layers
 in one call with persistent work buffers: `FusedDecode.build` hands it every layer's
 packed weights once, and the runner calls it for steps of decodes only, at any batch
-size (prefill chunks and speculative verification take the eager path, whose projections
-are the same native kernels), and `logits` for the output head of such a step. With many
-rows the per-row work (norms, RoPE, SiLU) is shared on its pool too.
+size, and `logits` for the output head of such a step. A short prefill chunk (a step of
+at most `runner.FUSED_PREFILL_ROWS` rows) is given to it as decode rows, one a position,
+each attending to its position and those before it (`ModelRunner._prefills_as_rows`):
+the stack writes a layer's keys and values for every row before any row's attention.
+Longer chunks take the eager path, whose projections are the same native kernels. With
+many rows the per-row work (norms, RoPE, SiLU) is shared on its pool too.
 
 It applies when the model is `llama.CausalLM`'s layer structure (llama, mistral, qwen2,
 qwen3: RMSNorms, optional per-head q/k norms, q/k/v/o and gate/up/down projections) with
@@ -73,7 +76,8 @@ class FusedDecode:
 
     @staticmethod
     def takes(meta: AttentionMetadata) -> bool:
-        """Whether a step with this metadata runs fused: decodes only."""
+        """Whether a step with this metadata runs fused: decode rows only (a short
+        prefill's positions among them, `ModelRunner._prefills_as_rows`)."""
         return not meta.prefills and meta.flex is None and meta.num_decodes > 0
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
