@@ -1,5 +1,7 @@
-"""A step's time on a quantized CPU engine: short prefills in the fused stack (a position a
-row) against the eager forward pass, and decode steps of a few rows.
+"""One engine step's time on a quantized CPU engine: short prefills and few-row decodes.
+
+Short prefills run in the fused stack (a position a row), timed against the eager forward
+pass; then decode steps of a few rows.
 
 A step whose prefill chunks hold at most `runner.FUSED_PREFILL_ROWS` rows runs in the
 fused native stack (`ModelRunner._prefills_as_rows`); longer ones eagerly. On a CPU an
@@ -35,10 +37,14 @@ def main() -> int:
     p.add_argument("--model", default=None,
                    help="a checkpoint or GGUF (default: SmolLM2-135M-Instruct's GGUF, "
                         "pulled like `tandem serve` does)")
-    p.add_argument("--lengths", default="4,8,16,32,64,128")
-    p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--decode-rows", default="1,2,3,4,8,16")
+    p.add_argument("--lengths", default="4,8,16,32,64,128",
+                   help="prompt lengths to prefill, comma-separated (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=9,
+                   help="timed steps per length and path (default %(default)s)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads, as tandem serve's --threads (default %(default)s)")
+    p.add_argument("--decode-rows", default="1,2,3,4,8,16",
+                   help="decode step sizes to time, comma-separated (default %(default)s)")
     p.add_argument("--quantization", default=None, help="as tandem serve's (default: auto)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
