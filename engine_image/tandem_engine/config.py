@@ -190,6 +190,12 @@ class SpeculativeConfig:
 
 DEFAULT_STRUCTURED_OUTPUTS_CACHE_SIZE = 256
 MAX_QUEUED_REQUESTS = 1_000_000  # the most --max-queued-requests may allow
+# How long a finished request's seat waits for its priority's next request while worse
+# ones wait (core/scheduler.py): a client's round trip through the router on one host is
+# a few milliseconds; 20 ms covers it on a busy node and costs a worse-priority request
+# at most that much delay.
+DEFAULT_SEAT_RESERVE_MS = 20
+MAX_SEAT_RESERVE_MS = 1000.0
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,9 @@ class EngineConfig:
     # SUBMIT with 429 (server/worker.py; resumed and handed-over requests are always taken).
     # None: unbounded. The offline `LLM` queues every prompt it is given.
     max_queued_requests: int | None = None
+    # Milliseconds a completed request's seat stays free for a request of its priority or
+    # better while worse-priority requests wait and others run (core/scheduler.py); 0: off.
+    seat_reserve_ms: float = DEFAULT_SEAT_RESERVE_MS
     max_model_len: int | None = None  # defaults to the model's max_position_embeddings
     # auto: on a CPU float32 for quantized weights, else bfloat16 where it has AMX or
     # AVX-512 BF16 and float32 elsewhere; on a GPU the checkpoint's (model/device.auto_dtype)
@@ -393,6 +402,15 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                "for no bound", metavar="N", serve=True,
                pool=PoolField("engine.maxQueuedRequests", 1, MAX_QUEUED_REQUESTS,
                               defaulted=False)),
+    EngineFlag("seat_reserve_ms", "--seat-reserve-ms", float, DEFAULT_SEAT_RESERVE_MS,
+               "when a request completes while others run and requests of a worse "
+               "priority wait, its seat stays free up to MS for the next request of its "
+               "priority or better, so a client sending one request at a time finds its "
+               "seat rather than a worse request's prefill in its way; the engine never "
+               "idles for it; 0 turns it off (default %(default)s)", minimum=0,
+               maximum=MAX_SEAT_RESERVE_MS,
+               limit=f"must be between 0 and {MAX_SEAT_RESERVE_MS:g} milliseconds",
+               metavar="MS", serve=True),
     # Flags a pool passes in spec.engine.args when it wants them.
     EngineFlag("kernels", "--kernels", str, DEFAULT_KERNELS, "attention/projection "
                "kernels: auto (native on CPU, flex on CUDA), native (CPU), torch (portable "

@@ -1,6 +1,7 @@
 """Request priority through the real engine (vLLM's semantics: lower first, equal
 priorities by arrival): a late urgent request overtakes the queue and preempts the
-latest arrival of a full batch; `LLM.generate(priority=...)` passes one per prompt."""
+latest arrival of a full batch; `LLM.generate(priority=...)` passes one per prompt; a
+completed request's seat waits for its priority's next request (`seat_reserve_ms`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from tandem_engine import LLM, SamplingParams
+from tandem_engine.core.request import RequestStatus
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -64,3 +66,31 @@ def test_generate_takes_one_priority_per_prompt(tiny_llama: Path) -> None:
     assert order == ["llm-2", "llm-0", "llm-1"]
     with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
         llm.generate([_prompt(0), _prompt(1)], PARAMS, priority=[0])
+
+
+@pytest.mark.parametrize("reserve_ms", [1000, 0])
+def test_a_light_clients_next_request_finds_its_seat_free(tiny_llama: Path,
+                                                           reserve_ms: int) -> None:
+    """Two seats: a light client's request (priority 0) beside a heavy one's (5), more
+    heavy ones waiting. When the light request completes, its seat stays free for the
+    light client's next request, which then runs at once and preempts nobody; with the
+    reservation off, a heavy request takes the seat and is preempted (its prefill wasted)
+    when the light client comes back."""
+    engine = LLM(tiny_llama, max_num_seqs=2, seat_reserve_ms=reserve_ms).engine
+    light = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    heavy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request("light-1", _prompt(0), light, priority=0)
+    for i in range(3):
+        engine.add_request(f"heavy-{i}", _prompt(1 + i), heavy, priority=5)
+    finished: list[str] = []
+    while "light-1" not in finished:
+        finished += [o.request_id for o in engine.step() if o.finished]
+    engine.step()  # the client's next request is on its way meanwhile
+    queued = engine.requests["heavy-1"]
+    assert (queued.status is RequestStatus.WAITING) == (reserve_ms > 0)
+    engine.add_request("light-2", _prompt(9), light, priority=0)
+    engine.step()
+    assert engine.requests["light-2"].status is RequestStatus.RUNNING
+    assert engine.num_preemptions == (0 if reserve_ms else 1)
+    while engine.has_unfinished_requests():
+        engine.step()

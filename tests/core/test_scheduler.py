@@ -27,7 +27,7 @@ def _request(i: int, prompt_len: int, max_tokens: int, shared: bool = False,
                    SamplingParams(max_tokens=max_tokens), i, priority=priority)
 
 
-def _run_step(sched: Scheduler) -> list[Request]:
+def _run_step(sched: Scheduler, reserve_seats: bool = False) -> list[Request]:
     """What the engine does with a schedule, minus the model: advance, append, finish."""
     out = sched.schedule()
     done = []
@@ -44,7 +44,7 @@ def _run_step(sched: Scheduler) -> list[Request]:
             if chunk.request.num_output_tokens >= chunk.request.params.max_tokens:
                 done.append(chunk.request)
     for r in done:
-        sched.finish(r)
+        sched.finish(r, reserve_seat=reserve_seats)
     return done
 
 
@@ -76,13 +76,16 @@ ops = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, num_blocks=st.integers(12, 40), budget=st.integers(1, 64),
-       max_seqs=st.integers(1, 8))
+       max_seqs=st.integers(1, 8), reserve=st.booleans())
 def test_every_block_is_free_after_any_mix_of_finish_abort_and_preempt(
-        ops, num_blocks: int, budget: int, max_seqs: int) -> None:
+        ops, num_blocks: int, budget: int, max_seqs: int, reserve: bool) -> None:
     """With priorities -1, 0 and 1 mixed in (from the sizes: `ops` is shared with the
-    speculative decoding test), so admissions preempt too."""
+    speculative decoding test), so admissions preempt too. With `reserve`, completed
+    requests reserve their seats for a time that never passes: progress must come from
+    the rule that a reservation lapses once nothing runs."""
     kv = KVCacheManager(num_blocks, BLOCK)
-    sched = Scheduler(kv, max_seqs, budget)
+    sched = Scheduler(kv, max_seqs, budget, seat_reserve_s=1e9 if reserve else 0.0,
+                      clock=lambda: 0.0)
     live: dict[int, Request] = {}
     n = 0
     for op, a, b in ops:
@@ -94,7 +97,7 @@ def test_every_block_is_free_after_any_mix_of_finish_abort_and_preempt(
             n += 1
         elif op == "step":
             for _ in range(a):
-                for r in _run_step(sched):
+                for r in _run_step(sched, reserve):
                     live.pop(r.arrival_index)
         elif live:
             victim = live.pop(sorted(live)[a % len(live)])
@@ -104,8 +107,9 @@ def test_every_block_is_free_after_any_mix_of_finish_abort_and_preempt(
     for _ in range(10_000):
         if not sched.num_unfinished:
             break
-        _run_step(sched)
+        _run_step(sched, reserve)
         _check_invariants(sched)
+        assert len(sched.reserved) <= max_seqs - len(sched.running)
     assert sched.num_unfinished == 0
     assert kv.pool.num_free == num_blocks
 
@@ -286,6 +290,112 @@ def test_kv_growth_preempts_the_worst_priority_before_the_latest_arrival() -> No
     out = sched.schedule()
     assert out.preempted == [worse]  # though `better` arrived later
     assert _ids(c.request for c in out.chunks) == ["r1"]
+
+
+# ---- reserved seats: a completed request's seat waits for its priority's next one -----------
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _scheduled(out) -> list[Request]:
+    return [c.request for c in out.chunks]
+
+
+def _light_beside_heavy(reserve_s: float = 0.02) -> tuple[Scheduler, _Clock, Request, Request]:
+    """Two seats: a light request (priority 0) and a heavy one (5) running, another heavy
+    one waiting. Returns the scheduler, its clock, the light request and the waiting one."""
+    clock = _Clock()
+    sched = Scheduler(KVCacheManager(64, BLOCK), max_num_seqs=2, max_num_batched_tokens=64,
+                      seat_reserve_s=reserve_s, clock=clock)
+    light, heavy, queued = (_request(0, 6, 10, priority=0), _request(1, 6, 10, priority=5),
+                            _request(2, 6, 10, priority=5))
+    for r in (light, heavy, queued):
+        sched.add(r)
+    _run_step(sched)
+    assert sched.running == [light, heavy] and list(sched.waiting) == [queued]
+    return sched, clock, light, queued
+
+
+def test_a_completed_requests_seat_waits_for_its_prioritys_next_request() -> None:
+    sched, clock, light, queued = _light_beside_heavy()
+    sched.finish(light, reserve_seat=True)
+    clock.now += 0.005
+    out = sched.schedule()  # the heavy one decodes; the waiting one keeps waiting
+    assert _ids(c.request for c in out.chunks) == ["r1"] and queued in sched.waiting
+    sched.advance(out)
+    again = _request(3, 6, 10, priority=0)  # the light client's next request
+    sched.add(again)
+    clock.now += 0.005
+    out = sched.schedule()
+    # It takes the seat without preempting anyone (no heavy prefill wasted).
+    assert not out.preempted and again in sched.running and queued in sched.waiting
+    assert not sched.reserved
+    _check_invariants(sched)
+
+
+def test_a_reserved_seat_goes_to_the_queue_when_its_time_is_up() -> None:
+    sched, clock, light, queued = _light_beside_heavy(reserve_s=0.02)
+    sched.finish(light, reserve_seat=True)
+    clock.now += 0.019
+    assert queued not in _scheduled(sched.schedule())
+    clock.now += 0.002
+    out = sched.schedule()
+    assert queued in sched.running and queued in _scheduled(out)
+    assert not sched.reserved
+
+
+def test_a_seat_is_never_reserved_while_the_engine_would_idle_or_nobody_worse_waits() -> None:
+    # Nothing else runs: the engine would idle for it, so the queue gets the seat at once.
+    clock = _Clock()
+    sched = Scheduler(KVCacheManager(64, BLOCK), max_num_seqs=1, max_num_batched_tokens=64,
+                      seat_reserve_s=1.0, clock=clock)
+    light, queued = _request(0, 6, 10, priority=0), _request(1, 6, 10, priority=5)
+    sched.add(light)
+    sched.add(queued)
+    _run_step(sched)
+    sched.finish(light, reserve_seat=True)
+    assert not sched.reserved
+    assert queued in _scheduled(sched.schedule())
+    # Aborted (its client is gone), off (0 s), or only equal priorities waiting: no hold.
+    for reserve_s, reserve_seat, waiting_priority in ((1.0, False, 5), (0.0, True, 5),
+                                                      (1.0, True, 0)):
+        sched, clock, light, queued = _light_beside_heavy(reserve_s)
+        queued.priority = waiting_priority
+        sched.finish(light, reserve_seat=reserve_seat)
+        assert not sched.reserved
+        assert queued in _scheduled(sched.schedule())
+
+
+def test_a_reserved_seat_is_taken_by_a_better_priority_and_never_by_a_worse_one() -> None:
+    sched, clock, light, queued = _light_beside_heavy()
+    heavy = sched.running[1]
+    sched.finish(light, reserve_seat=True)
+    worse = _request(3, 6, 10, priority=1)  # better than the heavy ones, worse than the seat's
+    sched.add(worse)
+    out = sched.schedule()
+    # The reserved seat is not its own: to it the batch is full, so it preempts the heavy
+    # one by the usual rule, and the seat stays reserved.
+    assert out.preempted == [heavy] and worse in sched.running and len(sched.reserved) == 1
+    urgent = _request(4, 6, 10, priority=-3)  # better than the seat's: it takes it
+    sched.add(urgent)
+    out = sched.schedule()
+    assert urgent in sched.running and not out.preempted and not sched.reserved
+
+
+def test_reservations_lapse_when_nothing_runs() -> None:
+    sched, clock, light, queued = _light_beside_heavy(reserve_s=10.0)
+    sched.finish(light, reserve_seat=True)
+    assert len(sched.reserved) == 1
+    heavy = sched.running[0]
+    sched.finish(heavy)  # aborted: the engine would idle for the reservation
+    out = sched.schedule()
+    assert queued in sched.running and queued in _scheduled(out)
+    assert not sched.reserved
 
 
 def test_a_held_request_is_passed_over_whatever_its_priority() -> None:

@@ -21,6 +21,16 @@ of a strictly worse priority are preempted for it, worst first, as many as it ne
 none when all of them together would not make room; equal priorities never preempt each
 other, so with every priority equal this is first come, first served.
 
+Reserved seats (`seat_reserve_s`): when a request finishes (stop or length) while others
+keep running and requests of a strictly worse priority wait, its seat stays free for up
+to `seat_reserve_s` for a request of its priority or better. A client that sends one
+request at a time (a light tenant, whose requests the router tags ahead) then finds its
+seat free on its next request, rather than a worse-priority request that took the seat
+in the meantime and whose prefill runs while it arrives (and is then preempted for it,
+its prefill wasted). This is the idling of fair disk schedulers (BFQ, CFQ's slice_idle)
+for a synchronous client, made cheap: the engine never idles for a reservation (every
+reservation lapses once nothing runs), and the other running requests step meanwhile.
+
 Speculative decoding: a running decode whose request carries proposals
 (`Request.spec_token_ids`) gets them appended to its chunk last, after every running
 request and admission had its share, as far as the budget and the free blocks left
@@ -36,7 +46,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from tandem_engine.core.kv import KVCacheManager
@@ -120,13 +131,27 @@ class WaitingQueue:
         return None
 
 
+@dataclass(frozen=True)
+class SeatReservation:
+    """A free seat kept until `until` (the scheduler's clock) for a request of `priority`
+    or better."""
+
+    priority: int
+    until: float
+
+
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 seat_reserve_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.seat_reserve_s = seat_reserve_s
+        self.clock = clock
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
+        self.reserved: list[SeatReservation] = []
 
     @property
     def num_unfinished(self) -> int:
@@ -137,6 +162,7 @@ class Scheduler:
         self.waiting.push(request)
 
     def schedule(self) -> SchedulerOutput:
+        self._lapse_reservations()
         out = SchedulerOutput()
         running = sorted(self.running, key=queue_order)
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
@@ -181,7 +207,10 @@ class Scheduler:
         goes first, and keeps its place). False when it cannot run this step (it holds no
         new blocks then)."""
         worse: list[Request] | None = None
-        seats_needed = max(len(self.running) + 1 - self.max_num_seqs, 0)
+        # Seats reserved for better priorities than this request's are not free for it;
+        # one reserved for its priority or worse is its own (the least strict one).
+        barred = sum(1 for r in self.reserved if r.priority < request.priority)
+        seats_needed = max(len(self.running) + barred + 1 - self.max_num_seqs, 0)
         if seats_needed:
             worse = self._worse_running(request, admitted)
             if seats_needed > len(worse):
@@ -219,7 +248,19 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._take(request, n, out)
+        mine = [r for r in self.reserved if r.priority >= request.priority]
+        if mine:
+            self.reserved.remove(max(mine, key=lambda r: r.priority))
         return True
+
+    def _lapse_reservations(self) -> None:
+        """Drop the reservations past their time, all of them once nothing runs (the
+        engine never idles for one), and the least strict beyond the free seats (a
+        preemption-free admission may have taken a seat one counted on)."""
+        now = self.clock()
+        kept = [r for r in self.reserved if r.until > now] if self.running else []
+        free = max(self.max_num_seqs - len(self.running), 0)
+        self.reserved = sorted(kept, key=lambda r: r.priority)[:free]
 
     def _worse_running(self, request: Request, spared: list[Request]) -> list[Request]:
         """The running requests of a strictly worse (larger) priority than `request`'s,
@@ -335,14 +376,22 @@ class Scheduler:
                 request.num_computed_tokens += chunk.num_tokens
             self.kv.cache_computed_blocks(request)
 
-    def finish(self, request: Request) -> None:
-        """Remove a finished or aborted request wherever it is and free its blocks."""
-        if request.status is RequestStatus.RUNNING:
+    def finish(self, request: Request, reserve_seat: bool = False) -> None:
+        """Remove a finished or aborted request wherever it is and free its blocks. With
+        `reserve_seat` (it completed: its client may come back at once), a running
+        request's seat is reserved for its priority while others run and requests of a
+        worse priority wait (`seat_reserve_s`; none when 0)."""
+        was_running = request.status is RequestStatus.RUNNING
+        if was_running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self._release(request)
         request.status = RequestStatus.FINISHED
+        if (reserve_seat and was_running and self.seat_reserve_s > 0 and self.running
+                and any(w.priority > request.priority for w in self.waiting)):
+            self.reserved.append(SeatReservation(request.priority,
+                                                 self.clock() + self.seat_reserve_s))
 
 
 def _counts_as_decode(chunk: ScheduledChunk) -> bool:

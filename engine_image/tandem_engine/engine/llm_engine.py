@@ -140,7 +140,8 @@ class LLMEngine:
         self.runner = sizing.runner or ModelRunner(model_config, engine_config, tensors,
                                                    num_blocks, self.max_model_len)
         self.scheduler = Scheduler(self.kv, engine_config.max_num_seqs,
-                                   engine_config.max_num_batched_tokens)
+                                   engine_config.max_num_batched_tokens,
+                                   engine_config.seat_reserve_ms / 1000)
         self.device: torch.device = self.runner.device  # fixed for the engine's life
         self.loras = LoRAManager(model_config, self.runner.lora,
                                  engine_config.max_cpu_loras or engine_config.max_loras,
@@ -476,7 +477,8 @@ class LLMEngine:
         if reason is FinishReason.HANDOFF:
             self.handoffs.pin(request)
         self.handoffs.forget(request.request_id)
-        self.scheduler.finish(request)
+        self.scheduler.finish(request, reserve_seat=reason in (FinishReason.STOP,
+                                                               FinishReason.LENGTH))
         self.sampler.forget(request.request_id)
         self.speculation.forget(request.request_id)
         self.grammars.forget(request.request_id)
