@@ -17,10 +17,12 @@ this machine, SmolLM2-135M-Instruct (its GGUF, as `tandem serve` serves it).
    light tenant (`X-Tandem-Tenant: light`) sends `--samples` requests one after another,
    alone, then beside a heavy tenant keeping 10 streams in flight (load_clients.py, a
    process of its own). Reported: the light tenant's TTFT p90 each time and their ratio
-   (the issue's goal: at most 1.5x), and the heavy tenant's own p90.
+   (the issue's goal: at most 1.5x), and the heavy tenant's own p90 and completed
+   requests. Measured twice in one run: with the engine's seat reservation off
+   (`--seat-reserve-ms 0`, the reference) and at its default.
 
     .venv/bin/python benchmarks/prefix_routing.py [--prefixes 8] [--repeats 3]
-        [--parts shared,overload,fairness] [--samples 20]
+        [--parts shared,overload,fairness] [--samples 200]
 """
 
 from __future__ import annotations
@@ -233,10 +235,10 @@ async def overload(procs: Procs, args: argparse.Namespace) -> dict:
             "rss_mib_before": before, "rss_mib_after": after}
 
 
-def fairness(procs: Procs, args: argparse.Namespace) -> dict:
+def fairness(procs: Procs, args: argparse.Namespace, *engine_flags: str) -> dict:
     from load_clients import ttft  # this folder's
 
-    engine, _ = procs.engine("fairness-engine", "--max-num-seqs", "2")
+    engine, _ = procs.engine("fairness-engine", "--max-num-seqs", "2", *engine_flags)
     router, _ = procs.router("fairness-router", [engine])
 
     def p90(tenant: str, n: int) -> float:
@@ -253,7 +255,7 @@ def fairness(procs: Procs, args: argparse.Namespace) -> dict:
     try:
         time.sleep(2)  # saturated
         loaded = p90("light", args.samples)
-        heavy = p90("heavy", max(4, args.samples // 2))
+        heavy = p90("heavy", 8)
     finally:
         load.terminate()
         out, _ = load.communicate(timeout=150)
@@ -272,7 +274,7 @@ def main() -> int:
     parser.add_argument("--prefix-tokens", type=int, default=384)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--streams", type=int, default=200)
-    parser.add_argument("--samples", type=int, default=20,
+    parser.add_argument("--samples", type=int, default=200,
                         help="fairness: the light tenant's requests per measurement")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated, of {', '.join(PARTS)}")
@@ -283,9 +285,13 @@ def main() -> int:
                      f"choose from {', '.join(PARTS)}")
     model = pull(SMOLLM2_135M_INSTRUCT)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} cores; model {model.name}")
-    shared = shed = fair = None
+    shared = shed = None
+    fair: dict[str, dict] = {}
+    runs = [(part, ()) for part in parts if part != "fairness"]
+    if "fairness" in parts:  # the reference (no seat reservation), then the default
+        runs += [("fairness", ("--seat-reserve-ms", "0")), ("fairness", ())]
     with tempfile.TemporaryDirectory() as tmp:
-        for part in parts:
+        for part, flags in runs:
             procs = Procs(model, Path(tmp))
             try:
                 if part == "shared":
@@ -293,7 +299,7 @@ def main() -> int:
                 elif part == "overload":
                     shed = asyncio.run(overload(procs, args))
                 else:
-                    fair = fairness(procs, args)
+                    fair[" ".join(flags) or "default"] = fairness(procs, args, *flags)
             finally:
                 procs.stop()
     if shared is not None:
@@ -307,12 +313,16 @@ def main() -> int:
               f"{shed['router_full_max_ms']} ms (goal <= 100 ms); the engines' queues: "
               f"{shed['engines_full']}, max {shed['engines_full_max_ms']} ms. RSS MiB before "
               f"{shed['rss_mib_before']}, after {shed['rss_mib_after']}")
-    if fair is not None:
-        print(f"\nfairness: the light tenant's TTFT p90 alone {fair['light_solo_p90_ms']:.0f} "
-              f"ms, beside a tenant with 10 streams in flight "
-              f"{fair['light_loaded_p90_ms']:.0f} ms: {fair['ratio']:.2f}x (goal <= 1.5x); "
-              f"the heavy tenant's own p90 {fair['heavy_p90_ms']:.0f} ms "
-              f"({fair['heavy_done']} of its requests done, {fair['heavy_errors']} errors)")
+    if fair:
+        print("\nfairness: the light tenant's TTFT p90 alone and beside a tenant with 10 "
+              "streams in flight (goal: at most 1.5x)")
+        print("| engine | light alone p90 | light beside heavy p90 | ratio | heavy p90 | "
+              "heavy done | heavy errors |")
+        print("|---|---|---|---|---|---|---|")
+        for name, f in fair.items():
+            print(f"| {name} | {f['light_solo_p90_ms']:.0f} ms | "
+                  f"{f['light_loaded_p90_ms']:.0f} ms | {f['ratio']:.2f}x | "
+                  f"{f['heavy_p90_ms']:.0f} ms | {f['heavy_done']} | {f['heavy_errors']} |")
     return 0
 
 
