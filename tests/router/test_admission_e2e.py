@@ -159,18 +159,20 @@ def test_a_heavy_tenant_does_not_slow_a_light_one(saturated: Stack) -> None:
     requests are tagged ahead (it has less work in flight) and preempt the heavy one's on
     the engine. Measured on this 2-core machine, where the load generator, the router and
     the engine share the cores: the light tenant's TTFT p90 stays within a few of its solo
-    value (1.3-1.6x alone here: a few ms, one engine step; 1.5x is the benchmark's goal,
-    benchmarks/prefix_routing.py --parts fairness), while the heavy tenant's own requests
-    wait behind each other (over 5x the light one's)."""
+    value (1.1-2.5x alone here, 3-4 ms against 6-7: the tiny model's steps take under a
+    millisecond, so what grows is the router's and the client's share of two cores busy
+    relaying the heavy streams; 1.5x is the benchmark's goal on SmolLM2, whose engine is
+    the bottleneck: benchmarks/prefix_routing.py --parts fairness), while the heavy
+    tenant's own requests wait behind each other (over 5x the light one's)."""
     def p90(tenant: str, n: int = 20) -> float:
         samples = [ttft(saturated.url, f"{tenant} {i}: once upon a time", 8,
                         {"X-Tandem-Tenant": tenant}) for i in range(n)]
         return statistics.quantiles(samples, n=10)[-1]
 
     p90("light", 3)  # warm
-    solo = p90("light")
+    solo = p90("light", 200)
     with Background(saturated.url, 10, 64, {"X-Tandem-Tenant": "heavy"}) as load:
-        loaded = p90("light")
+        loaded = p90("light", 200)
         heavy = p90("heavy", 6)
     assert not load.errors, load.errors[:3]
     print(f"light tenant TTFT p90: solo {1000 * solo:.0f} ms, beside a 10x tenant "
