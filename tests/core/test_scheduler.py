@@ -372,7 +372,7 @@ def test_a_seat_is_never_reserved_while_the_engine_would_idle_or_nobody_worse_wa
 
 
 def test_a_reserved_seat_is_taken_by_a_better_priority_and_never_by_a_worse_one() -> None:
-    sched, clock, light, queued = _light_beside_heavy()
+    sched, _, light, _ = _light_beside_heavy()
     heavy = sched.running[1]
     sched.finish(light, reserve_seat=True)
     worse = _request(3, 6, 10, priority=1)  # better than the heavy ones, worse than the seat's
@@ -388,7 +388,7 @@ def test_a_reserved_seat_is_taken_by_a_better_priority_and_never_by_a_worse_one(
 
 
 def test_reservations_lapse_when_nothing_runs() -> None:
-    sched, clock, light, queued = _light_beside_heavy(reserve_s=10.0)
+    sched, _, light, queued = _light_beside_heavy(reserve_s=10.0)
     sched.finish(light, reserve_seat=True)
     assert len(sched.reserved) == 1
     heavy = sched.running[0]
