@@ -68,15 +68,16 @@ def test_generate_takes_one_priority_per_prompt(tiny_llama: Path) -> None:
         llm.generate([_prompt(0), _prompt(1)], PARAMS, priority=[0])
 
 
-@pytest.mark.parametrize("reserve_ms", [1000, 0])
+@pytest.mark.parametrize("reserve_ms", [1000, 0, None])
 def test_a_light_clients_next_request_finds_its_seat_free(tiny_llama: Path,
-                                                           reserve_ms: int) -> None:
+                                                           reserve_ms: int | None) -> None:
     """Two seats: a light client's request (priority 0) beside a heavy one's (5), more
     heavy ones waiting. When the light request completes, its seat stays free for the
     light client's next request, which then runs at once and preempts nobody; with the
-    reservation off, a heavy request takes the seat and is preempted (its prefill wasted)
-    when the light client comes back."""
-    engine = LLM(tiny_llama, max_num_seqs=2, seat_reserve_ms=reserve_ms).engine
+    reservation off (0, and the offline `LLM`'s default: None), a heavy request takes the
+    seat and is preempted (its prefill wasted) when the light client comes back."""
+    options = {} if reserve_ms is None else {"seat_reserve_ms": reserve_ms}
+    engine = LLM(tiny_llama, max_num_seqs=2, **options).engine
     light = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     heavy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     engine.add_request("light-1", _prompt(0), light, priority=0)
@@ -87,7 +88,7 @@ def test_a_light_clients_next_request_finds_its_seat_free(tiny_llama: Path,
         finished += [o.request_id for o in engine.step() if o.finished]
     engine.step()  # the client's next request is on its way meanwhile
     queued = engine.requests["heavy-1"]
-    assert (queued.status is RequestStatus.WAITING) == (reserve_ms > 0)
+    assert (queued.status is RequestStatus.WAITING) == bool(reserve_ms)
     engine.add_request("light-2", _prompt(9), light, priority=0)
     engine.step()
     assert engine.requests["light-2"].status is RequestStatus.RUNNING

@@ -28,7 +28,9 @@ class LLM:
         torch sees a GPU, else cpu), cpu, cuda or cuda:N; asking for cuda where no GPU is
         visible raises ValueError. `speculative` turns on speculative decoding: a
         `SpeculativeConfig` or a dict of its fields, also accepted as vLLM's
-        `speculative_config={"method": "ngram", "num_speculative_tokens": 4, ...}`."""
+        `speculative_config={"method": "ngram", "num_speculative_tokens": 4, ...}`.
+        `seat_reserve_ms` is 0 here unless given: offline, every prompt is queued at once,
+        so no client comes back for a reserved seat (a server's engine reserves 20 ms)."""
         if "speculative_config" in engine_options:
             if "speculative" in engine_options:
                 raise TypeError("give speculative or speculative_config, not both")
@@ -36,6 +38,7 @@ class LLM:
         if engine_options.get("speculative") is not None:
             engine_options["speculative"] = SpeculativeConfig.of(
                 engine_options["speculative"])  # type: ignore[arg-type]
+        engine_options.setdefault("seat_reserve_ms", 0)
         known = set(EngineConfig.__dataclass_fields__)
         unknown = sorted(set(engine_options) - known)
         if unknown:
