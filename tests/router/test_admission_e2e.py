@@ -58,11 +58,18 @@ class Stack:
             os.environ.clear()
             os.environ.update(saved)
         self.procs.append(self.router)
+        self.engine_admin = f"http://127.0.0.1:{ap}"
         _wait_ready(f"http://127.0.0.1:{ap}/readyz", self.engine, folder / "engine.log")
         _wait_ready(f"{self.url}/readyz", self.router, folder / "router.log")
 
     def stop(self) -> None:
         _stop(self.procs)
+
+    def preemptions(self) -> int:
+        """The engine's `vllm:num_preemptions_total`."""
+        text = httpx.get(f"{self.engine_admin}/metrics", timeout=10).text
+        return int(float(next(line.split()[-1] for line in text.splitlines()
+                              if line.startswith("vllm:num_preemptions_total"))))
 
 
 class Background:
@@ -172,13 +179,22 @@ def test_a_heavy_tenant_does_not_slow_a_light_one(saturated: Stack) -> None:
     p90("light", 3)  # warm
     solo = p90("light", 200)
     with Background(saturated.url, 10, 64, {"X-Tandem-Tenant": "heavy"}) as load:
+        time.sleep(0.5)  # saturated
+        before = saturated.preemptions()
         loaded = p90("light", 200)
+        preempted = saturated.preemptions() - before
         heavy = p90("heavy", 6)
     assert not load.errors, load.errors[:3]
     print(f"light tenant TTFT p90: solo {1000 * solo:.0f} ms, beside a 10x tenant "
           f"{1000 * loaded:.0f} ms ({loaded / solo:.2f}x); the heavy tenant's own p90: "
-          f"{1000 * heavy:.0f} ms")
+          f"{1000 * heavy:.0f} ms; heavy requests preempted for the 200 light ones: "
+          f"{preempted}")
     assert loaded <= 5 * solo, (solo, loaded)
+    # Each light request's seat waits for the next (--seat-reserve-ms): it preempts no
+    # heavy request. Without the reservation nearly every one preempts one whose prefill
+    # had just taken the freed seat (191 of 200 here). A client slower than 20 ms to come
+    # back finds the seat gone (18 of 200 alone here; more beside another test worker).
+    assert preempted < 100, preempted
     # First come, first served would give both tenants' new requests one wait.
     assert loaded <= 0.5 * heavy, (loaded, heavy)
 

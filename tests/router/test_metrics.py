@@ -39,6 +39,7 @@ VLLM_FAMILIES = {
     "vllm:prefix_cache_hits": "counter",
     "vllm:prompt_tokens": "counter",
     "vllm:generation_tokens": "counter",
+    "vllm:num_preemptions": "counter",
     "vllm:time_to_first_token_seconds": "histogram",
     "vllm:inter_token_latency_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram",
@@ -92,6 +93,7 @@ def test_engine_exports_the_vllm_contract(engine: EngineProcess) -> None:
     assert not [s.name for s in samples if s.name.endswith("_created")]
     assert value(samples, "vllm:prompt_tokens_total") == sum(map(len, prompts))
     assert value(samples, "vllm:generation_tokens_total") == n * MAX_TOKENS
+    assert value(samples, "vllm:num_preemptions_total") == 0  # one request at a time
     assert value(samples, "vllm:request_success_total", finished_reason="length") == n
     for reason in ("stop", "abort", "error"):
         assert value(samples, "vllm:request_success_total", finished_reason=reason) == 0

@@ -339,6 +339,8 @@ class _EngineCollector:
                       values=w.stats.prompt_tokens)
         yield counter("vllm:generation_tokens", "Tokens generated",
                       values=w.stats.generation_tokens)
+        yield counter("vllm:num_preemptions", "Running requests preempted (recomputed "
+                      "later) for KV room or for a better priority", values=s.num_preemptions)
         finished = w.stats.requests_finished
         yield counter("vllm:request_success", "Finished requests by reason (handovers are "
                       "in tandem_requests_finished_total)", "finished_reason",
