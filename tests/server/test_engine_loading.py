@@ -7,6 +7,7 @@ that long once the checkpoint is validated, before reading tensor data)."""
 from __future__ import annotations
 
 import math
+import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -160,5 +161,39 @@ def test_a_malformed_delay_knob_is_refused(tiny_llama: Path, tmp_path: Path,
     try:
         assert engine.proc.wait(timeout=30) == 2
         assert DELAY_ENV in engine.log.read_text()
+    finally:
+        engine.close()
+
+
+def test_a_zmq_port_in_use_is_refused_before_the_load_and_after_it(tiny_llama: Path,
+                                                                     tmp_path: Path) -> None:
+    """`--port` held by another process: refused at start, in one line naming the port
+    (the model is never read); and taken while the model loads (the port is bound once it
+    has loaded): the same one line, exit 2, no traceback."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        engine = EngineProcess(tmp_path / "never-read", tmp_path, "--weights-root",
+                               str(tmp_path), port=port, wait_ready=False)
+        try:
+            assert engine.proc.wait(timeout=30) == 2
+            log = engine.log.read_text()
+            assert (f"tandem-engine: error: --port {port}: cannot listen on 127.0.0.1:{port}"
+                    in log and "give another port" in log), log
+        finally:
+            engine.close()
+    engine = EngineProcess(tiny_llama, tmp_path, env={DELAY_ENV: "2"}, wait_ready=False)
+    try:
+        until(lambda: engine.http("GET", "/healthz")[0] == 200, "/healthz", proc=engine)
+        with socket.socket() as taken:  # while it loads
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            taken.bind(("127.0.0.1", engine.port))
+            taken.listen()
+            assert engine.proc.wait(timeout=30) == 2
+        log = engine.log.read_text()
+        assert (f"tandem-engine: error: [Errno 98] cannot listen on tcp://127.0.0.1:"
+                f"{engine.port}: Address already in use" in log and "Traceback" not in log
+                and "give another --port" in log), log
     finally:
         engine.close()

@@ -31,7 +31,19 @@ class EngineProcess:
                  admin_port: int | None = None, env: dict[str, str] | None = None,
                  wait_ready: bool = True) -> None:
         """Start the engine and wait until /readyz is 200 (`wait_ready=False`: return at
-        once; `env`: added to the environment)."""
+        once; `env`: added to the environment). Ports picked here that another test worker
+        took between the pick and the engine's bind (it binds ZMQ after the load) are
+        picked again, twice at most."""
+        for attempt in range(3):
+            self._start(model, tmp, extra, port, admin_port, env)
+            if not wait_ready:
+                return
+            if self.wait_ready(120, retry_ports=port is None and admin_port is None
+                               and attempt < 2):
+                return
+
+    def _start(self, model: Path, tmp: Path, extra: tuple[str, ...], port: int | None,
+               admin_port: int | None, env: dict[str, str] | None) -> None:
         self.port, self.admin_port = port or free_port(), admin_port or free_port()
         self.log = tmp / f"engine-{self.port}.log"
         if self.log.exists():  # a restart on the same port: keep the old log
@@ -42,19 +54,25 @@ class EngineProcess:
              "--engine-id", "e0", "--heartbeat-interval", "0.2", "--shutdown-grace", "20",
              *extra], stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})}, preexec_fn=die_with_parent)
-        if wait_ready:
-            self.wait_ready(120)
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, retry_ports: bool = False) -> bool:
+        """Wait until /readyz is 200 (True); with `retry_ports`, False when the engine
+        exited because one of its ports was taken (the caller picks new ones)."""
         deadline = time.monotonic() + timeout
         try:
             while self.http("GET", "/readyz")[0] != 200:
-                assert self.proc.poll() is None, self.log.read_text()
+                if self.proc.poll() is not None:
+                    log = self.log.read_text()
+                    if retry_ports and ("cannot listen on" in log
+                                        or "Address already in use" in log):
+                        return False
+                    raise AssertionError(log)
                 assert time.monotonic() < deadline, f"engine not ready in {timeout:.0f} s"
                 time.sleep(0.2)
         except BaseException:
             self.close()  # never leave an engine behind
             raise
+        return True
 
     def http(self, method: str, path: str, body: dict | None = None,
              token: str | None = None) -> tuple[int, dict]:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tandem_engine.errors import TandemError
+from tandem_engine.ports import address_family, port_problem
 
 STACK_FILE = "stack.json"
 LOCK_FILE = "serve.lock"  # flock'ed by the live `tandem serve` that owns the log dir
@@ -74,7 +75,7 @@ def free_ports(host: str, count: int, besides: Sequence[int] = ()) -> list[int]:
     tries = 0
     try:
         while len(ports) < count:
-            s = socket.socket(_family(host))
+            s = socket.socket(address_family(host))
             sockets.append(s)
             candidate = draw.choice(pool) if pool and tries < 64 * count else 0
             tries += 1
@@ -92,23 +93,6 @@ def free_ports(host: str, count: int, besides: Sequence[int] = ()) -> list[int]:
     finally:
         for s in sockets:
             s.close()
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why a server could not listen on host:port now (another process does, or the
-    address is not this machine's), or None. Binds as uvicorn does (SO_REUSEADDR), so a
-    port that only has connections closing (TIME_WAIT) counts as free."""
-    try:
-        with socket.socket(_family(host)) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def folder_holder(log_dir: Path) -> int | None:

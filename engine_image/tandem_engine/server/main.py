@@ -43,6 +43,7 @@ from tandem_engine.engine_flags import add_flags, namespace_values
 from tandem_engine.http_guard import add_deadline_flags, protocol_class
 from tandem_engine.lifecycle import EngineRole
 from tandem_engine.lora_request import LoRARequest
+from tandem_engine.ports import port_problem
 from tandem_engine.server.adapters import lora_modules
 from tandem_engine.server.loading import (
     KERNEL_BUILD_PHASE,
@@ -343,6 +344,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.metrics_port in (args.port, args.admin_port):
             raise ValueError(f"--metrics-port {args.metrics_port}: give a port apart from "
                              "--port and --admin-port")
+        # The ZMQ port is bound once the model is loaded: a port in use fails at once.
+        held = port_problem(args.host, args.port)
+        if held is not None:
+            raise ValueError(f"--port {args.port}: cannot listen on {args.host}:{args.port} "
+                             f"({held}); give another port")
         load_delay_s = test_load_delay()
         config = engine_config(args)
         loras = lora_modules(args.lora_modules, config.enable_lora)

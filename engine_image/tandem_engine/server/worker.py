@@ -293,7 +293,12 @@ class EngineWorker:
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)  # never buffer a huge one
         authenticator = curve.secure(self._socket) if curve is not None else None
-        self._socket.bind(address)
+        try:
+            self._socket.bind(address)
+        except zmq.ZMQError as exc:  # one line from main, not a traceback
+            self._socket.close(0)
+            raise OSError(exc.errno, f"cannot listen on {address}: {exc.strerror}; "
+                          "another process may hold that port: give another --port") from exc
         self._thread = threading.Thread(target=self._step_loop, name="engine-steps",
                                         daemon=True)
         self._thread.start()
