@@ -1,6 +1,7 @@
 """Exact prefix routing (the engines' KV events) against the routers' memory of what each
-sent (approximate), and shedding under overload. Real processes: engines and routers on
-this machine, SmolLM2-135M-Instruct (its GGUF, as `tandem serve` serves it).
+sent (approximate), shedding under overload, and fairness between tenants. Real
+processes: engines and routers on this machine, SmolLM2-135M-Instruct (its GGUF, as
+`tandem serve` serves it).
 
 1. **Shared prefixes**: two engines, two routers. Each of `--prefixes` prefixes of
    `--prefix-tokens` tokens is sent once through router 0, then `--repeats` times through
@@ -270,14 +271,20 @@ PARTS = ("shared", "overload", "fairness")
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prefixes", type=int, default=8)
-    parser.add_argument("--prefix-tokens", type=int, default=384)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--streams", type=int, default=200)
-    parser.add_argument("--samples", type=int, default=200,
-                        help="fairness: the light tenant's requests per measurement")
+    parser.add_argument("--prefixes", type=int, default=8, metavar="N",
+                        help="shared: distinct long prefixes (default %(default)s)")
+    parser.add_argument("--prefix-tokens", type=int, default=384, metavar="N",
+                        help="shared: tokens of each prefix (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, metavar="N",
+                        help="shared: requests per prefix through the second router "
+                        "(default %(default)s)")
+    parser.add_argument("--streams", type=int, default=200, metavar="N",
+                        help="overload: streamed requests sent at once (default %(default)s)")
+    parser.add_argument("--samples", type=int, default=200, metavar="N",
+                        help="fairness: the light tenant's requests per p90 "
+                        "(default %(default)s)")
     parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated, of {', '.join(PARTS)}")
+                        help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
     args = parser.parse_args()
     parts = [p for p in args.parts.split(",") if p]
     if set(parts) - set(PARTS):
