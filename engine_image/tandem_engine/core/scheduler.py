@@ -108,6 +108,11 @@ class WaitingQueue:
     def push(self, request: Request) -> None:
         bisect.insort(self._queued, request, key=queue_order)
 
+    def worst_priority(self) -> int | None:
+        """The largest priority waiting (None when nobody waits): each part is sorted."""
+        last = [part[-1].priority for part in (self._handed_over, self._queued) if part]
+        return max(last, default=None)
+
     def push_handed_over(self, request: Request) -> None:
         bisect.insort(self._handed_over, request, key=queue_order)
 
@@ -388,8 +393,9 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request)
         request.status = RequestStatus.FINISHED
+        worst = self.waiting.worst_priority()
         if (reserve_seat and was_running and self.seat_reserve_s > 0 and self.running
-                and any(w.priority > request.priority for w in self.waiting)):
+                and worst is not None and worst > request.priority):
             self.reserved.append(SeatReservation(request.priority,
                                                  self.clock() + self.seat_reserve_s))
 
